@@ -1,0 +1,62 @@
+# rljob-operator — every entry point a developer or CI needs.
+SHELL := /bin/bash
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+export PYTHONPATH := $(CURDIR)/operator
+CLUSTER_DIR ?= .cluster
+
+.PHONY: help install test test-unit test-agent test-e2e lint crds openapi cluster-up cluster-down binaries demo bench gpu-test clean
+
+help:
+	@grep -E '^[a-z-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  %-14s %s\n", $$1, $$2}'
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+install: $(BIN)/python ## create .venv and install the package with sim + dev extras
+	$(BIN)/pip install -q -e '.[sim,dev]'
+
+test: install binaries ## every tier that runs without a GPU: unit, agent, e2e (real kube-apiserver)
+	$(BIN)/python -m pytest -q tests/unit tests/agent tests/e2e
+
+test-unit: install ## pure tests only (seconds)
+	$(BIN)/python -m pytest -q tests/unit
+
+test-agent: install ## agent against the SGLang emulator
+	$(BIN)/python -m pytest -q tests/agent
+
+test-e2e: install binaries ## real kube-apiserver + etcd, helm, kubectl
+	$(BIN)/python -m pytest -q tests/e2e
+
+lint: install ## ruff + mypy (api/ and lifecycle/)
+	$(BIN)/ruff check operator tests
+	$(BIN)/mypy operator/rljob/api operator/rljob/lifecycle
+
+crds: install ## regenerate crds/ from the pydantic models
+	$(BIN)/python -m rljob.api.crd > crds/rljob.io_rljobs.yaml
+
+openapi: install ## regenerate the agent's OpenAPI document
+	$(BIN)/python -m rljob.agent.openapi > docs/agent-openapi.json
+
+binaries: ## build (once, cached under ~/.cache/rljob) kube-apiserver, etcd, helm from Go modules
+	bash hack/build-binaries.sh
+
+cluster-up: install binaries ## start a local kube-apiserver + etcd; kubeconfig in .cluster/kubeconfig
+	$(BIN)/python -m rljob.sim.cluster up --dir $(CLUSTER_DIR)
+
+cluster-down: ## stop the local control plane
+	$(BIN)/python -m rljob.sim.cluster down --dir $(CLUSTER_DIR)
+
+demo: install binaries ## the whole loop on a real local API server with simulated GPUs
+	$(BIN)/python -m rljob.sim.demo
+
+bench: install binaries ## benchmarks: printed tables, not timed tests
+	$(BIN)/python -m pytest -q -s -m bench tests/bench
+
+gpu-test: ## GPU tier (needs an NVIDIA GPU; see tests/gpu/README.md)
+	$(BIN)/python -m pytest -q -s tests/gpu
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

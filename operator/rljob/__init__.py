@@ -1,0 +1,3 @@
+"""rljob: a Kubernetes operator for RL post-training where SGLang rollout and training share GPU pods."""
+
+__version__ = "0.1.0"

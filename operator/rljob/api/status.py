@@ -1,0 +1,163 @@
+"""RLJob status: written by one writer (the controller), read by kubectl, the plugin and the operator
+itself after a restart — everything the lifecycle needs to resume lives here."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import Field
+
+from rljob.api.base import WireModel
+from rljob.api.spec import ReleaseTag, WeightVersion
+
+MAX_PODS_IN_STATUS = 64
+MAX_WEIGHT_HISTORY = 16
+MAX_TIMELINE = 24
+MAX_MESSAGE = 1024
+
+
+class Phase(StrEnum):
+    PENDING = "Pending"
+    INITIALIZING = "Initializing"
+    ROLLOUT = "Rollout"
+    DRAINING = "Draining"
+    RELEASING = "Releasing"
+    TRAINING = "Training"
+    REFITTING = "Refitting"
+    RESUMING = "Resuming"
+    RECOVERING = "Recovering"
+    SUSPENDING = "Suspending"
+    SUSPENDED = "Suspended"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (Phase.SUCCEEDED, Phase.FAILED)
+
+
+class ConditionType(StrEnum):
+    READY = "Ready"
+    PROGRESSING = "Progressing"
+    DEGRADED = "Degraded"
+    SUSPENDED = "Suspended"
+    COMPLETE = "Complete"
+    FAILED = "Failed"
+
+
+class ConditionStatus(StrEnum):
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
+class Verdict(StrEnum):
+    ROLLOUT_BOUND = "RolloutBound"
+    TRAIN_BOUND = "TrainBound"
+    BALANCED = "Balanced"
+
+
+class Condition(WireModel):
+    type: ConditionType
+    status: ConditionStatus
+    reason: str = Field(default="", max_length=128)
+    message: str = Field(default="", max_length=MAX_MESSAGE)
+    last_transition_time: str | None = Field(default=None, max_length=64)
+
+
+class CommittedWeights(WireModel):
+    version: WeightVersion
+    path: str | None = Field(default=None, max_length=1024)
+    iteration: int = Field(ge=0)
+    committed_at: str | None = Field(default=None, max_length=64)
+
+
+class PodStatus(WireModel):
+    """One gang member as the agent last reported it."""
+
+    name: str = Field(max_length=253)
+    uid: str | None = Field(default=None, max_length=64)
+    stage: str = Field(default="Unknown", max_length=32)
+    weight_version: str | None = Field(default=None, max_length=64)
+    released_tags: list[ReleaseTag] = Field(default_factory=list, max_length=3)
+    freed_bytes: int = Field(default=0, ge=0)
+    last_error: str | None = Field(default=None, max_length=MAX_MESSAGE)
+
+
+class PhaseSpan(WireModel):
+    """One phase of one iteration: the timeline `kubectl rljob status` prints."""
+
+    phase: Phase
+    iteration: int = Field(ge=0)
+    start_time: str = Field(max_length=64)
+    seconds: float | None = Field(default=None, ge=0)
+    agent_seconds: float | None = Field(
+        default=None, ge=0, description="Slowest pod's time inside the agent (SGLang calls included)."
+    )
+    freed_bytes: int | None = Field(default=None, ge=0, description="Releasing: sum over pods.")
+    cache_hit_rate: float | None = Field(default=None, ge=0, le=1, description="Rollout: mean over pods.")
+    tokens_per_second: float | None = Field(default=None, ge=0, description="Rollout: sum over pods.")
+
+
+class PhaseSeconds(WireModel):
+    rollout: float = 0.0
+    draining: float = 0.0
+    releasing: float = 0.0
+    training: float = 0.0
+    refitting: float = 0.0
+    resuming: float = 0.0
+
+
+class IterationReport(WireModel):
+    """Where the wall-clock of the last completed iteration went."""
+
+    iteration: int = Field(ge=0)
+    seconds: PhaseSeconds = Field(default_factory=PhaseSeconds)
+    control_overhead_seconds: float = Field(
+        default=0.0, description="Lifecycle wall time not spent inside agents/SGLang: the operator's cost."
+    )
+    freed_bytes: int = Field(default=0, ge=0, description="Sum over pods.")
+    cache_hit_rate: float | None = Field(default=None, ge=0, le=1)
+    generation_tokens_per_second: float | None = Field(default=None, ge=0, description="Sum over pods.")
+
+
+class Profile(WireModel):
+    rollout_share: float = Field(ge=0, le=1, description="Rollout / (rollout + training) wall time.")
+    rollout_percent: int = Field(ge=0, le=100, description="rolloutShare as a percentage, for kubectl.")
+    verdict: Verdict
+
+
+class RLJobStatus(WireModel):
+    phase: Phase = Phase.PENDING
+    reason: str | None = Field(default=None, max_length=128)
+    message: str | None = Field(default=None, max_length=MAX_MESSAGE)
+    iteration: int = Field(
+        default=0, ge=0, description="Current iteration (1-based); 0 before the first rollout."
+    )
+    epoch: int = Field(default=0, ge=0, description="Lifecycle step counter; stamps every agent command.")
+    phase_start_time: str | None = Field(default=None, max_length=64)
+    weight_version: WeightVersion | None = Field(default=None, description="Served and verified on all pods.")
+    target_weights: CommittedWeights | None = Field(
+        default=None, description="Weights being refitted; committed to weightVersion after verification."
+    )
+    weight_history: list[CommittedWeights] = Field(default_factory=list, max_length=MAX_WEIGHT_HISTORY)
+    replicas: int = Field(default=0, ge=0)
+    ready_replicas: int = Field(default=0, ge=0)
+    ready: str = Field(default="0/0", max_length=32, description="readyReplicas/replicas, for kubectl.")
+    pods: list[PodStatus] = Field(default_factory=list, max_length=MAX_PODS_IN_STATUS)
+    timeline: list[PhaseSpan] = Field(default_factory=list, max_length=MAX_TIMELINE)
+    last_iteration: IterationReport | None = None
+    profile: Profile | None = None
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        max_length=8,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    observed_generation: int | None = Field(default=None, ge=0)
+    restarts: int = Field(default=0, ge=0)
+    start_time: str | None = Field(default=None, max_length=64)
+    completion_time: str | None = Field(default=None, max_length=64)
+
+    def condition(self, type_: ConditionType) -> Condition | None:
+        """Conditions are looked up by type, never by position."""
+        return next((c for c in self.conditions if c.type == type_), None)

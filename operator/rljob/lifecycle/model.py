@@ -1,0 +1,94 @@
+"""Inputs and outputs of the lifecycle machine: what was observed, and what to do about it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import StrEnum
+
+from rljob.api.agent import AgentState, Command
+from rljob.api.status import RLJobStatus
+
+
+@dataclass(frozen=True)
+class PodObservation:
+    """One pod of the job as the API server reports it."""
+
+    index: int
+    name: str
+    gang: int  # the gang generation label the pod was created with (status.restarts at that time)
+    phase: str = "Pending"  # Pending | Running | Succeeded | Failed | Unknown
+    ready: bool = False
+    deleting: bool = False
+    broken: str | None = None  # a container terminated or restarted: the member lost its state
+
+    @property
+    def running(self) -> bool:
+        return self.phase == "Running" and not self.deleting and self.broken is None
+
+
+@dataclass(frozen=True)
+class Observation:
+    """Everything the machine may look at. `agents` maps pod name -> the latest state that pod's agent
+    reported (None: unreachable so far). Time is an input: the machine never reads a clock."""
+
+    now: datetime
+    pods: tuple[PodObservation, ...] = ()
+    agents: Mapping[str, AgentState | None] = field(default_factory=dict)
+    generation: int | None = None  # metadata.generation of the RLJob
+
+
+class EventType(StrEnum):
+    NORMAL = "Normal"
+    WARNING = "Warning"
+
+
+class EventReason(StrEnum):
+    """Typed reasons for Kubernetes Events (and the status `reason` field)."""
+
+    PHASE_CHANGED = "PhaseChanged"
+    PODS_CREATED = "PodsCreated"
+    PODS_DELETED = "PodsDeleted"
+    GANG_MEMBER_LOST = "GangMemberLost"
+    COMMAND_FAILED = "CommandFailed"
+    COMMAND_REFUSED = "CommandRefused"
+    PHASE_TIMEOUT = "PhaseTimeout"
+    BACKOFF_LIMIT_EXCEEDED = "BackoffLimitExceeded"
+    DEADLINE_EXCEEDED = "DeadlineExceeded"
+    WEIGHT_CACHE_ACTIVE = "WeightCacheActive"
+    INITIAL_VERSION_MISMATCH = "InitialVersionMismatch"
+    TRAINER_VERSION_MISMATCH = "TrainerVersionMismatch"
+    VERSION_NOT_NEWER = "VersionNotNewer"
+    WEIGHTS_COMMITTED = "WeightsCommitted"
+    SUSPENDED = "Suspended"
+    RESUMED = "Resumed"
+    COMPLETED = "Completed"
+    INVALID_SPEC = "InvalidSpec"
+
+
+@dataclass(frozen=True)
+class Event:
+    reason: EventReason
+    message: str
+    type: EventType = EventType.NORMAL
+
+
+@dataclass(frozen=True)
+class PodCommand:
+    pod: str
+    command: Command
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The next status plus the effects to carry out, in this order: write status, then act.
+    Writing first means a restarted operator re-derives the same epoch, and a repeated epoch is a
+    no-op at the agent."""
+
+    status: RLJobStatus
+    commands: tuple[PodCommand, ...] = ()
+    create_pods: tuple[int, ...] = ()  # indices of the current gang to create
+    delete_pods: tuple[str, ...] = ()
+    events: tuple[Event, ...] = ()
+    delete_job: bool = False  # ttlSecondsAfterFinished elapsed

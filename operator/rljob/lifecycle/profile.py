@@ -1,0 +1,54 @@
+"""Where the wall-clock of an iteration went: per-phase seconds, control overhead, and a verdict on
+whether rollout or training is the lever to pull (seed 004: profile before you tune)."""
+
+from __future__ import annotations
+
+from rljob.api.status import IterationReport, PhaseSeconds, PhaseSpan, Profile, Verdict
+
+# Phases in which the operator drives agents: their wall time minus the slowest agent's own time is
+# what the control plane costs (polling, fan-out, status writes).
+COMMAND_PHASES = ("Draining", "Releasing", "Refitting", "Resuming")
+ROLLOUT_BOUND_SHARE = 0.6
+TRAIN_BOUND_SHARE = 0.4
+
+
+def iteration_report(iteration: int, timeline: list[PhaseSpan]) -> IterationReport:
+    spans = [s for s in timeline if s.iteration == iteration and s.seconds is not None]
+    seconds = PhaseSeconds()
+    overhead = 0.0
+    freed = 0
+    hit_rate: float | None = None
+    tokens: float | None = None
+    for span in spans:
+        key = span.phase.value.lower()
+        if hasattr(seconds, key):
+            setattr(seconds, key, round(getattr(seconds, key) + (span.seconds or 0.0), 6))
+        if span.phase.value in COMMAND_PHASES and span.agent_seconds is not None:
+            overhead += max(0.0, (span.seconds or 0.0) - span.agent_seconds)
+        freed += span.freed_bytes or 0
+        if span.cache_hit_rate is not None:
+            hit_rate = span.cache_hit_rate
+        if span.tokens_per_second is not None:
+            tokens = span.tokens_per_second
+    return IterationReport(
+        iteration=iteration,
+        seconds=seconds,
+        control_overhead_seconds=round(overhead, 6),
+        freed_bytes=freed,
+        cache_hit_rate=hit_rate,
+        generation_tokens_per_second=tokens,
+    )
+
+
+def profile(report: IterationReport) -> Profile | None:
+    busy = report.seconds.rollout + report.seconds.training
+    if busy <= 0:
+        return None
+    share = report.seconds.rollout / busy
+    if share > ROLLOUT_BOUND_SHARE:
+        verdict = Verdict.ROLLOUT_BOUND
+    elif share < TRAIN_BOUND_SHARE:
+        verdict = Verdict.TRAIN_BOUND
+    else:
+        verdict = Verdict.BALANCED
+    return Profile(rollout_share=round(share, 4), rollout_percent=round(share * 100), verdict=verdict)

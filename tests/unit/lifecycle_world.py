@@ -1,0 +1,303 @@
+"""A pure model of the pods, agents and trainers around the lifecycle machine, for unit tests.
+
+FakeAgent follows the agent's contract (docs/agent.md): it refuses what the real agent refuses, and
+the world records every refusal, so a test can assert that the machine never asks for an illegal
+step. The e2e tier runs the real agent; this model exists so hypothesis can explore millions of
+interleavings in seconds."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+from rljob.api.agent import (
+    Action,
+    AgentState,
+    CommandState,
+    CommandStatus,
+    MemoryReport,
+    RefitCommand,
+    ReleaseCommand,
+    RolloutReport,
+    SGLangInfo,
+    Stage,
+    TrainerReport,
+)
+from rljob.api.spec import RLJobSpec
+from rljob.api.status import Phase, RLJobStatus
+from rljob.lifecycle.machine import decide
+from rljob.lifecycle.model import Decision, Observation, PodObservation
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def make_spec(**overrides: object) -> RLJobSpec:
+    body: dict[str, object] = {
+        "replicas": 2,
+        "iterations": 3,
+        "template": {"spec": {"containers": [{"name": "sglang"}, {"name": "trainer"}]}},
+        "weights": {"initialVersion": "0", "initialPath": "/models/base"},
+    }
+    body.update(overrides)
+    return RLJobSpec.model_validate(body)
+
+
+@dataclass
+class FakeAgent:
+    served_version: str
+    weight_cache_mode: str = "off"
+    stage: Stage = Stage.READY
+    epoch: int = 0
+    last: CommandStatus | None = None
+    pending: object | None = None  # the command being executed
+    released: list[str] = field(default_factory=list)
+    verified: bool = False
+    freed: int = 0
+    requested: bool = False
+    request_epoch: int | None = None
+    lease: bool = False
+    published: str | None = None
+    published_path: str | None = None
+    published_epoch: int | None = None
+    kv_flushed_after_refit: bool = True
+    fatal: str | None = None
+    revision: int = 1
+    refusals: list[str] = field(default_factory=list)
+    release_calls: list[tuple[str, ...]] = field(default_factory=list)
+
+    def report(self) -> AgentState:
+        return AgentState(
+            revision=self.revision,
+            boot_id="boot",
+            stage=self.stage,
+            epoch=self.epoch,
+            last_command=copy.deepcopy(self.last),
+            released_tags=list(self.released),
+            memory=MemoryReport(freed_bytes=self.freed, verified=self.verified, gpus=1),
+            sglang=SGLangInfo(
+                reachable=True,
+                version="0.5.23",
+                weight_cache_mode=self.weight_cache_mode,
+                served_version=self.served_version,
+                paused=self.stage not in (Stage.SERVING, Stage.STARTING),
+            ),
+            trainer=TrainerReport(
+                requested=self.requested,
+                request_epoch=self.request_epoch,
+                lease_held=self.lease,
+                published_version=self.published,
+                published_path=self.published_path,
+                published_epoch=self.published_epoch,
+            ),
+            rollout=RolloutReport(samples=3, cache_hit_rate=0.5, generation_tokens_per_second=100.0),
+            fatal=self.fatal,
+        )
+
+    def _refuse(self, why: str) -> None:
+        self.refusals.append(why)
+
+    def accept(self, cmd: object) -> None:
+        """POST /v1/commands."""
+        epoch = cmd.epoch  # type: ignore[attr-defined]
+        action = cmd.action  # type: ignore[attr-defined]
+        if self.last is not None and epoch == self.last.epoch:
+            if action != self.last.action:
+                self._refuse(f"epoch {epoch} reused for {action}")
+            return  # idempotent repeat
+        if epoch < self.epoch:
+            self._refuse(f"stale epoch {epoch} < {self.epoch}")
+            return
+        if self.last is not None and self.last.state == CommandState.RUNNING:
+            self._refuse("busy")
+            return
+        legal = {
+            Action.DRAIN: (Stage.READY, Stage.SERVING, Stage.DRAINED),
+            Action.RELEASE: (Stage.DRAINED,),
+            Action.GRANT: (Stage.RELEASED,),
+            Action.REFIT: (Stage.TRAINED, Stage.READY, Stage.SERVING, Stage.DRAINED),
+            Action.RESUME: (Stage.REFITTED, Stage.DRAINED, Stage.READY),
+        }[action]
+        if self.stage not in legal:
+            self._refuse(f"{action} from {self.stage}")
+            return
+        if action == Action.RELEASE:
+            tags = [t.value for t in cmd.tags]  # type: ignore[attr-defined]
+            if set(tags) & set(self.released):
+                self._refuse(f"release of already released {tags}")
+                return
+        if action in (Action.RELEASE, Action.REFIT) and self.weight_cache_mode != "off":
+            self._refuse("weight cache")
+            return
+        if action == Action.GRANT and not self.verified:
+            self._refuse("grant before verified")
+            return
+        self.epoch = epoch
+        self.pending = cmd
+        self.last = CommandStatus(epoch=epoch, action=action, state=CommandState.RUNNING)
+        self.revision += 1
+
+    def finish(self, ok: bool = True) -> None:
+        """The running command completes (the real agent does this in the background)."""
+        if self.last is None or self.last.state != CommandState.RUNNING:
+            return
+        cmd = self.pending
+        action = self.last.action
+        self.last.seconds = 0.5
+        self.revision += 1
+        if not ok:
+            self.last.state = CommandState.FAILED
+            self.last.error = "injected failure"
+            return
+        self.last.state = CommandState.SUCCEEDED
+        if action == Action.DRAIN:
+            self.stage = Stage.DRAINED
+        elif action == Action.RELEASE:
+            tags = tuple(t.value for t in cmd.tags)  # type: ignore[attr-defined]
+            self.release_calls.append(tags)
+            self.released.extend(tags)
+            self.kv_flushed_after_refit = False
+            self.freed, self.verified, self.stage = 10, True, Stage.RELEASED
+        elif action == Action.GRANT:
+            self.stage, self.lease, self.requested = Stage.GRANTED, True, False
+        elif action == Action.REFIT:
+            assert isinstance(cmd, RefitCommand)
+            self.released = [t for t in self.released if t not in ("weights", "cuda_graph")]
+            self.served_version = cmd.version
+            self.kv_flushed_after_refit = True  # refit flushes (flush_cache=true / explicit flush)
+            self.stage = Stage.REFITTED
+        elif action == Action.RESUME:
+            self.released = []
+            self.verified, self.stage = False, Stage.SERVING
+
+    def trainer_request(self) -> None:
+        if self.stage == Stage.SERVING and not self.requested:
+            self.requested, self.request_epoch = True, self.epoch
+            self.revision += 1
+
+    def trainer_publish(self, version: str) -> None:
+        if self.stage == Stage.GRANTED and self.lease:
+            self.published, self.published_path = version, f"/weights/{version}"
+            self.published_epoch, self.lease, self.stage = self.epoch, False, Stage.TRAINED
+            self.revision += 1
+
+
+@dataclass
+class FakePod:
+    index: int
+    name: str
+    gang: int
+    phase: str = "Pending"
+    broken: str | None = None
+
+
+class World:
+    """Pods + agents + clock, driven by Decisions; all I/O replaced by plain data."""
+
+    def __init__(self, spec: RLJobSpec, weight_cache_mode: str = "off") -> None:
+        self.spec = spec
+        self.status = RLJobStatus()
+        self.now = T0
+        self.pods: dict[str, FakePod] = {}
+        self.agents: dict[str, FakeAgent] = {}
+        self.weight_cache_mode = weight_cache_mode
+        self.decisions: list[Decision] = []
+        self.stale: dict[str, AgentState] = {}  # reports to replay instead of the fresh one, once
+        self.last_committed: list[str] = []
+
+    # --- observing and deciding --------------------------------------------------------------
+
+    def observe(self) -> Observation:
+        agents: dict[str, AgentState | None] = {}
+        for name, pod in self.pods.items():
+            agent = self.agents.get(name)
+            if pod.phase != "Running" or agent is None:
+                agents[name] = None
+            else:
+                agents[name] = self.stale.pop(name, None) or agent.report()
+        pods = tuple(
+            PodObservation(index=p.index, name=p.name, gang=p.gang, phase=p.phase, ready=p.phase == "Running",
+                           broken=p.broken)
+            for p in self.pods.values()
+        )
+        return Observation(now=self.now, pods=pods, agents=agents, generation=1)
+
+    def step(self, obs: Observation | None = None) -> Decision:
+        decision = decide(self.spec, self.status, obs or self.observe())
+        self.apply(decision)
+        return decision
+
+    def apply(self, decision: Decision) -> None:
+        self.decisions.append(decision)
+        self.status = decision.status
+        for name in decision.delete_pods:
+            self.pods.pop(name, None)
+            self.agents.pop(name, None)
+        for index in decision.create_pods:
+            name = f"job-{index}"
+            if name not in self.pods:
+                self.pods[name] = FakePod(index=index, name=name, gang=decision.status.restarts)
+        for pc in decision.commands:
+            agent = self.agents.get(pc.pod)
+            if agent is not None:
+                agent.accept(pc.command)
+
+    # --- the world moving on ----------------------------------------------------------------
+
+    def start_pods(self) -> None:
+        for name, pod in self.pods.items():
+            if pod.phase == "Pending":
+                pod.phase = "Running"
+                committed = self.spec.weights.initial_version
+                self.agents[name] = FakeAgent(served_version=committed, weight_cache_mode=self.weight_cache_mode)
+
+    def finish_all(self, ok: bool = True) -> None:
+        for agent in self.agents.values():
+            agent.finish(ok)
+
+    def trainers_request(self) -> None:
+        for agent in self.agents.values():
+            agent.trainer_request()
+
+    def trainers_publish(self, version: str) -> None:
+        for agent in self.agents.values():
+            agent.trainer_publish(version)
+
+    def tick(self, seconds: float = 1.0) -> None:
+        self.now += timedelta(seconds=seconds)
+
+    def refusals(self) -> list[str]:
+        return [r for a in self.agents.values() for r in a.refusals]
+
+    def run_iteration(self, version: str) -> None:
+        """Drive one full iteration from Rollout back to Rollout (or Succeeded)."""
+        assert self.status.phase == Phase.ROLLOUT, self.status.phase
+        self.trainers_request()
+        self.tick(10)
+        self.step()  # -> Draining, drain sent
+        for _ in range(3):  # drain, release, grant
+            self.tick()
+            self.finish_all()
+            self.step()
+        assert self.status.phase == Phase.TRAINING, self.status.phase
+        self.tick(20)
+        self.trainers_publish(version)
+        self.step()  # -> Refitting
+        self.tick()
+        self.finish_all()
+        self.step()  # -> Resuming
+        self.tick()
+        self.finish_all()
+        self.step()  # -> Rollout / Succeeded
+
+    def bring_up(self) -> None:
+        self.step()  # creates pods
+        self.start_pods()
+        self.step()  # -> Initializing
+        self.step()  # -> Resuming (every pod already serves the initial weights)
+        self.finish_all()
+        self.step()  # -> Rollout
+
+
+def release_commands(decision: Decision) -> list[ReleaseCommand]:
+    return [pc.command for pc in decision.commands if isinstance(pc.command, ReleaseCommand)]

@@ -1,0 +1,222 @@
+"""Property-based exploration of the lifecycle machine (hypothesis stateful testing).
+
+Random interleavings of: decisions, repeated and stale agent reports, decisions whose commands are
+lost (operator killed after writing status), agents finishing or failing commands, trainers asking
+and publishing, pods lost at any phase, time jumps, suspend toggles. After every decision the seven
+invariants of DESIGN §4 are checked against the world's truth."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from lifecycle_world import FakeAgent, World, make_spec
+
+from rljob.api.agent import GrantCommand, RefitCommand, ReleaseCommand, Stage
+from rljob.api.status import Phase
+from rljob.lifecycle.model import Decision, Observation
+
+PODS = st.integers(min_value=0, max_value=2)
+RARELY = st.sampled_from([True] + [False] * 4)
+NOT_PAUSED = (Stage.STARTING, Stage.READY, Stage.SERVING)
+
+
+class LifecycleMachine(RuleBasedStateMachine):
+    world: World
+
+    @initialize(
+        replicas=st.integers(min_value=1, max_value=3),
+        iterations=st.one_of(st.none(), st.integers(min_value=1, max_value=4)),
+        backoff=st.integers(min_value=0, max_value=3),
+        cache=st.sampled_from(["off"] * 9 + ["daemon"]),
+    )
+    def setup(self, replicas: int, iterations: int | None, backoff: int, cache: str) -> None:
+        spec = make_spec(replicas=replicas, iterations=iterations, backoffLimit=backoff)
+        self.world = World(spec, weight_cache_mode=cache)
+        self.history: dict[str, list] = {}  # pod -> earlier reports, for stale replays
+        self.terminal: Phase | None = None
+
+    # --- helpers -----------------------------------------------------------------------------
+
+    def gang_agents(self) -> list[FakeAgent]:
+        w = self.world
+        return [w.agents[n] for n, p in w.pods.items() if n in w.agents and p.gang == w.status.restarts
+                and p.phase == "Running"]
+
+    def agent_at(self, i: int) -> FakeAgent | None:
+        agents = list(self.world.agents.values())
+        return agents[i % len(agents)] if agents else None
+
+    def snapshot(self) -> None:
+        for name, agent in self.world.agents.items():
+            self.history.setdefault(name, []).append(agent.report())
+
+    def check(self, before_version: str | None, decision: Decision) -> None:
+        w = self.world
+        st_ = decision.status
+        gang = self.gang_agents()
+        commands = [pc.command for pc in decision.commands]
+        # 1. release only when every gang member is paused and idle (drained)
+        if any(isinstance(c, ReleaseCommand) for c in commands):
+            assert all(a.stage not in NOT_PAUSED for a in gang), [a.stage for a in gang]
+        # 3. the lease only after every pod verified its freed memory
+        if any(isinstance(c, GrantCommand) for c in commands):
+            assert all(a.verified or a.stage in (Stage.GRANTED, Stage.TRAINED) for a in gang)
+        # 5. never touch weights under a weight cache
+        if w.weight_cache_mode != "off":
+            assert not any(isinstance(c, ReleaseCommand | RefitCommand) for c in commands)
+        # 4. rollout reopens only on one verified version, KV flushed after the refit
+        if st_.phase == Phase.ROLLOUT:
+            assert len(gang) == w.spec.replicas
+            for a in gang:
+                assert a.served_version == st_.weight_version
+                assert a.kv_flushed_after_refit
+                assert a.stage == Stage.SERVING
+        # 6. weightVersion never goes backwards, and moves only once every pod serves it
+        if st_.weight_version != before_version:
+            assert st_.weight_version is not None
+            if before_version is not None:
+                assert int(st_.weight_version) > int(before_version)
+            assert all(a.served_version == st_.weight_version for a in gang)
+        # 2/7. the machine never asked an agent for something it refuses (double release, stale epoch,
+        # resume of an unreleased tag, grant before verification, ...)
+        assert w.refusals() == [], w.refusals()
+        # terminal phases are sticky
+        if self.terminal is not None:
+            assert st_.phase == self.terminal
+        if st_.phase.terminal:
+            self.terminal = st_.phase
+
+    def decide(self, obs: Observation | None = None, drop_commands: bool = False) -> Decision:
+        self.snapshot()
+        before = self.world.status.weight_version
+        from rljob.lifecycle.machine import decide
+
+        decision = decide(self.world.spec, self.world.status, obs or self.world.observe())
+        if drop_commands:  # operator killed after the status write, before acting
+            decision = Decision(status=decision.status)
+        self.world.apply(decision)
+        self.check(before, decision)
+        event(f"reached {decision.status.phase.value}")
+        return decision
+
+    # --- rules -------------------------------------------------------------------------------
+
+    @rule()
+    def operator_decides(self) -> None:
+        self.decide()
+
+    @rule()
+    def operator_killed_after_status_write(self) -> None:
+        self.decide(drop_commands=True)
+
+    @rule()
+    def repeated_observation(self) -> None:
+        obs = self.world.observe()
+        first = self.decide(obs)
+        epoch = first.status.epoch
+        second = self.decide(obs)
+        assert second.status.epoch == epoch or first.status.phase != second.status.phase
+        if first.status.phase == second.status.phase:
+            sent = {(pc.pod, pc.command.epoch, pc.command.action) for pc in first.commands}
+            again = {(pc.pod, pc.command.epoch, pc.command.action) for pc in second.commands}
+            assert again <= sent
+
+    @precondition(lambda self: any(self.history.values()))
+    @rule(i=PODS, age=st.integers(min_value=1, max_value=6))
+    def stale_report(self, i: int, age: int) -> None:
+        names = [n for n in self.world.agents if self.history.get(n)]
+        if not names:
+            return
+        name = names[i % len(names)]
+        older = self.history[name]
+        self.world.stale[name] = older[-min(age, len(older))]
+        self.decide()
+
+    @rule()
+    def kubelet_starts_pods(self) -> None:
+        self.world.start_pods()
+
+    @rule(i=PODS, ok=st.sampled_from([True] * 12 + [False]))
+    def agent_finishes(self, i: int, ok: bool) -> None:
+        agent = self.agent_at(i)
+        if agent is not None:
+            agent.finish(ok)
+
+    @rule()
+    def all_agents_finish(self) -> None:
+        self.world.finish_all()
+
+    @rule(i=PODS)
+    def trainer_requests(self, i: int) -> None:
+        agent = self.agent_at(i)
+        if agent is not None:
+            agent.trainer_request()
+
+    @rule()
+    def all_trainers_request(self) -> None:
+        self.world.trainers_request()
+
+    @rule(bump=st.sampled_from([1] * 10 + [0, 2]))
+    def all_trainers_publish(self, bump: int) -> None:
+        current = self.world.status.weight_version or "0"
+        self.world.trainers_publish(str(int(current) + bump))
+
+    @rule(steps=st.integers(min_value=1, max_value=8))
+    def world_makes_progress(self, steps: int) -> None:
+        """A well-behaved stretch: without it random rules rarely get past the first drain."""
+        for _ in range(steps):
+            self.world.start_pods()
+            self.world.finish_all()
+            self.world.trainers_request()
+            current = self.world.status.weight_version or "0"
+            self.world.trainers_publish(str(int(current) + 1))
+            self.world.tick(1)
+            self.decide()
+
+    @rule(i=PODS, how=st.sampled_from(["delete", "crash"]), really=RARELY)
+    def pod_lost(self, i: int, how: str, really: bool) -> None:
+        names = list(self.world.pods)
+        if not names or not really:
+            return
+        name = names[i % len(names)]
+        if how == "delete":
+            del self.world.pods[name]
+            self.world.agents.pop(name, None)
+        else:
+            self.world.pods[name].broken = "container sglang terminated (exit 1)"
+
+    @rule(seconds=st.sampled_from([0.5, 1, 5, 30, 400, 2000]))
+    def time_passes(self, seconds: float) -> None:
+        self.world.tick(seconds)
+
+    @rule(really=RARELY)
+    def toggle_suspend(self, really: bool) -> None:
+        w = self.world
+        if not really and not w.spec.suspend:
+            return
+        w.spec = w.spec.model_copy(update={"suspend": not w.spec.suspend})
+
+    @invariant()
+    def status_is_valid(self) -> None:
+        st_ = self.world.status
+        type(st_).model_validate(st_.model_dump())  # bounded lists, ranges
+        assert st_.restarts <= self.world.spec.backoff_limit
+
+
+TestLifecycleProperties = LifecycleMachine.TestCase
+TestLifecycleProperties.settings = settings(
+    max_examples=300,
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+def test_happy_interleavings_make_progress() -> None:
+    """Guard against a machine that satisfies every invariant by never doing anything."""
+    world = World(make_spec(iterations=2, replicas=3))
+    world.bring_up()
+    world.run_iteration("1")
+    world.run_iteration("2")
+    assert world.status.phase == Phase.SUCCEEDED
