@@ -1,0 +1,217 @@
+"""The per-RLJob conductor: observe -> decide (pure) -> write status -> act, woken by pod events and
+agent state changes. Everything it knows at start-up comes from the RLJob's status, so a restarted
+operator picks up where the last one stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from rljob.api import InvalidObject, parse_spec, parse_status
+from rljob.api.agent import AgentState
+from rljob.api.spec import RLJobSpec
+from rljob.api.status import Phase, RLJobStatus
+from rljob.controller import metrics
+from rljob.controller.agent_client import AgentClient, AgentEndpoint, AgentWatch
+from rljob.controller.children import (
+    AgentOptions,
+    gang_pod,
+    headless_service,
+    new_token,
+    token_secret,
+)
+from rljob.controller.kube import Kube
+from rljob.controller.observe import pod_ip, pod_observation
+from rljob.controller.status_writer import StatusWriter
+from rljob.lifecycle.clock import stamp
+from rljob.lifecycle.machine import decide
+from rljob.lifecycle.model import Decision, EventReason, Observation
+
+log = logging.getLogger(__name__)
+TICK_SECONDS = 2.0  # time-based decisions (deadlines) need a heartbeat; everything else wakes us
+
+
+@dataclass(frozen=True)
+class ConductorOptions:
+    agent: AgentOptions = field(default_factory=AgentOptions)
+    tick_seconds: float = TICK_SECONDS
+
+
+class Conductor:
+    def __init__(
+        self,
+        kube: Kube,
+        body: Mapping[str, Any],
+        options: ConductorOptions,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
+        meta = body["metadata"]
+        self.kube = kube
+        self.body = body  # kopf's live view: spec edits (suspend, iterations) show up here
+        self.namespace: str = meta["namespace"]
+        self.name: str = meta["name"]
+        self.uid: str = meta["uid"]
+        self.options = options
+        self.clock = clock
+        self.wake = asyncio.Event()
+        self._watches: dict[str, AgentWatch] = {}
+
+    def poke(self) -> None:
+        self.wake.set()
+
+    async def run(self, stopped: Callable[[], bool]) -> None:
+        status = parse_status(self.body.get("status"))
+        writer = StatusWriter(self.kube, self.namespace, self.name, status)
+        token = await self._ensure_token_and_service()
+        async with AgentClient(token) as agents:
+            try:
+                while not stopped():
+                    self.wake.clear()
+                    try:
+                        spec = parse_spec(self.body.get("spec"))
+                    except InvalidObject as err:
+                        await self._invalid(writer, status, err)
+                        return
+                    decision = await self._round(agents, spec, status)
+                    await writer.write(decision.status)  # persist first, then act (see Decision)
+                    self._observe_metrics(status, decision.status)
+                    status = decision.status
+                    await self._act(spec, decision)
+                    if decision.delete_job:
+                        await self.kube.delete_job(self.namespace, self.name)
+                        return
+                    if decision.commands or decision.create_pods or decision.delete_pods:
+                        continue  # effects usually change what we observe: look again at once
+                    # Finished jobs only wait for their TTL: a slow heartbeat is enough.
+                    tick = 30.0 if status.phase.terminal else self.options.tick_seconds
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self.wake.wait(), tick)
+            finally:
+                for watch in self._watches.values():
+                    await watch.close()
+                self._watches.clear()
+
+    async def _round(self, agents: AgentClient, spec: RLJobSpec, status: RLJobStatus) -> Decision:
+        pods = await self.kube.list_pods(self.namespace, self.name)
+        self._sync_watches(agents, spec, pods)
+        states: dict[str, AgentState | None] = {}
+        for pod in pods:
+            watch = self._watches.get(pod["metadata"]["name"])
+            # A report counts only for the pod it came from: a recreated pod has a new uid.
+            fresh = watch is not None and watch.endpoint.uid == pod["metadata"]["uid"]
+            states[pod["metadata"]["name"]] = watch.latest if fresh and watch else None
+        obs = Observation(
+            now=self.clock(),
+            pods=tuple(pod_observation(p) for p in pods),
+            agents=states,
+            generation=self.body.get("metadata", {}).get("generation"),
+        )
+        return decide(spec, status, obs)
+
+    def _sync_watches(self, agents: AgentClient, spec: RLJobSpec, pods: list[dict[str, Any]]) -> None:
+        wanted: dict[str, AgentEndpoint] = {}
+        for pod in pods:
+            ip = pod_ip(pod)
+            meta = pod["metadata"]
+            if ip and pod.get("status", {}).get("phase") == "Running" and not meta.get("deletionTimestamp"):
+                wanted[meta["name"]] = AgentEndpoint(meta["name"], meta["uid"], ip, spec.agent.port)
+        for name in list(self._watches):
+            if name not in wanted or self._watches[name].endpoint != wanted[name]:
+                watch = self._watches.pop(name)
+                asyncio.get_running_loop().create_task(watch.close())
+        for name, endpoint in wanted.items():
+            if name not in self._watches:
+                self._watches[name] = AgentWatch(agents, endpoint, self.poke)
+
+    async def _act(self, spec: RLJobSpec, decision: Decision) -> None:
+        ns = self.namespace
+        for event in decision.events:
+            await self.kube.post_event(
+                ns, dict(self.body), event.type.value, event.reason.value, event.message
+            )
+        await asyncio.gather(*(self.kube.delete_pod(ns, name) for name in decision.delete_pods))
+        manifests = [
+            gang_pod(
+                self.name,
+                self.uid,
+                spec,
+                index,
+                decision.status.restarts,
+                self.options.agent,
+                spec.iterations,
+            )
+            for index in decision.create_pods
+        ]
+        for manifest in manifests:
+            manifest["metadata"]["namespace"] = ns
+        await asyncio.gather(*(self.kube.create(ns, m) for m in manifests))
+        await self._send(decision)
+
+    async def _send(self, decision: Decision) -> None:
+        sends = []
+        for pc in decision.commands:
+            watch = self._watches.get(pc.pod)
+            if watch is not None:
+                sends.append(watch._client.send(watch.endpoint, pc.command))
+        for outcome in await asyncio.gather(*sends):
+            if not outcome.accepted and outcome.refusal and not outcome.refusal.startswith("unreachable"):
+                await self.kube.post_event(
+                    self.namespace,
+                    dict(self.body),
+                    "Warning",
+                    EventReason.COMMAND_REFUSED.value,
+                    f"{outcome.pod}: {outcome.refusal}",
+                )
+
+    async def _ensure_token_and_service(self) -> str:
+        token = await self.kube.read_token(self.namespace, self.name)
+        if token is None:
+            await self.kube.create(self.namespace, token_secret(self.name, self.uid, new_token()))
+            token = await self.kube.read_token(self.namespace, self.name)
+            assert token is not None
+        spec = parse_spec(self.body.get("spec"))
+        await self.kube.create(self.namespace, headless_service(self.name, self.uid, spec))
+        return token
+
+    async def _invalid(self, writer: StatusWriter, status: RLJobStatus, err: InvalidObject) -> None:
+        """Admission normally refuses bad specs; this catches what CEL cannot (or a CRD left behind)."""
+        failed = status.model_copy(deep=True)
+        failed.phase = Phase.FAILED
+        failed.reason = EventReason.INVALID_SPEC.value
+        failed.message = str(err)[:1024]
+        failed.completion_time = stamp(self.clock())
+        await writer.write(failed)
+        await self.kube.post_event(
+            self.namespace, dict(self.body), "Warning", EventReason.INVALID_SPEC.value, str(err)
+        )
+
+    def _observe_metrics(self, old: RLJobStatus, new: RLJobStatus) -> None:
+        labels = {"namespace": self.namespace, "job": self.name}
+        metrics.ITERATION.labels(**labels).set(new.iteration)
+        metrics.RESTARTS.labels(**labels).set(new.restarts)
+        if new.weight_version and new.weight_version.isdigit():
+            metrics.WEIGHT_VERSION.labels(**labels).set(int(new.weight_version))
+        if new.phase != old.phase:
+            metrics.TRANSITIONS.labels(phase=new.phase.value).inc()
+            closed = [s for s in new.timeline if s.phase == old.phase and s.seconds is not None]
+            if closed:
+                metrics.PHASE_SECONDS.labels(phase=old.phase.value).observe(closed[-1].seconds or 0.0)
+            if new.phase in (Phase.RECOVERING, Phase.FAILED):
+                metrics.FAILURES.labels(phase=old.phase.value, reason=new.reason or "").inc()
+            log.info(
+                "%s/%s: %s -> %s (iteration %d, epoch %d): %s",
+                self.namespace,
+                self.name,
+                old.phase.value,
+                new.phase.value,
+                new.iteration,
+                new.epoch,
+                new.message,
+            )
+        if new.last_iteration is not None and new.last_iteration != old.last_iteration:
+            metrics.CONTROL_OVERHEAD.observe(new.last_iteration.control_overhead_seconds)

@@ -1,0 +1,71 @@
+"""kopf handlers: thin. One daemon per RLJob runs its Conductor; watch events only wake it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import kopf
+
+from rljob.api.crd import GROUP, PLURAL, VERSION
+from rljob.controller.children import LABEL_JOB, token_secret_name
+from rljob.controller.conductor import Conductor, ConductorOptions
+from rljob.controller.kube import Kube
+
+log = logging.getLogger(__name__)
+CONDUCTORS: dict[tuple[str, str], Conductor] = {}
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    # kopf's bookkeeping goes to annotations under our prefix; status has exactly one writer: us.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="rljob.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="rljob.io", key="last-handled-configuration"
+    )
+    settings.posting.enabled = False  # we post typed events ourselves
+    settings.watching.server_timeout = 60
+    settings.watching.client_timeout = 70
+    memo.setdefault("kube", Kube())
+    memo.setdefault("options", ConductorOptions())
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=15.0)
+async def conduct(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    conductor = Conductor(memo["kube"], body, memo["options"])
+    key = (conductor.namespace, conductor.name)
+    CONDUCTORS[key] = conductor
+    try:
+        await conductor.run(lambda: bool(stopped))
+        # A finished job (TTL deleted, invalid) returns; idle until kopf stops us.
+        while not stopped:
+            await asyncio.sleep(1)
+    finally:
+        if CONDUCTORS.get(key) is conductor:
+            del CONDUCTORS[key]
+
+
+@kopf.on.event("pods", labels={LABEL_JOB: kopf.PRESENT})
+def pod_changed(namespace: str, labels: kopf.Labels, **_: Any) -> None:
+    conductor = CONDUCTORS.get((namespace, labels.get(LABEL_JOB, "")))
+    if conductor is not None:
+        conductor.poke()
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+def job_changed(namespace: str, name: str, **_: Any) -> None:
+    conductor = CONDUCTORS.get((namespace, name))
+    if conductor is not None:
+        conductor.poke()
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL, retries=5, backoff=2.0)
+async def clean_up(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    """The finalizer: a bare or slow garbage collector must not leave GPU pods behind. Every step is
+    idempotent (404 is success), and after its retries kopf lets the object go: it never wedges."""
+    kube: Kube = memo["kube"]
+    pods = await kube.list_pods(namespace, name)
+    await asyncio.gather(*(kube.delete_pod(namespace, p["metadata"]["name"]) for p in pods))
+    await kube.delete_named(namespace, "Service", name)
+    await kube.delete_named(namespace, "Secret", token_secret_name(name))

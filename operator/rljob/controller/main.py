@@ -1,0 +1,75 @@
+"""`rljob-operator`: runs kopf with our handlers and options."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+import kopf
+from prometheus_client import start_http_server
+
+from rljob.controller.children import AgentOptions
+from rljob.controller.conductor import ConductorOptions
+from rljob.controller.kube import Kube, load_config
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    env = os.environ.get
+    p = argparse.ArgumentParser(prog="rljob-operator", description=__doc__)
+    scope = p.add_mutually_exclusive_group()
+    scope.add_argument(
+        "--namespace",
+        "-n",
+        action="append",
+        default=[],
+        help="namespace to watch (repeatable; globs allowed)",
+    )
+    scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
+    p.add_argument("--agent-image", default=env("RLJOB_AGENT_IMAGE", AgentOptions.image))
+    p.add_argument("--agent-image-pull-policy", default=env("RLJOB_AGENT_IMAGE_PULL_POLICY", "IfNotPresent"))
+    p.add_argument(
+        "--agent-gpu-probe",
+        default=env("RLJOB_AGENT_GPU_PROBE", "nvml"),
+        choices=["nvml", "emulator"],
+        help="`emulator` only for simulated pods (tests, demo)",
+    )
+    p.add_argument("--metrics-port", type=int, default=int(env("RLJOB_METRICS_PORT", "9090")), help="0: off")
+    p.add_argument("--health-endpoint", default=env("RLJOB_HEALTH_ENDPOINT", "http://0.0.0.0:8080/healthz"))
+    p.add_argument("--tick-seconds", type=float, default=2.0, help="heartbeat for time-based decisions")
+    p.add_argument("--log-json", action="store_true", default=env("RLJOB_LOG_JSON") == "1")
+    p.add_argument("--verbose", "-v", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    kopf.configure(
+        verbose=args.verbose,
+        log_format=kopf.LogFormat.JSON if args.log_json else kopf.LogFormat.PLAIN,
+    )
+    logging.getLogger("rljob").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    load_config()
+    if args.metrics_port:
+        start_http_server(args.metrics_port)
+    from rljob.controller import handlers  # noqa: F401  (registers the handlers)
+
+    options = ConductorOptions(
+        agent=AgentOptions(
+            image=args.agent_image,
+            image_pull_policy=args.agent_image_pull_policy,
+            gpu_probe=args.agent_gpu_probe,
+        ),
+        tick_seconds=args.tick_seconds,
+    )
+    kopf.run(
+        clusterwide=args.all_namespaces or not args.namespace,
+        namespaces=args.namespace,
+        standalone=True,  # one replica; see the chart's README for HA
+        liveness_endpoint=args.health_endpoint or None,
+        memo=kopf.Memo(kube=Kube(), options=options),
+    )
+
+
+if __name__ == "__main__":
+    main()

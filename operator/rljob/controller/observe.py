@@ -1,0 +1,51 @@
+"""Turn API objects into the lifecycle machine's observations."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rljob.controller.children import LABEL_GANG, LABEL_INDEX
+from rljob.lifecycle.model import PodObservation
+
+
+def _int_label(labels: dict[str, str], key: str) -> int:
+    try:
+        return int(labels.get(key, "-1"))
+    except ValueError:
+        return -1
+
+
+def broken_reason(pod: dict[str, Any]) -> str | None:
+    """A container that terminated or restarted lost its process state (SGLang memory, trainer step)."""
+    for cs in pod.get("status", {}).get("containerStatuses") or []:
+        state = cs.get("state") or {}
+        if "terminated" in state:
+            term = state["terminated"]
+            return (
+                f"container {cs['name']} terminated (exit {term.get('exitCode')}, {term.get('reason', '')})"
+            )
+        if cs.get("restartCount", 0) > 0:
+            return f"container {cs['name']} restarted {cs['restartCount']} time(s)"
+    return None
+
+
+def pod_observation(pod: dict[str, Any]) -> PodObservation:
+    meta = pod["metadata"]
+    labels = meta.get("labels") or {}
+    status = pod.get("status") or {}
+    conditions = {c["type"]: c["status"] for c in status.get("conditions") or []}
+    return PodObservation(
+        index=_int_label(labels, LABEL_INDEX),
+        name=meta["name"],
+        gang=_int_label(labels, LABEL_GANG),
+        phase=status.get("phase", "Pending"),
+        ready=conditions.get("Ready") == "True",
+        deleting=meta.get("deletionTimestamp") is not None,
+        broken=broken_reason(pod),
+    )
+
+
+def pod_ip(pod: dict[str, Any]) -> str | None:
+    status = pod.get("status") or {}
+    ip: str | None = status.get("podIP")
+    return ip
