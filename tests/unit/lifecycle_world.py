@@ -216,8 +216,14 @@ class World:
             else:
                 agents[name] = self.stale.pop(name, None) or agent.report()
         pods = tuple(
-            PodObservation(index=p.index, name=p.name, gang=p.gang, phase=p.phase, ready=p.phase == "Running",
-                           broken=p.broken)
+            PodObservation(
+                index=p.index,
+                name=p.name,
+                gang=p.gang,
+                phase=p.phase,
+                ready=p.phase == "Running",
+                broken=p.broken,
+            )
             for p in self.pods.values()
         )
         return Observation(now=self.now, pods=pods, agents=agents, generation=1)
@@ -249,7 +255,9 @@ class World:
             if pod.phase == "Pending":
                 pod.phase = "Running"
                 committed = self.spec.weights.initial_version
-                self.agents[name] = FakeAgent(served_version=committed, weight_cache_mode=self.weight_cache_mode)
+                self.agents[name] = FakeAgent(
+                    served_version=committed, weight_cache_mode=self.weight_cache_mode
+                )
 
     def finish_all(self, ok: bool = True) -> None:
         for agent in self.agents.values():

@@ -39,7 +39,9 @@ def test_each_phase_sends_its_command_to_every_pod_with_the_new_epoch() -> None:
     d = world.step()
     assert world.status.phase == Phase.DRAINING
     assert sorted(pc.pod for pc in d.commands) == ["job-0", "job-1"]
-    assert all(isinstance(pc.command, DrainCommand) and pc.command.epoch == world.status.epoch for pc in d.commands)
+    assert all(
+        isinstance(pc.command, DrainCommand) and pc.command.epoch == world.status.epoch for pc in d.commands
+    )
     expected = [Action.RELEASE, Action.GRANT]
     for action in expected:
         world.finish_all()
@@ -76,8 +78,9 @@ def test_repeated_observation_resends_the_same_epoch_and_never_advances() -> Non
     first = world.step(obs)
     second = world.step(obs)  # same report again: agents have not accepted yet
     assert second.status.epoch == first.status.epoch
-    assert {(pc.pod, pc.command.epoch) for pc in second.commands} <= {(pc.pod, pc.command.epoch) for pc in
-                                                                     first.commands}
+    assert {(pc.pod, pc.command.epoch) for pc in second.commands} <= {
+        (pc.pod, pc.command.epoch) for pc in first.commands
+    }
     assert world.refusals() == []
 
 

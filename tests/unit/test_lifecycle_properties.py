@@ -40,8 +40,11 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     def gang_agents(self) -> list[FakeAgent]:
         w = self.world
-        return [w.agents[n] for n, p in w.pods.items() if n in w.agents and p.gang == w.status.restarts
-                and p.phase == "Running"]
+        return [
+            w.agents[n]
+            for n, p in w.pods.items()
+            if n in w.agents and p.gang == w.status.restarts and p.phase == "Running"
+        ]
 
     def agent_at(self, i: int) -> FakeAgent | None:
         agents = list(self.world.agents.values())

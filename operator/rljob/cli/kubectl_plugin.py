@@ -1,0 +1,152 @@
+"""`kubectl rljob status NAME`: the phase timeline of recent iterations, per-pod state and versions,
+and where the wall-clock goes (the profile verdict)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from rljob.api import parse_status
+from rljob.api.crd import GROUP, PLURAL, VERSION
+from rljob.api.status import RLJobStatus
+
+
+def _table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
+    cells = [[str(c) for c in header]] + [["-" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells)
+
+
+def _bytes(n: int | None) -> str:
+    if not n:
+        return "0"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f}{unit}" if unit != "B" else f"{n}B"
+        n = n / 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def _secs(s: float | None) -> str:
+    return "-" if s is None else f"{s:.2f}s"
+
+
+def render(name: str, namespace: str, status: RLJobStatus, spec: dict[str, Any]) -> str:
+    out = [
+        f"RLJob {namespace}/{name}",
+        f"  Phase:      {status.phase.value}" + (f" ({status.reason})" if status.reason else ""),
+        f"  Message:    {status.message or '-'}",
+        f"  Iteration:  {status.iteration}" + (f" of {spec['iterations']}" if spec.get("iterations") else ""),
+        f"  Weights:    {status.weight_version or '-'}"
+        + (f" (refitting to {status.target_weights.version})" if status.target_weights else ""),
+        f"  Ready:      {status.ready}    Restarts: {status.restarts}    Epoch: {status.epoch}",
+    ]
+    if status.conditions:
+        out.append(
+            "  Conditions: " + ", ".join(f"{c.type.value}={c.status.value}" for c in status.conditions)
+        )
+    out += ["", "Timeline (recent phases):"]
+    out.append(
+        _table(
+            [
+                (
+                    s.iteration,
+                    s.phase.value,
+                    s.start_time,
+                    _secs(s.seconds),
+                    _secs(s.agent_seconds),
+                    _bytes(s.freed_bytes) if s.freed_bytes is not None else None,
+                    f"{s.cache_hit_rate:.0%}" if s.cache_hit_rate is not None else None,
+                    f"{s.tokens_per_second:.0f}" if s.tokens_per_second is not None else None,
+                )
+                for s in status.timeline[-18:]
+            ],
+            ["ITER", "PHASE", "STARTED", "WALL", "IN-AGENT", "FREED", "CACHE-HIT", "TOK/S"],
+        )
+    )
+    out += ["", "Pods:"]
+    out.append(
+        _table(
+            [
+                (
+                    p.name,
+                    p.stage,
+                    p.weight_version,
+                    ",".join(t.value for t in p.released_tags) or None,
+                    _bytes(p.freed_bytes),
+                    p.last_error,
+                )
+                for p in status.pods
+            ],
+            ["NAME", "STAGE", "WEIGHTS", "RELEASED", "FREED", "LAST-ERROR"],
+        )
+    )
+    if status.last_iteration:
+        it = status.last_iteration
+        s = it.seconds
+        out += ["", f"Last iteration ({it.iteration}):"]
+        out.append(
+            _table(
+                [
+                    (
+                        _secs(s.rollout),
+                        _secs(s.draining),
+                        _secs(s.releasing),
+                        _secs(s.training),
+                        _secs(s.refitting),
+                        _secs(s.resuming),
+                        _secs(it.control_overhead_seconds),
+                    )
+                ],
+                ["ROLLOUT", "DRAIN", "RELEASE", "TRAIN", "REFIT", "RESUME", "CONTROL-OVERHEAD"],
+            )
+        )
+        hit = f"{it.cache_hit_rate:.0%}" if it.cache_hit_rate is not None else "-"
+        tps = f"{it.generation_tokens_per_second:.0f}" if it.generation_tokens_per_second is not None else "-"
+        out.append(f"  freed {_bytes(it.freed_bytes)}, prefix-cache hit rate {hit}, generation {tps} tok/s")
+    if status.profile:
+        p = status.profile
+        hint = {
+            "RolloutBound": "rollout dominates: tune SGLang (prefix reuse, batch size, more rollout GPUs)",
+            "TrainBound": "training dominates: the trainer, not SGLang, is the lever",
+            "Balanced": "rollout and training are comparable",
+        }[p.verdict.value]
+        out.append(f"  Profile: {p.verdict.value}, rollout {p.rollout_percent}% of rollout+train — {hint}")
+    if status.weight_history:
+        out += ["", "Weight history: " + " -> ".join(w.version for w in status.weight_history)]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kubectl rljob", description=__doc__)
+    parser.add_argument("--kubeconfig")
+    parser.add_argument("--context")
+    parser.add_argument("-n", "--namespace")
+    sub = parser.add_subparsers(dest="command", required=True)
+    status_cmd = sub.add_parser("status", help="phase timeline, pods, versions and profile of one RLJob")
+    status_cmd.add_argument("name")
+    args = parser.parse_args(argv)
+
+    from kubernetes import client, config
+    from kubernetes.client.exceptions import ApiException
+
+    config.load_kube_config(config_file=args.kubeconfig, context=args.context)
+    namespace = args.namespace
+    if namespace is None:
+        _, active = config.list_kube_config_contexts(config_file=args.kubeconfig)
+        namespace = (active or {}).get("context", {}).get("namespace", "default")
+    try:
+        obj = client.CustomObjectsApi().get_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, args.name
+        )
+    except ApiException as err:
+        print(f"error: rljob {namespace}/{args.name}: {err.reason}", file=sys.stderr)
+        return 1
+    sys.stdout.write(render(args.name, namespace, parse_status(obj.get("status")), obj.get("spec", {})))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

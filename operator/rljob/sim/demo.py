@@ -1,0 +1,126 @@
+"""`make demo`: the whole loop on a real local kube-apiserver with simulated GPUs.
+
+Brings up etcd + kube-apiserver (cached binaries), installs the chart (CRD, RBAC, operator settings)
+with helm, runs the operator as the chart's ServiceAccount and the fake kubelet, applies
+examples/rljob.yaml with kubectl, prints a live table, then `kubectl get rljob` and
+`kubectl rljob status`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rljob.sim.cluster import LocalControlPlane, ensure_binaries
+from rljob.sim.harness import ROOT, OperatorProcess, get_rljob
+from rljob.sim.install import install_chart, operator_kubeconfig
+from rljob.sim.kubeaccess import KubeApi, create_namespace
+from rljob.sim.kubelet import Kubelet
+from rljob.sim.pods import rljob_mapping
+
+NAMESPACE = "rljob-demo"
+JOB = "demo"
+
+
+def _kubectl(kubeconfig: Path, *args: str) -> str:
+    env = {
+        **os.environ,
+        "KUBECONFIG": str(kubeconfig),
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
+    out = subprocess.run(["kubectl", *args], env=env, capture_output=True, text=True, check=False)
+    return out.stdout + out.stderr
+
+
+def _row(obj: dict) -> tuple[str, ...]:
+    st = obj.get("status", {})
+    return (
+        f"{time.strftime('%H:%M:%S')}",
+        str(st.get("phase", "-")),
+        str(st.get("iteration", "-")),
+        str(st.get("weightVersion", "-")),
+        str(st.get("ready", "-")),
+        str(st.get("message", ""))[:70],
+    )
+
+
+def run(timeout: float) -> int:
+    binaries = ensure_binaries(build=True)
+    work = Path(tempfile.mkdtemp(prefix="rljob-demo-"))
+    print(f"== control plane: etcd + kube-apiserver ({work})", flush=True)
+    with LocalControlPlane(work / "cluster", binaries) as plane:
+        kubeconfig = plane.kubeconfig
+        api = KubeApi.from_kubeconfig(kubeconfig)
+        print(_kubectl(kubeconfig, "version").strip(), flush=True)
+        create_namespace(api, NAMESPACE)
+        print("== helm install rljob-operator (CRD, ServiceAccount, RBAC)", flush=True)
+        print(
+            install_chart(
+                binaries.helm,
+                kubeconfig,
+                release="rljob",
+                namespace="rljob-system",
+                watch_namespaces=[NAMESPACE],
+            ).strip(),
+            flush=True,
+        )
+        sa_kubeconfig = operator_kubeconfig(
+            api, plane, namespace="rljob-system", out=work / "operator.kubeconfig"
+        )
+        with (
+            Kubelet(kubeconfig, [NAMESPACE], mapping=rljob_mapping(), scratch_root=work / "pods") as kubelet,
+            OperatorProcess(sa_kubeconfig, [NAMESPACE], work / "operator.log") as operator,
+        ):
+            del kubelet
+            print(
+                "== kubectl apply -f examples/rljob.yaml  (operator runs as the chart's ServiceAccount)",
+                flush=True,
+            )
+            print(
+                _kubectl(
+                    kubeconfig, "apply", "-n", NAMESPACE, "-f", str(ROOT / "examples/rljob.yaml")
+                ).strip()
+            )
+            print(f"\n{'TIME':8}  {'PHASE':12}  {'ITER':4}  {'WEIGHTS':7}  {'READY':5}  MESSAGE", flush=True)
+            last: tuple[str, ...] | None = None
+            deadline = time.monotonic() + timeout
+            phase = ""
+            while time.monotonic() < deadline and phase not in ("Succeeded", "Failed"):
+                obj = get_rljob(api, NAMESPACE, JOB)
+                row = _row(obj)
+                phase = row[1]
+                if last is None or row[1:5] != last[1:5]:
+                    print(
+                        f"{row[0]:8}  {row[1]:12}  {row[2]:4}  {row[3]:7}  {row[4]:5}  {row[5]}", flush=True
+                    )
+                    last = row
+                if not operator.alive:
+                    print("operator exited:\n" + operator.log_tail(), flush=True)
+                    return 1
+                time.sleep(0.1)
+            print("\n$ kubectl get rljob -o wide")
+            print(_kubectl(kubeconfig, "get", "rljob", "-n", NAMESPACE, "-o", "wide").rstrip())
+            print(f"\n$ kubectl rljob status {JOB}")
+            print(_kubectl(kubeconfig, "rljob", "-n", NAMESPACE, "status", JOB).rstrip())
+            print(f"\n$ kubectl describe rljob {JOB} | tail (events)")
+            described = _kubectl(kubeconfig, "describe", "rljob", "-n", NAMESPACE, JOB).rstrip().splitlines()
+            print("\n".join(described[-14:]))
+            ok = phase == "Succeeded"
+            print(
+                f"\n== demo {'succeeded' if ok else 'did not succeed: ' + phase}; logs in {work}", flush=True
+            )
+            return 0 if ok else 1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="rljob-demo", description=__doc__)
+    parser.add_argument("--timeout", type=float, default=300)
+    sys.exit(run(parser.parse_args().timeout))
+
+
+if __name__ == "__main__":
+    main()

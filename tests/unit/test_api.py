@@ -1,0 +1,138 @@
+"""The API models: defaults, field-path errors, and the generated CRD staying in sync."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rljob.api import InvalidObject, parse_spec
+from rljob.api.crd import CRD_FILE, build_crd, render
+from rljob.api.spec import ReleaseTag, RLJobSpec
+from rljob.api.status import RLJobStatus
+from rljob.lifecycle.versions import is_newer
+
+ROOT = Path(__file__).resolve().parents[2]
+CONTAINERS = {"spec": {"containers": [{"name": "sglang", "image": "lmsys/sglang"}, {"name": "trainer"}]}}
+
+
+def test_defaults_live_in_the_models() -> None:
+    spec = parse_spec({"template": CONTAINERS})
+    assert spec.replicas == 1
+    assert spec.release.tags == [ReleaseTag.KV_CACHE, ReleaseTag.WEIGHTS, ReleaseTag.CUDA_GRAPH]
+    assert spec.rollout.drain.mode.value == "abort"
+    assert spec.refit.source.value == "disk"
+    assert spec.weights.initial_version == "0"
+    assert spec.backoff_limit == 3
+    # Unknown container fields pass through untouched (the operator re-emits the user's template).
+    assert spec.template.spec.containers[0].model_dump(by_alias=True)["image"] == "lmsys/sglang"
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({"release": {"tags": ["kv_cache", "in_place"]}}, "spec.release.tags[1]: Input should be"),
+        (
+            {"release": {"tags": ["kv_cache", "kv_cache"]}},
+            "spec.release.tags: Value error, tags must be unique",
+        ),
+        ({"release": {"tags": []}}, "spec.release.tags: List should have at least 1 item"),
+        ({"rollout": {"drain": {"mode": "in_place"}}}, "spec.rollout.drain.mode: Input should be 'abort' or"),
+        ({"replicas": 0}, "spec.replicas: Input should be greater than or equal to 1"),
+        ({"release": {"verify": {"minFreedFraction": 1.5}}}, "spec.release.verify.minFreedFraction"),
+        ({"trainer": {"container": "sglang"}}, "must name different containers"),
+        ({"trainer": {"container": "missing"}}, "trainer.container 'missing' is not a container"),
+        ({"weights": {"initialVersion": "a b"}}, "spec.weights.initialVersion: String should match pattern"),
+        ({"replicaz": 2}, "spec.replicaz: Extra inputs are not permitted"),
+    ],
+)
+def test_invalid_specs_name_the_field(body: dict, expected: str) -> None:
+    with pytest.raises(InvalidObject) as err:
+        parse_spec({"template": CONTAINERS, **body})
+    assert expected in str(err.value)
+
+
+def test_crd_on_disk_matches_the_models() -> None:
+    on_disk = (ROOT / CRD_FILE).read_text()
+    assert on_disk == render(), "crds/ drifted from operator/rljob/api: run `make crds`"
+
+
+def test_crd_is_small_structural_and_has_the_columns() -> None:
+    text = render()
+    assert len(text.encode()) < 256 * 1024  # client-side kubectl apply annotation limit
+    crd = build_crd()
+    version = crd["spec"]["versions"][0]
+    assert version["subresources"] == {"status": {}}
+    assert [c["name"] for c in version["additionalPrinterColumns"]][:5] == [
+        "Phase",
+        "Iteration",
+        "Weights",
+        "Ready",
+        "Age",
+    ]
+    schema = version["schema"]["openAPIV3Schema"]
+    flat = json.dumps(schema)
+    for forbidden in ('"$ref"', '"anyOf"', '"additionalProperties"', '"title"', '"uniqueItems"'):
+        assert forbidden not in flat
+
+    def walk(node: dict, path: str) -> None:  # every list and string is bounded (CEL cost, etcd size)
+        kind = node.get("type")
+        if kind == "array":
+            assert "maxItems" in node, path
+            walk(node["items"], path + "[]")
+        if kind == "string" and "enum" not in node and "format" not in node:
+            assert "maxLength" in node or path.endswith(("apiVersion", "kind")), path
+        for name, child in node.get("properties", {}).items():
+            walk(child, f"{path}.{name}")
+
+    walk(schema["properties"]["spec"], "spec")
+    walk(schema["properties"]["status"], "status")
+    rules = [r["rule"] for r in schema["properties"]["spec"]["x-kubernetes-validations"]]
+    assert "self.rollout.container != self.trainer.container" in rules
+    assert (
+        schema["properties"]["spec"]["properties"]["release"]["properties"]["tags"]["x-kubernetes-list-type"]
+        == "set"
+    )
+
+
+def test_crd_defaults_match_model_defaults() -> None:
+    schema = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    model = RLJobSpec.model_validate({"template": CONTAINERS}).wire()
+    assert schema["properties"]["release"]["default"] == model["release"]
+    assert schema["properties"]["rollout"]["default"] == model["rollout"]
+    assert schema["properties"]["backoffLimit"]["default"] == model["backoffLimit"]
+
+
+def test_status_round_trips_and_finds_conditions_by_type() -> None:
+    status = RLJobStatus.model_validate(
+        {
+            "phase": "Rollout",
+            "conditions": [{"type": "Failed", "status": "False"}, {"type": "Ready", "status": "True"}],
+        }
+    )
+    assert status.condition("Ready").status == "True"  # type: ignore[arg-type,union-attr]
+    assert RLJobStatus.model_validate(status.wire()) == status
+
+
+def test_example_manifests_are_valid() -> None:
+    for path in sorted((ROOT / "examples").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("kind") == "RLJob":
+                parse_spec(doc["spec"])
+
+
+@pytest.mark.parametrize(
+    ("candidate", "history", "newer"),
+    [
+        ("1", ["0"], True),
+        ("10", ["0", "9"], True),
+        ("2", ["0", "3"], False),
+        ("3", ["3"], False),
+        ("step-a", ["0"], True),
+        ("step-a", ["step-a"], False),
+    ],
+)
+def test_version_ordering(candidate: str, history: list[str], newer: bool) -> None:
+    assert is_newer(candidate, history) is newer
