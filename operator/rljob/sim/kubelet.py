@@ -1,0 +1,901 @@
+"""A fake kubelet: runs pods of a real API server as local processes on loopback pod IPs.
+
+A bare kube-apiserver has no scheduler and no kubelet, so nothing would ever run. `Kubelet`
+watches pods, binds unbound ones to its node, gives each pod a loopback IP (127.0.0.2, ...),
+materialises its volumes (Secret, ConfigMap, emptyDir) in a per-pod scratch dir, resolves the
+containers' env and starts one local process per container, chosen by a *mapping*:
+
+    Mapping = Callable[[ContainerContext], Launch | Sequence[str] | None]
+
+(None falls back to `default_mapping`, which runs the container's command + args as given with
+mount paths rewritten to the scratch dir). It reports pods/status like a kubelet does (phase,
+conditions, podIP, containerStatuses), applies restartPolicy with a short backoff, runs
+readinessProbes (httpGet, tcpSocket, exec) against the pod IP, and on deletion stops the
+processes (SIGTERM, SIGKILL after a bounded grace period) and finalizes the pod (grace 0).
+
+CLI:  python -m rljob.sim.kubelet --kubeconfig KUBECONFIG [--namespace NS ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import http.client
+import ipaddress
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Union
+from urllib.parse import urlparse
+
+import requests
+
+from rljob.sim.cluster import die_with_parent
+from rljob.sim.kubeaccess import ApiError, JsonObj, KubeApi, WatchStream, pod_path
+
+log = logging.getLogger("rljob.sim.kubelet")
+
+NODE_NAME = "rljob-sim-node"
+HOST_IP = "127.0.0.1"
+# Host variables a process inherits (a real container inherits none; a local process needs these).
+INHERITED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "VIRTUAL_ENV", "PYTHONPATH", "USER")
+
+
+# -- mapping API ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ContainerContext:
+    """Everything a mapping needs to turn one container of a pod into a local process."""
+
+    pod: JsonObj
+    container: JsonObj
+    pod_ip: str
+    scratch: Path  # per-pod scratch dir: volumes/, logs/
+    mounts: dict[str, Path]  # the container's mountPath -> local path in scratch
+    env: dict[str, str]  # the container's env: resolved, $(VAR)-expanded, mount paths remapped
+    api: KubeApi  # the kubelet's API access (e.g. to read more objects)
+
+    @property
+    def name(self) -> str:
+        return str(self.container["name"])
+
+    @property
+    def image(self) -> str:
+        return str(self.container.get("image", ""))
+
+    def remap(self, text: str) -> str:
+        return remap_paths(text, self.mounts)
+
+    def argv(self) -> list[str]:
+        """command + args with $(VAR) expanded (as the kubelet does) and mount paths remapped."""
+        raw = [*self.container.get("command", []), *self.container.get("args", [])]
+        return [self.remap(expand_vars(str(a), self.env)) for a in raw]
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How to start a container: argv, extra env (overrides the container's) and cwd (default scratch)."""
+
+    argv: Sequence[str]
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: Path | None = None
+
+
+Mapping = Callable[[ContainerContext], Union[Launch, Sequence[str], None]]  # noqa: UP007 (runtime alias)
+
+
+def default_mapping(ctx: ContainerContext) -> Launch:
+    argv = ctx.argv()
+    if not argv:
+        raise ValueError(f"container {ctx.name!r} has no command; the image entrypoint is unknown here")
+    return Launch(argv)
+
+
+def table_mapping(
+    by_name: dict[str, Mapping] | None = None,
+    by_image: dict[str, Mapping] | None = None,
+    fallback: Mapping = default_mapping,
+) -> Mapping:
+    """A mapping that dispatches on container name first, then on image (with or without tag)."""
+
+    def mapping(ctx: ContainerContext) -> Launch | Sequence[str] | None:
+        image = ctx.image
+        untagged = image.split("@")[0].rsplit(":", 1)[0] if ":" in image.rsplit("/", 1)[-1] else image
+        for chosen in (
+            (by_name or {}).get(ctx.name),
+            (by_image or {}).get(image),
+            (by_image or {}).get(untagged),
+        ):
+            if chosen is not None:
+                return chosen(ctx)
+        return fallback(ctx)
+
+    return mapping
+
+
+_VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+
+
+def expand_vars(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion: defined variables are replaced, `$$` escapes, others stay."""
+
+    def sub(m: re.Match[str]) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        return env.get(m.group(1), m.group(0))
+
+    return _VAR.sub(sub, text)
+
+
+def remap_paths(text: str, mounts: dict[str, Path]) -> str:
+    """Rewrites absolute mount paths (at path boundaries) in `text` to their scratch locations."""
+    for mount_path in sorted(mounts, key=len, reverse=True):
+        target = mount_path.rstrip("/") or "/"
+        pattern = r"(?<![\w./-])" + re.escape(target) + r"(?=/|$|[^\w.-])"
+        local = str(mounts[mount_path])
+        text = re.sub(pattern, lambda _m, local=local: local, text)  # type: ignore[misc]
+    return text
+
+
+# -- pod IPs -------------------------------------------------------------------------------------
+class IpAllocator:
+    """Hands out loopback IPs 127.0.0.2, 127.0.0.3, ... and reuses freed ones (lowest first)."""
+
+    def __init__(self, first: str = "127.0.0.2") -> None:
+        self._first = int(ipaddress.IPv4Address(first))
+        self._used: set[int] = set()
+        self._lock = threading.Lock()
+
+    def acquire(self, wanted: str | None = None) -> str:
+        with self._lock:
+            if wanted:
+                with contextlib.suppress(ValueError):
+                    addr = ipaddress.IPv4Address(wanted)
+                    if addr.is_loopback and int(addr) >= self._first and int(addr) not in self._used:
+                        self._used.add(int(addr))
+                        return str(addr)
+            n = self._first
+            while n in self._used or n & 0xFF in (0, 255):
+                n += 1
+            if not ipaddress.IPv4Address(n).is_loopback:
+                raise RuntimeError("loopback pod IPs exhausted")
+            self._used.add(n)
+            return str(ipaddress.IPv4Address(n))
+
+    def release(self, ip: str) -> None:
+        with self._lock:
+            self._used.discard(int(ipaddress.IPv4Address(ip)))
+
+
+SHARED_IPS = IpAllocator()  # shared by all kubelets of a process so that they never collide
+
+
+# -- volumes and env -----------------------------------------------------------------------------
+class NotReady(Exception):
+    """A referenced Secret/ConfigMap (key) is missing; the kubelet retries, as a real one does."""
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _read_source(api: KubeApi, ns: str, kind: str, name: str, optional: bool) -> dict[str, bytes] | None:
+    """The decoded data of a Secret or ConfigMap; None when it is absent and optional."""
+    path = f"/api/v1/namespaces/{ns}/{'secrets' if kind == 'secret' else 'configmaps'}/{name}"
+    try:
+        obj = api.get(path)
+    except ApiError as exc:
+        if exc.status == 404 and optional:
+            return None
+        if exc.status == 404:
+            raise NotReady(f"{kind} {ns}/{name} not found") from exc
+        raise
+    if kind == "secret":
+        return {k: base64.b64decode(v) for k, v in (obj.get("data") or {}).items()}
+    data = {k: v.encode() for k, v in (obj.get("data") or {}).items()}
+    data.update({k: base64.b64decode(v) for k, v in (obj.get("binaryData") or {}).items()})
+    return data
+
+
+def materialise_volumes(api: KubeApi, pod: JsonObj, scratch: Path) -> dict[str, Path]:
+    """Writes the pod's volumes under scratch/volumes/<name>; returns volume name -> local dir."""
+    ns = pod["metadata"]["namespace"]
+    out: dict[str, Path] = {}
+    for vol in pod["spec"].get("volumes") or []:
+        claim = (vol.get("persistentVolumeClaim") or {}).get("claimName")
+        # A claim outlives its pods: one directory per claim, shared by every pod of the namespace.
+        local = scratch.parent / "claims" / claim if claim else scratch / "volumes" / vol["name"]
+        local.mkdir(parents=True, exist_ok=True)
+        out[vol["name"]] = local
+        for kind, name_key in (("secret", "secretName"), ("configMap", "name")):
+            src = vol.get(kind)
+            if src is None:
+                continue
+            data = _read_source(api, ns, kind.lower(), src[name_key], bool(src.get("optional")))
+            items = src.get("items") or [{"key": k, "path": k} for k in (data or {})]
+            for item in items:
+                if data is None or item["key"] not in data:
+                    if data is not None and not src.get("optional"):
+                        raise NotReady(f"{kind} {src[name_key]} has no key {item['key']}")
+                    continue
+                target = local / item["path"]
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(data[item["key"]])
+                target.chmod(item.get("mode", src.get("defaultMode", 0o644)))
+        # emptyDir, hostPath (kept off the host on purpose) and others: an empty local dir.
+    return out
+
+
+def container_mounts(container: JsonObj, volumes: dict[str, Path]) -> dict[str, Path]:
+    mounts: dict[str, Path] = {}
+    for m in container.get("volumeMounts") or []:
+        local = volumes.get(m["name"])
+        if local is not None:
+            mounts[m["mountPath"]] = local / m["subPath"] if m.get("subPath") else local
+    return mounts
+
+
+def _field_value(pod: JsonObj, pod_ip: str, field_path: str) -> str:
+    meta = pod["metadata"]
+    m = re.fullmatch(r"metadata\.(labels|annotations)\['(.+)'\]", field_path)
+    if m:
+        return str((meta.get(m.group(1)) or {}).get(m.group(2), ""))
+    values = {
+        "metadata.name": meta["name"],
+        "metadata.namespace": meta["namespace"],
+        "metadata.uid": meta.get("uid", ""),
+        "spec.nodeName": pod["spec"].get("nodeName") or NODE_NAME,
+        "spec.serviceAccountName": pod["spec"].get("serviceAccountName", ""),
+        "status.podIP": pod_ip,
+        "status.podIPs": pod_ip,
+        "status.hostIP": HOST_IP,
+        "status.hostIPs": HOST_IP,
+    }
+    return str(values.get(field_path, ""))
+
+
+def resolve_env(api: KubeApi, pod: JsonObj, container: JsonObj, pod_ip: str) -> dict[str, str]:
+    """The container's env as the kubelet computes it: envFrom, then env (value / valueFrom)."""
+    ns = pod["metadata"]["namespace"]
+    env: dict[str, str] = {}
+    for src in container.get("envFrom") or []:
+        for kind in ("secret", "configMap"):
+            ref = src.get(f"{kind}Ref")
+            if ref is not None:
+                data = _read_source(api, ns, kind.lower(), ref["name"], bool(ref.get("optional"))) or {}
+                env.update({src.get("prefix", "") + k: v.decode() for k, v in data.items()})
+    for var in container.get("env") or []:
+        name, source = var["name"], var.get("valueFrom")
+        if source is None:
+            env[name] = expand_vars(str(var.get("value", "")), env)
+        elif "fieldRef" in source:
+            env[name] = _field_value(pod, pod_ip, source["fieldRef"]["fieldPath"])
+        elif "secretKeyRef" in source or "configMapKeyRef" in source:
+            kind = "secret" if "secretKeyRef" in source else "configMap"
+            ref = source[f"{kind}KeyRef"]
+            found = _read_source(api, ns, kind.lower(), ref["name"], bool(ref.get("optional")))
+            if found is not None and ref["key"] in found:
+                env[name] = found[ref["key"]].decode()
+            elif not ref.get("optional"):
+                raise NotReady(f"{kind} {ref['name']} has no key {ref['key']}")
+        elif "resourceFieldRef" in source:
+            res = source["resourceFieldRef"]["resource"]  # e.g. limits.cpu; divisor ignored
+            group, _, key = res.partition(".")
+            env[name] = str(((container.get("resources") or {}).get(group) or {}).get(key, "0"))
+    return env
+
+
+# -- processes -----------------------------------------------------------------------------------
+def _kill_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def stop_processes(procs: Iterable[subprocess.Popen[bytes]], grace: float) -> None:
+    """SIGTERM each process group, SIGKILL after `grace` seconds, and reap."""
+    procs = list(procs)
+    for p in procs:
+        if p.poll() is None:
+            _kill_group(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.05)
+    for p in procs:
+        _kill_group(p.pid, signal.SIGKILL)  # also stragglers the leader left in its group
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=5)
+
+
+@dataclass
+class ContainerRun:
+    """Runtime state of one container of a pod."""
+
+    spec: JsonObj
+    init: bool = False
+    proc: subprocess.Popen[bytes] | None = None
+    started_at: str = ""
+    restart_count: int = 0
+    terminated: JsonObj | None = None  # the latest exit
+    last_terminated: JsonObj | None = None  # the exit before a restart
+    final: bool = False  # exited and will not be restarted
+    next_start: float = 0.0
+    ready: bool = False
+    probe_failures: int = 0
+    next_probe: float = 0.0
+    start_error: str = ""
+
+    @property
+    def name(self) -> str:
+        return str(self.spec["name"])
+
+
+def _http_probe(spec: JsonObj, host: str, port: int, timeout: float) -> bool:
+    conn_cls = http.client.HTTPSConnection if spec.get("scheme") == "HTTPS" else http.client.HTTPConnection
+    kwargs: dict[str, Any] = {"timeout": timeout}
+    if conn_cls is http.client.HTTPSConnection:
+        kwargs["context"] = ssl._create_unverified_context()  # probes never verify, as the kubelet's
+    conn = conn_cls(host, port, **kwargs)
+    try:
+        headers = {h["name"]: h["value"] for h in spec.get("httpHeaders") or []}
+        conn.request("GET", spec.get("path") or "/", headers=headers)
+        return 200 <= conn.getresponse().status < 400
+    finally:
+        conn.close()
+
+
+def _probe_port(container: JsonObj, port: Any) -> int:
+    if isinstance(port, int) or str(port).isdigit():
+        return int(port)
+    for p in container.get("ports") or []:
+        if p.get("name") == port:
+            return int(p["containerPort"])
+    raise ValueError(f"unknown named port {port!r}")
+
+
+# -- pod runner ----------------------------------------------------------------------------------
+class PodRunner:
+    """Runs one pod from start to deletion in its own thread."""
+
+    def __init__(self, kubelet: Kubelet, pod: JsonObj) -> None:
+        meta = pod["metadata"]
+        self.thread = threading.Thread(
+            target=self.run, name=f"pod-{meta['namespace']}/{meta['name']}", daemon=True
+        )
+        self.kubelet = kubelet
+        self.pod = pod
+        self.namespace: str = meta["namespace"]
+        self.pod_name: str = meta["name"]
+        self.uid: str = meta["uid"]
+        self.scratch: Path = kubelet.scratch_root / self.namespace / f"{self.pod_name}-{self.uid[:8]}"
+        self.pod_ip = ""
+        self.start_time = ""
+        self.containers: list[ContainerRun] = []
+        self._stop = threading.Event()
+        self._delete = False  # finalize the pod in the API after stopping
+        self._gone = False  # the pod no longer exists in the API
+        self._grace = kubelet.max_grace
+        self._last_status: JsonObj | None = None
+        self._transitions: dict[str, tuple[str, str]] = {}
+        self.volumes: dict[str, Path] = {}
+        self.envs: dict[str, dict[str, str]] = {}
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        self.thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        return self.thread.is_alive()
+
+    # called from the watch threads
+    def request_delete(self, grace_seconds: float | None) -> None:
+        self._grace = min(self.kubelet.max_grace, grace_seconds if grace_seconds is not None else 30.0)
+        self._delete = True
+        self._stop.set()
+
+    def request_stop(self, gone: bool, grace: float) -> None:
+        self._gone = self._gone or gone
+        self._grace = min(self._grace, grace)
+        self._stop.set()
+
+    def processes(self) -> dict[str, subprocess.Popen[bytes]]:
+        return {c.name: c.proc for c in self.containers if c.proc is not None}
+
+    def log_path(self, container: str) -> Path:
+        return self.scratch / "logs" / f"{container}.log"
+
+    # the thread
+    def run(self) -> None:
+        try:
+            if self._prepare():
+                while not self._stop.is_set():
+                    self._tick()
+                    self._stop.wait(self.kubelet.tick)
+        except Exception:
+            log.exception("pod %s/%s failed in the fake kubelet", self.namespace, self.pod_name)
+        finally:
+            stop_processes([c.proc for c in self.containers if c.proc is not None], self._grace)
+            if self.pod_ip:
+                self.kubelet.ips.release(self.pod_ip)
+            if self._delete and not self._gone:
+                self.kubelet.force_delete(self.namespace, self.pod_name, self.uid)
+            self.kubelet.forget(self.uid, self)
+
+    def _prepare(self) -> bool:
+        """Binds the pod, takes an IP, and waits for its volumes and env sources to exist."""
+        if not self.kubelet.bind(self.pod):
+            return False  # another kubelet runs it
+        self.pod_ip = self.kubelet.ips.acquire((self.pod.get("status") or {}).get("podIP"))
+        self.start_time = _now()
+        spec = self.pod["spec"]
+        self.containers = [ContainerRun(c, init=True) for c in spec.get("initContainers") or []]
+        self.containers += [ContainerRun(c) for c in spec["containers"]]
+        (self.scratch / "logs").mkdir(parents=True, exist_ok=True)
+        while not self._stop.is_set():
+            try:
+                self.volumes = materialise_volumes(self.kubelet.api, self.pod, self.scratch)
+                self.envs = {
+                    c.name: resolve_env(self.kubelet.api, self.pod, c.spec, self.pod_ip)
+                    for c in self.containers
+                }
+                return True
+            except NotReady as exc:
+                self._report(waiting_reason="CreateContainerConfigError", message=str(exc))
+                self._stop.wait(1.0)
+        return False
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        pending_init = next((c for c in self.containers if c.init and not self._init_done(c)), None)
+        for c in self.containers:
+            if c.init and c is not pending_init:
+                continue
+            if pending_init is not None and not c.init:
+                break
+            if c.proc is None:
+                if not c.final and now >= c.next_start:
+                    self._start(c)
+                continue
+            code = c.proc.poll()
+            if code is None:
+                self._probe(c, now)
+                continue
+            self._exited(c, code, now)
+        self._report()
+
+    def _init_done(self, c: ContainerRun) -> bool:
+        return c.terminated is not None and c.terminated["exitCode"] == 0 and c.proc is None
+
+    def _context(self, c: ContainerRun) -> ContainerContext:
+        mounts = container_mounts(c.spec, self.volumes)
+        env = {k: remap_paths(v, mounts) for k, v in self.envs[c.name].items()}
+        return ContainerContext(self.pod, c.spec, self.pod_ip, self.scratch, mounts, env, self.kubelet.api)
+
+    def _start(self, c: ContainerRun) -> None:
+        if c.terminated is not None:  # a restart
+            c.last_terminated, c.terminated = c.terminated, None
+            c.restart_count += 1
+        ctx = self._context(c)
+        try:
+            launch = self.kubelet.mapping(ctx) or default_mapping(ctx)
+            if not isinstance(launch, Launch):
+                launch = Launch(list(launch))
+            env = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}
+            env.update(self.kubelet.service_env)
+            env.update({"HOSTNAME": self.pod_name, **ctx.env, **launch.env})
+            with open(self.log_path(c.name), "ab") as out:
+                c.proc = subprocess.Popen(
+                    [str(a) for a in launch.argv], cwd=launch.cwd or self.scratch, env=env,
+                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                    start_new_session=True,  # one process group per container: stopped as a whole
+                    preexec_fn=die_with_parent,  # and killed if this runner thread ever dies first
+                )  # fmt: skip
+            c.started_at, c.ready, c.probe_failures, c.next_probe, c.start_error = _now(), False, 0, 0.0, ""
+        except Exception as exc:  # a failed start counts as an exit, as a runtime's StartError does
+            c.start_error = f"{type(exc).__name__}: {exc}"
+            log.warning("cannot start %s/%s[%s]: %s", self.namespace, self.pod_name, c.name, c.start_error)
+            c.started_at = _now()
+            self._exited(c, 128, time.monotonic())
+
+    def _exited(self, c: ContainerRun, code: int, now: float) -> None:
+        if c.proc is not None:
+            _kill_group(c.proc.pid, signal.SIGKILL)  # stragglers of the exited leader
+            c.proc.wait()
+        c.proc, c.ready = None, False
+        reason = "StartError" if c.start_error else ("Completed" if code == 0 else "Error")
+        c.terminated = {
+            "exitCode": code, "reason": reason, "startedAt": c.started_at or _now(), "finishedAt": _now(),
+            "containerID": f"rljob-sim://{self.uid[:8]}-{c.name}",
+        }  # fmt: skip
+        if c.start_error:
+            c.terminated["message"] = c.start_error
+        policy = self.pod["spec"].get("restartPolicy", "Always")
+        if c.init:  # init containers run to completion; Always counts as OnFailure for them
+            restart = code != 0 and policy != "Never"
+        else:
+            restart = policy == "Always" or (policy == "OnFailure" and code != 0)
+        if restart:
+            base, cap = self.kubelet.backoff
+            c.next_start = now + min(cap, base * 2 ** min(c.restart_count, 10))
+        else:
+            c.final = True
+
+    def _probe(self, c: ContainerRun, now: float) -> None:
+        probe = c.spec.get("readinessProbe")
+        if c.init:
+            return
+        if not probe:
+            c.ready = True
+            return
+        if now < c.next_probe:
+            return
+        c.next_probe = now + min(float(probe.get("periodSeconds", 10)), self.kubelet.probe_period)
+        ok = self._run_probe(c, probe)
+        if ok:
+            c.ready, c.probe_failures = True, 0
+        else:
+            c.probe_failures += 1
+            if not c.ready or c.probe_failures >= int(probe.get("failureThreshold", 3)):
+                c.ready = False
+
+    def _run_probe(self, c: ContainerRun, probe: JsonObj) -> bool:
+        timeout = float(probe.get("timeoutSeconds", 1))
+        try:
+            if "httpGet" in probe:
+                spec = probe["httpGet"]
+                # Probes always go to the pod IP: the simulator never sends traffic off loopback.
+                return _http_probe(spec, self.pod_ip, _probe_port(c.spec, spec["port"]), timeout)
+            if "tcpSocket" in probe:
+                port = _probe_port(c.spec, probe["tcpSocket"]["port"])
+                with socket.create_connection((self.pod_ip, port), timeout=timeout):
+                    return True
+            if "exec" in probe:
+                ctx = self._context(c)
+                argv = [ctx.remap(expand_vars(a, ctx.env)) for a in probe["exec"]["command"]]
+                env = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ} | ctx.env
+                run = subprocess.run(argv, cwd=self.scratch, env=env, capture_output=True, timeout=timeout)
+                return run.returncode == 0
+        except (OSError, ValueError, subprocess.TimeoutExpired, http.client.HTTPException):
+            return False
+        return True  # grpc probes are not simulated
+
+    # -- status ----------------------------------------------------------------------------------
+    def _container_status(self, c: ContainerRun, waiting_reason: str, message: str) -> JsonObj:
+        status: JsonObj = {
+            "name": c.name,
+            "image": c.spec.get("image", ""),
+            "imageID": "",
+            "containerID": f"rljob-sim://{self.uid[:8]}-{c.name}",
+            "restartCount": c.restart_count,
+            "ready": c.ready,
+            "started": c.proc is not None,
+        }
+        if c.proc is not None:
+            status["state"] = {"running": {"startedAt": c.started_at}}
+        elif c.terminated is not None:
+            status["state"] = {"terminated": c.terminated}
+        else:
+            waiting: JsonObj = {"reason": waiting_reason or "ContainerCreating"}
+            if message:
+                waiting["message"] = message
+            status["state"] = {"waiting": waiting}
+        status["lastState"] = {"terminated": c.last_terminated} if c.last_terminated else {}
+        return status
+
+    def _condition(self, kind: str, ok: bool) -> JsonObj:
+        value = "True" if ok else "False"
+        previous = self._transitions.get(kind)
+        if previous is None or previous[0] != value:
+            self._transitions[kind] = (value, _now())
+        return {"type": kind, "status": value, "lastTransitionTime": self._transitions[kind][1]}
+
+    def _phase(self) -> str:
+        inits = [c for c in self.containers if c.init]
+        mains = [c for c in self.containers if not c.init]
+        if any(c.final and c.terminated and c.terminated["exitCode"] != 0 for c in inits):
+            return "Failed"
+        if not all(self._init_done(c) for c in inits) or not any(c.started_at for c in mains):
+            return "Pending"
+        if all(c.final for c in mains):
+            return (
+                "Succeeded"
+                if all(c.terminated and c.terminated["exitCode"] == 0 for c in mains)
+                else "Failed"
+            )
+        return "Running"
+
+    def _report(self, waiting_reason: str = "", message: str = "") -> None:
+        phase = self._phase()
+        inits = [c for c in self.containers if c.init]
+        mains = [c for c in self.containers if not c.init]
+        ready = phase == "Running" and all(c.ready for c in mains)
+        status: JsonObj = {
+            "phase": phase,
+            "conditions": [
+                self._condition("PodScheduled", True),
+                self._condition("Initialized", all(self._init_done(c) for c in inits)),
+                self._condition("ContainersReady", ready),
+                self._condition("Ready", ready),
+            ],
+            "hostIP": HOST_IP,
+            "hostIPs": [{"ip": HOST_IP}],
+            "podIP": self.pod_ip,
+            "podIPs": [{"ip": self.pod_ip}],
+            "startTime": self.start_time,
+            "containerStatuses": [self._container_status(c, waiting_reason, message) for c in mains],
+        }
+        if inits:
+            status["initContainerStatuses"] = [
+                self._container_status(c, waiting_reason, message) for c in inits
+            ]
+        if status == self._last_status:
+            return
+        try:
+            self.kubelet.api.merge_patch(
+                pod_path(self.namespace, self.pod_name, "status"), {"status": status}
+            )
+            self._last_status = status
+        except ApiError as exc:
+            if exc.status == 404:
+                self.request_stop(gone=True, grace=self.kubelet.max_grace)
+            else:
+                log.warning("status of %s/%s: %s", self.namespace, self.pod_name, exc)
+        except requests.RequestException as exc:
+            log.warning("status of %s/%s: %s", self.namespace, self.pod_name, exc)
+
+
+# -- the kubelet ---------------------------------------------------------------------------------
+class Kubelet:
+    """Watches pods in `namespaces` (all when empty) and runs those bound (or unbound) to `node_name`."""
+
+    def __init__(
+        self,
+        kubeconfig: Path | str,
+        namespaces: Sequence[str] = (),
+        mapping: Mapping = default_mapping,
+        node_name: str = NODE_NAME,
+        scratch_root: Path | str | None = None,
+        ips: IpAllocator = SHARED_IPS,
+        max_grace: float = 10.0,
+        backoff: tuple[float, float] = (0.2, 5.0),
+        probe_period: float = 0.5,
+        tick: float = 0.1,
+        watch_read_timeout: float = 2.0,
+    ) -> None:
+        self.api = KubeApi.from_kubeconfig(kubeconfig)
+        self.namespaces = list(namespaces)
+        self.mapping = mapping
+        self.node_name = node_name
+        self._own_scratch = scratch_root is None
+        self.scratch_root = Path(scratch_root or tempfile.mkdtemp(prefix="rljob-kubelet-")).resolve()
+        self.ips = ips
+        self.max_grace = max_grace
+        self.backoff = backoff
+        self.probe_period = probe_period
+        self.tick = tick
+        self.watch_read_timeout = watch_read_timeout
+        server = urlparse(self.api.access.server)
+        self.service_env = {  # what a kubelet gives every container for the `kubernetes` service
+            "KUBERNETES_SERVICE_HOST": server.hostname or HOST_IP,
+            "KUBERNETES_SERVICE_PORT": str(server.port or 443),
+        }
+        self._runners: dict[str, PodRunner] = {}
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._watchers: list[threading.Thread] = []
+        self._streams: set[WatchStream] = set()  # open watches, closed by stop() to end them at once
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> Kubelet:
+        self._register_node()
+        paths = [f"/api/v1/namespaces/{ns}/pods" for ns in self.namespaces] or ["/api/v1/pods"]
+        for path in paths:
+            t = threading.Thread(target=self._watch_loop, args=(path,), name=f"watch {path}", daemon=True)
+            t.start()
+            self._watchers.append(t)
+        return self
+
+    def stop(self, grace: float = 2.0) -> None:
+        """Stops all processes (bounded by `grace`) and the watches; leaves the API objects alone."""
+        self._stopping.set()
+        with self._lock:
+            runners = list(self._runners.values())
+            streams = list(self._streams)
+        for stream in streams:
+            stream.close()
+        for r in runners:
+            r.request_stop(gone=False, grace=grace)
+        for r in runners:
+            r.join(timeout=grace + 10)
+        for t in self._watchers:
+            t.join(timeout=self.watch_read_timeout + 10)
+        if self._own_scratch:
+            shutil.rmtree(self.scratch_root, ignore_errors=True)
+
+    def __enter__(self) -> Kubelet:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def runner(self, namespace: str, name: str) -> PodRunner | None:
+        with self._lock:
+            return next(
+                (r for r in self._runners.values() if (r.namespace, r.pod_name) == (namespace, name)), None
+            )
+
+    # -- API actions -----------------------------------------------------------------------------
+    def _register_node(self) -> None:
+        """Creates a Ready Node object so node lookups work; best effort (needs rights on nodes)."""
+        body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": self.node_name}}
+        status = {
+            "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady"}],
+            "addresses": [{"type": "InternalIP", "address": HOST_IP}],
+        }
+        try:
+            with contextlib.suppress(ApiError):
+                self.api.post("/api/v1/nodes", body)
+            self.api.merge_patch(f"/api/v1/nodes/{self.node_name}/status", {"status": status})
+        except ApiError as exc:
+            log.info("node %s not registered: %s", self.node_name, exc)
+
+    def bind(self, pod: JsonObj) -> bool:
+        """Binds an unbound pod to this node; False when another kubelet bound it first."""
+        meta = pod["metadata"]
+        if not pod["spec"].get("nodeName"):
+            body = {
+                "apiVersion": "v1",
+                "kind": "Binding",
+                "metadata": {"name": meta["name"], "uid": meta["uid"]},
+                "target": {"apiVersion": "v1", "kind": "Node", "name": self.node_name},
+            }
+            try:
+                self.api.post(pod_path(meta["namespace"], meta["name"], "binding"), body)
+                pod["spec"]["nodeName"] = self.node_name
+            except ApiError as exc:
+                if exc.status != 409:  # 409: already bound; by whom is read back below
+                    raise
+                pod["spec"]["nodeName"] = self.api.get(pod_path(meta["namespace"], meta["name"]))["spec"].get(
+                    "nodeName"
+                )
+        return bool(pod["spec"].get("nodeName") == self.node_name)
+
+    def force_delete(self, namespace: str, name: str, uid: str) -> None:
+        """Deletes with grace 0: a bare API server has no kubelet that would finalize the pod."""
+        body = {"gracePeriodSeconds": 0, "preconditions": {"uid": uid}}
+        try:
+            self.api.delete(pod_path(namespace, name), body)
+        except ApiError as exc:
+            if exc.status not in (404, 409):
+                log.warning("deleting %s/%s: %s", namespace, name, exc)
+
+    def forget(self, uid: str, runner: PodRunner) -> None:
+        with self._lock:
+            if self._runners.get(uid) is runner:
+                del self._runners[uid]
+
+    # -- watching --------------------------------------------------------------------------------
+    def _watch_loop(self, path: str) -> None:
+        rv = ""
+        while not self._stopping.is_set():
+            try:
+                if not rv:
+                    listing = self.api.get(path)
+                    rv = listing["metadata"]["resourceVersion"]
+                    self._resync(path, listing.get("items") or [])
+                stream = self.api.watch(path, rv, self.watch_read_timeout)
+                with self._lock:
+                    self._streams.add(stream)
+                try:
+                    for event in stream:
+                        if self._stopping.is_set():
+                            break
+                        obj = event.get("object") or {}
+                        if event.get("type") == "ERROR":
+                            rv = "" if obj.get("code") == 410 else rv  # expired: list again
+                            break
+                        rv = obj["metadata"]["resourceVersion"]
+                        if event["type"] != "BOOKMARK":
+                            self._on_event(event["type"], obj)
+                finally:
+                    with self._lock:
+                        self._streams.discard(stream)
+                    stream.close()
+            except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError):
+                continue  # an idle read timed out: resume from rv (and notice a stop)
+            except ApiError as exc:
+                rv = "" if exc.status == 410 else rv
+                log.warning("watch %s: %s", path, exc)
+                self._stopping.wait(1.0)
+            except Exception:
+                log.exception("watch %s", path)
+                self._stopping.wait(1.0)
+
+    def _resync(self, path: str, pods: list[JsonObj]) -> None:
+        present = {p["metadata"]["uid"] for p in pods}
+        with self._lock:
+            vanished = [
+                r
+                for uid, r in self._runners.items()
+                if uid not in present and (path == "/api/v1/pods" or f"/namespaces/{r.namespace}/" in path)
+            ]
+        for r in vanished:
+            r.request_stop(gone=True, grace=self.max_grace)
+        for pod in pods:
+            self._on_event("ADDED", pod)
+
+    def _on_event(self, kind: str, pod: JsonObj) -> None:
+        meta, spec = pod["metadata"], pod.get("spec") or {}
+        if spec.get("nodeName") not in (None, "", self.node_name):
+            return  # another node's pod
+        uid = meta["uid"]
+        with self._lock:
+            runner = self._runners.get(uid)
+            if kind == "DELETED":
+                if runner is not None:
+                    runner.request_stop(gone=True, grace=self._grace_of(pod))
+                return
+            if meta.get("deletionTimestamp"):
+                if runner is not None:
+                    runner.request_delete(self._grace_of(pod))
+                elif not self._stopping.is_set():
+                    self.force_delete(meta["namespace"], meta["name"], uid)
+                return
+            if runner is not None or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+                return
+            if self._stopping.is_set():
+                return
+            runner = PodRunner(self, pod)
+            self._runners[uid] = runner
+        runner.start()
+
+    def _grace_of(self, pod: JsonObj) -> float:
+        grace = pod["metadata"].get("deletionGracePeriodSeconds")
+        if grace is None:
+            grace = (pod.get("spec") or {}).get("terminationGracePeriodSeconds", 30)
+        return min(float(grace), self.max_grace)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rljob.sim.kubelet", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--kubeconfig", default=os.environ.get("KUBECONFIG"), required=not os.environ.get("KUBECONFIG")
+    )
+    parser.add_argument("--namespace", "-n", action="append", default=[], help="repeatable; default: all")
+    parser.add_argument("--node-name", default=NODE_NAME)
+    parser.add_argument("--scratch", default=None, help="per-pod scratch root (default: a temp dir)")
+    parser.add_argument("--first-ip", default="127.0.0.2", help="first loopback pod IP")
+    parser.add_argument("--max-grace", type=float, default=10.0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    kubelet = Kubelet(
+        args.kubeconfig, args.namespace, node_name=args.node_name, scratch_root=args.scratch,
+        ips=IpAllocator(args.first_ip), max_grace=args.max_grace,
+    )  # fmt: skip
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    kubelet.start()
+    log.info("fake kubelet %s running pods in %s; scratch %s", args.node_name,
+             args.namespace or "all namespaces", kubelet.scratch_root)  # fmt: skip
+    done.wait()
+    kubelet.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Fixtures for the e2e tier: a real kube-apiserver + etcd, fresh namespaces, real kubectl, a fake kubelet.
+
+The control plane is started once per session from the cached binaries (hack/build-binaries.sh
+builds them if missing), or reused from `RLJOB_KUBECONFIG`. Missing binaries that cannot be built
+make the e2e tests fail, never skip, unless `RLJOB_SKIP_E2E=1`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rljob.sim.cluster import ControlPlaneError, LocalControlPlane, ensure_binaries
+from rljob.sim.kubeaccess import KubeApi, Kubectl, create_namespace, delete_namespace
+from rljob.sim.kubelet import Kubelet, Mapping, default_mapping
+
+SKIP_E2E = os.environ.get("RLJOB_SKIP_E2E") == "1"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if SKIP_E2E:
+        skip = pytest.mark.skip(reason="RLJOB_SKIP_E2E=1")
+        for item in items:
+            if item.get_closest_marker("e2e") is not None:
+                item.add_marker(skip)
+
+
+@dataclass(frozen=True)
+class ControlPlane:
+    """The API server the e2e tier talks to; `local` is None when reused from RLJOB_KUBECONFIG."""
+
+    kubeconfig: Path
+    api: KubeApi
+    local: LocalControlPlane | None
+
+
+@pytest.fixture(scope="session")
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    if SKIP_E2E:
+        pytest.skip("RLJOB_SKIP_E2E=1")
+    external = os.environ.get("RLJOB_KUBECONFIG")
+    if external:
+        yield ControlPlane(Path(external), KubeApi.from_kubeconfig(external), None)
+        return
+    try:
+        binaries = ensure_binaries(build=True)
+    except ControlPlaneError as exc:
+        pytest.fail(f"e2e needs the control-plane binaries: {exc}", pytrace=False)
+    plane = LocalControlPlane(tmp_path_factory.mktemp("control-plane"), binaries)
+    plane.start()
+    try:
+        yield ControlPlane(plane.kubeconfig, KubeApi.from_kubeconfig(plane.kubeconfig), plane)
+    finally:
+        plane.stop()
+
+
+@pytest.fixture(scope="session")
+def admin_kubeconfig(control_plane: ControlPlane) -> Path:
+    """Kubeconfig of a system:masters user."""
+    return control_plane.kubeconfig
+
+
+@pytest.fixture(scope="session")
+def kube_api(control_plane: ControlPlane) -> KubeApi:
+    """Admin JSON REST access (rljob.sim.kubeaccess.KubeApi)."""
+    return control_plane.api
+
+
+@pytest.fixture
+def namespace(request: pytest.FixtureRequest, kube_api: KubeApi) -> Iterator[str]:
+    """A fresh namespace per test; deletion is requested afterwards but never awaited (no finalizer
+    controller runs on a bare API server)."""
+    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    name = f"e2e-{slug}-{uuid.uuid4().hex[:6]}"
+    create_namespace(kube_api, name, labels={"rljob.io/e2e": "true"})
+    yield name
+    delete_namespace(kube_api, name)
+
+
+@pytest.fixture(scope="session")
+def kubectl(admin_kubeconfig: Path) -> Kubectl:
+    return Kubectl(admin_kubeconfig)
+
+
+KubeletFactory = Callable[..., Kubelet]
+
+
+@pytest.fixture
+def kubelet_factory(admin_kubeconfig: Path, namespace: str, tmp_path: Path) -> Iterator[KubeletFactory]:
+    """make(mapping=..., namespaces=[namespace], **Kubelet kwargs) -> a started Kubelet, stopped
+    (all its processes killed) at teardown. Scratch dirs and logs are under tmp_path/kubelet-N."""
+    started: list[Kubelet] = []
+
+    def make(mapping: Mapping = default_mapping, namespaces: list[str] | None = None, **kw: Any) -> Kubelet:
+        kw.setdefault("scratch_root", tmp_path / f"kubelet-{len(started)}")
+        kubelet = Kubelet(admin_kubeconfig, namespaces or [namespace], mapping, **kw)
+        started.append(kubelet)
+        return kubelet.start()
+
+    yield make
+    for kubelet in started:
+        kubelet.stop()
+
+
+@pytest.fixture
+def kubelet(kubelet_factory: KubeletFactory) -> Kubelet:
+    """A fake kubelet for the test's namespace that runs command + args as given."""
+    return kubelet_factory()
