@@ -1,0 +1,263 @@
+"""The operator end to end on a real kube-apiserver + etcd: real kubectl, the real operator process, and
+for every pod the real agent (from the pod spec the operator generated), the SGLang emulator and the
+simulated trainer, run by the fake kubelet."""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from rljob.sim.harness import ROOT, OperatorProcess, get_rljob, phase_is, rljob_path, wait_rljob
+from rljob.sim.kubeaccess import KubeApi, Kubectl
+from rljob.sim.kubelet import Kubelet
+from rljob.sim.pods import SIM_ARGS_ENV, rljob_mapping
+
+pytestmark = pytest.mark.e2e
+
+EXAMPLE = yaml.safe_load((ROOT / "examples/rljob.yaml").read_text())
+# Every lifecycle route takes a little time, so a test can catch (and kill the operator in) any phase.
+SLOW = " ".join(
+    f"--fault-slow {route}=0.6"
+    for route in ("/pause_generation", "/release_memory_occupation", "/update_weights_from_disk",
+                  "/continue_generation")
+)
+
+
+@pytest.fixture(scope="session")
+def crd(kubectl: Kubectl, kube_api: KubeApi) -> None:
+    kubectl("apply", "-f", str(ROOT / "crds"))
+    kubectl("wait", "--for=condition=Established", "crd/rljobs.rljob.io", "--timeout=30s")
+
+
+@dataclass
+class RL:
+    api: KubeApi
+    kubectl: Kubectl
+    namespace: str
+    operator: OperatorProcess
+    kubelet: Kubelet
+
+    def apply(self, manifest: dict[str, Any]) -> None:
+        self.kubectl.apply(manifest, namespace=self.namespace)
+
+    def get(self, name: str) -> dict[str, Any]:
+        return get_rljob(self.api, self.namespace, name)
+
+    def wait(self, name: str, *phases: str, timeout: float = 120) -> dict[str, Any]:
+        return wait_rljob(self.api, self.namespace, name, phase_is(*phases), timeout, f"in {phases}",
+                          on_timeout=self.operator.log_tail)
+
+    def pods(self, name: str) -> list[dict[str, Any]]:
+        got = self.api.get(f"/api/v1/namespaces/{self.namespace}/pods", labelSelector=f"rljob.io/job={name}")
+        return list(got["items"])
+
+    def emulator(self, pod: dict[str, Any], path: str) -> Any:
+        with urllib.request.urlopen(f"http://{pod['status']['podIP']}:30000{path}", timeout=5) as resp:
+            return json.loads(resp.read())
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        got = self.api.get(f"/api/v1/namespaces/{self.namespace}/events",
+                           fieldSelector=f"involvedObject.name={name}")
+        return list(got["items"])
+
+
+@pytest.fixture
+def rl(admin_kubeconfig: Path, kube_api: KubeApi, kubectl: Kubectl, namespace: str, kubelet_factory: Any,
+       crd: None, tmp_path: Path) -> Iterator[RL]:
+    kubelet = kubelet_factory(mapping=rljob_mapping())
+    operator = OperatorProcess(admin_kubeconfig, [namespace], tmp_path / "operator.log").start()
+    try:
+        yield RL(kube_api, kubectl, namespace, operator, kubelet)
+    finally:
+        operator.stop()
+
+
+def job(name: str, *, iterations: int = 3, replicas: int = 2, backoff: int = 3, sim_args: str = "",
+        keep: bool = True, sglang_args: tuple[str, ...] = (), train_seconds: float = 0.5,
+        rollout_requests: int = 8) -> dict[str, Any]:
+    manifest = copy.deepcopy(EXAMPLE)
+    manifest["metadata"] = {"name": name}
+    spec = manifest["spec"]
+    spec.update(replicas=replicas, iterations=iterations, backoffLimit=backoff)
+    if keep:
+        spec["podsAfterFinished"] = "Keep"
+    spec["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] = f"{name}-weights"
+    sglang, trainer = spec["template"]["spec"]["containers"]
+    sglang["args"] = [*sglang["args"], *sglang_args]
+    sglang["env"] = [*sglang.get("env", []), {"name": SIM_ARGS_ENV, "value": f"--tokens-per-second 0 {sim_args}"}]
+    trainer["args"] = ["--rollout-requests", str(rollout_requests), "--train-seconds", str(train_seconds)]
+    return manifest
+
+
+def versions(obj: dict[str, Any]) -> list[str]:
+    return [w["version"] for w in obj["status"].get("weightHistory", [])]
+
+
+def assert_monotonic(history: list[str]) -> None:
+    numbers = [int(v) for v in history]
+    assert numbers == sorted(set(numbers)), history
+
+
+def test_three_iterations_succeed_and_every_pod_serves_the_third_version(rl: RL) -> None:
+    rl.apply(job("three"))
+    obj = rl.wait("three", "Succeeded", timeout=150)
+    status = obj["status"]
+    assert status["weightVersion"] == "3"
+    assert versions(obj) == ["0", "1", "2", "3"]
+    assert status["iteration"] == 3 and status["restarts"] == 0
+    assert status["lastIteration"]["seconds"]["training"] > 0
+    assert status["profile"]["verdict"] in ("RolloutBound", "TrainBound", "Balanced")
+    pods = rl.pods("three")
+    assert len(pods) == 2
+    for pod in pods:
+        assert rl.emulator(pod, "/model_info")["weight_version"] == "3"
+        assert all(c["state"].get("running") for c in pod["status"]["containerStatuses"]), pod["status"]
+    table = rl.kubectl("get", "rljob", "three", namespace=rl.namespace).stdout
+    assert table.split()[:5] == ["NAME", "PHASE", "ITERATION", "WEIGHTS", "READY"]
+    assert "Succeeded" in table and " 3 " in table
+    wide = rl.kubectl("get", "rljob", "three", "-o", "wide", namespace=rl.namespace).stdout
+    assert "ROLLOUT%" in wide and "RESTARTS" in wide
+    described = rl.kubectl("describe", "rljob", "three", namespace=rl.namespace).stdout
+    assert "WeightsCommitted" in described and "PhaseChanged" in described and "Completed" in described
+
+
+@pytest.mark.parametrize(
+    "phase", ["Initializing", "Rollout", "Draining", "Releasing", "Training", "Refitting", "Resuming"]
+)
+def test_operator_killed_in_each_phase_converges(rl: RL, phase: str) -> None:
+    name = f"kill-{phase.lower()}"
+    rl.apply(job(name, iterations=2, sim_args=f"--startup-seconds 1 {SLOW}", train_seconds=1.0))
+    seen = rl.wait(name, phase, timeout=90)
+    rl.operator.kill()
+    epoch_at_kill = seen["status"].get("epoch", 0)
+    time.sleep(1.0)  # the world moves on without an operator
+    rl.operator.start()
+    obj = rl.wait(name, "Succeeded", timeout=150)
+    status = obj["status"]
+    assert status["restarts"] == 0, status.get("message")  # no emulator died, no gang restart
+    assert status["weightVersion"] == "2"
+    assert_monotonic(versions(obj))
+    assert status["epoch"] >= epoch_at_kill
+    for pod in rl.pods(name):
+        assert rl.emulator(pod, "/model_info")["weight_version"] == "2"
+        statuses = {c["name"]: c for c in pod["status"]["containerStatuses"]}
+        assert statuses["sglang"]["restartCount"] == 0 and "running" in statuses["sglang"]["state"]
+
+
+@pytest.mark.parametrize("phase", ["Training", "Refitting"])
+def test_pod_deleted_mid_iteration_recovers_at_committed_weights(rl: RL, phase: str) -> None:
+    name = f"lose-{phase.lower()}"
+    rl.apply(job(name, iterations=2, backoff=2, sim_args=SLOW, train_seconds=1.0))
+    rl.wait(name, phase, timeout=90)
+    victim = rl.pods(name)[1]["metadata"]["name"]
+    rl.kubectl("delete", "pod", victim, "--grace-period=0", "--force", namespace=rl.namespace)
+    rl.wait(name, "Recovering", timeout=30)
+    obj = rl.wait(name, "Succeeded", timeout=150)
+    assert obj["status"]["restarts"] == 1
+    assert obj["status"]["weightVersion"] == "2"
+    assert_monotonic(versions(obj))
+    reasons = {e["reason"] for e in rl.events(name)}
+    assert "GangMemberLost" in reasons
+
+
+def test_pod_lost_with_backoff_limit_zero_fails_and_stays_failed(rl: RL) -> None:
+    name = "no-backoff"
+    rl.apply(job(name, backoff=0, sim_args=SLOW, train_seconds=1.0))
+    rl.wait(name, "Training", timeout=90)
+    rl.kubectl("delete", "pod", f"{name}-0", "--grace-period=0", "--force", namespace=rl.namespace)
+    obj = rl.wait(name, "Failed", timeout=30)
+    assert obj["status"]["reason"] == "BackoffLimitExceeded"
+    assert "backoffLimit 0" in obj["status"]["message"]
+    conditions = {c["type"]: c["status"] for c in obj["status"]["conditions"]}
+    assert conditions["Failed"] == "True" and conditions["Ready"] == "False"
+    time.sleep(4)  # several operator rounds later it is still Failed, and its pods are gone
+    assert rl.get(name)["status"]["phase"] == "Failed"
+    deadline = time.monotonic() + 20
+    while rl.pods(name) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert rl.pods(name) == []
+
+
+def test_suspend_mid_rollout_and_resume_completes_at_the_committed_version(rl: RL) -> None:
+    name = "suspend"
+    rl.apply(job(name, iterations=3, rollout_requests=40, sim_args="--tokens-per-second 400"))
+    rl.wait(name, "Rollout", timeout=90)
+    wait_rljob(rl.api, rl.namespace, name, lambda o: o["status"].get("iteration", 0) >= 2
+               and o["status"].get("phase") == "Rollout", 90, "in rollout of iteration 2")
+    rl.kubectl("patch", "rljob", name, "--type=merge", "-p", '{"spec":{"suspend":true}}', namespace=rl.namespace)
+    obj = rl.wait(name, "Suspended", timeout=60)
+    committed = obj["status"]["weightVersion"]
+    assert committed == "1"
+    deadline = time.monotonic() + 20
+    while rl.pods(name) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert rl.pods(name) == []
+    rl.kubectl("patch", "rljob", name, "--type=merge", "-p", '{"spec":{"suspend":false}}', namespace=rl.namespace)
+    obj = rl.wait(name, "Succeeded", timeout=150)
+    assert obj["status"]["weightVersion"] == "3"
+    assert versions(obj) == ["0", "1", "2", "3"]
+    assert obj["status"]["restarts"] == 0
+    reasons = {e["reason"] for e in rl.events(name)}
+    assert {"Suspended", "Resumed"} <= reasons
+
+
+def test_weight_cache_is_refused_before_memory_is_touched(rl: RL) -> None:
+    name = "weight-cache"
+    rl.apply(job(name, sglang_args=("--weight-cache-mode", "daemon")))
+    obj = rl.wait(name, "Failed", timeout=60)
+    status = obj["status"]
+    assert status["reason"] == "WeightCacheActive"
+    assert "--weight-cache-mode daemon" in status["message"]
+    assert status["restarts"] == 0  # no emulator died: nothing was released or refitted
+    assert "GangMemberLost" not in {e["reason"] for e in rl.events(name)}
+
+
+@pytest.mark.parametrize(
+    ("patch", "field"),
+    [
+        ({"release": {"tags": ["kv_cache", "in_place"]}}, "spec.release.tags[1]"),
+        ({"rollout": {"drain": {"mode": "in_place"}}}, "spec.rollout.drain.mode"),
+        ({"trainer": {"container": "sglang"}}, "spec.trainer.container"),
+        ({"trainer": {"container": "nope"}}, "spec.trainer.container"),
+        ({"replicas": 0}, "spec.replicas"),
+    ],
+)
+def test_api_server_refuses_invalid_specs_with_the_field_path(rl: RL, patch: dict[str, Any], field: str) -> None:
+    manifest = job("invalid")
+    manifest["spec"].update(patch)
+    result = rl.kubectl("apply", "-f", "-", input=yaml.safe_dump(manifest), namespace=rl.namespace, check=False)
+    assert result.returncode != 0
+    assert field in result.stderr, result.stderr
+    assert rl.api.get(rljob_path(rl.namespace))["items"] == []  # nothing was stored
+
+
+def test_immutable_fields_are_refused_on_update(rl: RL) -> None:
+    rl.apply(job("immutable", iterations=1))
+    result = rl.kubectl("patch", "rljob", "immutable", "--type=merge", "-p", '{"spec":{"replicas":3}}',
+                        namespace=rl.namespace, check=False)
+    assert result.returncode != 0 and "replicas is immutable" in result.stderr
+    result = rl.kubectl("patch", "rljob", "immutable", "--type=merge", "-p",
+                        '{"spec":{"release":{"tags":["kv_cache"]}}}', namespace=rl.namespace, check=False)
+    assert result.returncode != 0 and "release is immutable" in result.stderr
+
+
+def test_deleting_the_job_cleans_up_its_children(rl: RL) -> None:
+    name = "delete-me"
+    rl.apply(job(name, iterations=5))
+    rl.wait(name, "Rollout", timeout=90)
+    rl.kubectl("delete", "rljob", name, "--wait=true", "--timeout=60s", namespace=rl.namespace)
+    deadline = time.monotonic() + 30
+    while rl.pods(name) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert rl.pods(name) == []
+    secrets = rl.api.get(f"/api/v1/namespaces/{rl.namespace}/secrets")["items"]
+    assert not [s for s in secrets if s["metadata"]["name"] == f"{name}-agent-token"]
