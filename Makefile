@@ -5,8 +5,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export PYTHONPATH := $(CURDIR)/operator
 CLUSTER_DIR ?= .cluster
+HELM ?= $(HOME)/.cache/rljob/bin/helm-v3.22.0/helm
 
-.PHONY: help install test test-unit test-agent test-e2e lint crds openapi cluster-up cluster-down binaries demo bench gpu-test clean
+.PHONY: help install test test-unit test-agent test-e2e lint crds chart-lint images openapi cluster-up cluster-down cluster-status binaries demo bench gpu-test clean
 
 help:
 	@grep -E '^[a-z-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -34,8 +35,16 @@ lint: install ## ruff + mypy (api/ and lifecycle/)
 	$(BIN)/ruff check operator tests
 	$(BIN)/mypy operator/rljob/api operator/rljob/lifecycle
 
-crds: install ## regenerate crds/ from the pydantic models
+crds: install ## regenerate crds/ (and the chart's copy) from the pydantic models
 	$(BIN)/python -m rljob.api.crd > crds/rljob.io_rljobs.yaml
+	cp crds/rljob.io_rljobs.yaml charts/rljob-operator/crds/rljob.io_rljobs.yaml
+
+chart-lint: binaries ## helm lint the chart
+	$(HELM) lint --strict charts/rljob-operator
+
+images: ## build the container images (needs Docker; not available on CI machines)
+	docker build -f images/operator/Dockerfile -t ghcr.io/rljob/rljob-operator:0.1.0 .
+	docker build -f images/agent/Dockerfile -t ghcr.io/rljob/rljob-agent:0.1.0 .
 
 openapi: install ## regenerate the agent's OpenAPI document
 	$(BIN)/python -m rljob.agent.openapi > docs/agent-openapi.json
@@ -48,6 +57,9 @@ cluster-up: install binaries ## start a local kube-apiserver + etcd; kubeconfig 
 
 cluster-down: ## stop the local control plane
 	$(BIN)/python -m rljob.sim.cluster down --dir $(CLUSTER_DIR)
+
+cluster-status: ## is the local control plane running?
+	$(BIN)/python -m rljob.sim.cluster status --dir $(CLUSTER_DIR)
 
 demo: install binaries ## the whole loop on a real local API server with simulated GPUs
 	$(BIN)/python -m rljob.sim.demo

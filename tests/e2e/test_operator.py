@@ -83,7 +83,7 @@ def rl(admin_kubeconfig: Path, kube_api: KubeApi, kubectl: Kubectl, namespace: s
 
 def job(name: str, *, iterations: int = 3, replicas: int = 2, backoff: int = 3, sim_args: str = "",
         keep: bool = True, sglang_args: tuple[str, ...] = (), train_seconds: float = 0.5,
-        rollout_requests: int = 8) -> dict[str, Any]:
+        prompts: int = 4) -> dict[str, Any]:
     manifest = copy.deepcopy(EXAMPLE)
     manifest["metadata"] = {"name": name}
     spec = manifest["spec"]
@@ -94,7 +94,7 @@ def job(name: str, *, iterations: int = 3, replicas: int = 2, backoff: int = 3, 
     sglang, trainer = spec["template"]["spec"]["containers"]
     sglang["args"] = [*sglang["args"], *sglang_args]
     sglang["env"] = [*sglang.get("env", []), {"name": SIM_ARGS_ENV, "value": f"--tokens-per-second 0 {sim_args}"}]
-    trainer["args"] = ["--rollout-requests", str(rollout_requests), "--train-seconds", str(train_seconds)]
+    trainer["args"] = ["--prompts", str(prompts), "--samples-per-prompt", "2", "--train-seconds", str(train_seconds)]
     return manifest
 
 
@@ -189,7 +189,7 @@ def test_pod_lost_with_backoff_limit_zero_fails_and_stays_failed(rl: RL) -> None
 
 def test_suspend_mid_rollout_and_resume_completes_at_the_committed_version(rl: RL) -> None:
     name = "suspend"
-    rl.apply(job(name, iterations=3, rollout_requests=40, sim_args="--tokens-per-second 400"))
+    rl.apply(job(name, iterations=3, prompts=20, sim_args="--tokens-per-second 400"))
     rl.wait(name, "Rollout", timeout=90)
     wait_rljob(rl.api, rl.namespace, name, lambda o: o["status"].get("iteration", 0) >= 2
                and o["status"].get("phase") == "Rollout", 90, "in rollout of iteration 2")
