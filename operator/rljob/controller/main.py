@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> None:
         log_format=kopf.LogFormat.JSON if args.log_json else kopf.LogFormat.PLAIN,
     )
     logging.getLogger("rljob").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    if not args.verbose:  # "Handler 'x' succeeded" per watch event drowns the phase log
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     load_config()
     if args.metrics_port:
         start_http_server(args.metrics_port)
