@@ -1,0 +1,96 @@
+"""Wiring of the agent: one SGLang client, the state store, the desks, two listeners, background loops."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+from aiohttp import web
+
+from rljob.agent.commands import CommandDesk
+from rljob.agent.config import AgentConfig
+from rljob.agent.gpu_probe import make_probe
+from rljob.agent.lease import LeaseDesk
+from rljob.agent.metrics import AgentMetrics
+from rljob.agent.operations import Operations
+from rljob.agent.operator_api import build_operator_app
+from rljob.agent.refit_window import RefitWindows
+from rljob.agent.rollout import RolloutSampler
+from rljob.agent.sglang_client import SGLangClient
+from rljob.agent.state import StateStore
+from rljob.agent.trainer_api import build_trainer_app
+from rljob.agent.watch import SGLangWatch
+
+log = logging.getLogger("rljob.agent")
+
+
+class Agent:
+    def __init__(self, cfg: AgentConfig) -> None:
+        self.cfg = cfg
+        self.metrics = AgentMetrics()
+        self.store = StateStore(on_commit=self.metrics.revision.set)
+        self.client = SGLangClient(
+            cfg.sglang_url,
+            api_key=cfg.sglang_api_key,
+            admin_api_key=cfg.sglang_admin_api_key,
+            call_timeout_s=cfg.call_timeout_s,
+            observe=self.metrics.observe_sglang,
+        )
+        self.windows = RefitWindows(self.store, self.client)
+        self.lease = LeaseDesk(self.store)
+        self.watch = SGLangWatch(self.store, self.client)
+        ops = Operations(
+            self.store,
+            self.client,
+            make_probe(cfg.gpu_probe, self.client),
+            self.windows,
+            self.lease,
+            self.metrics,
+            cfg.call_timeout_s,
+        )
+        self.desk = CommandDesk(self.store, ops, self.metrics, self.watch.confirm_death)
+        self.sampler = RolloutSampler(self.store, self.client, cfg.rollout_sample_s, cfg.rollout_report_s)
+
+    async def run(self) -> None:
+        await self.client.start()
+        runners = []
+        for app, (host, port) in (
+            (
+                build_operator_app(self.store, self.desk, self.metrics, self.cfg.token, self.client.ping),
+                self.cfg.listen,
+            ),
+            (build_trainer_app(self.store, self.lease, self.windows, self.metrics), self.cfg.trainer_listen),
+        ):
+            runner = web.AppRunner(app, access_log=None, handle_signals=False)
+            await runner.setup()
+            await web.TCPSite(runner, host, port).start()
+            runners.append(runner)
+        log.info(
+            "rljob-agent listening: operator %s:%d, trainer %s:%d; SGLang %s; GPU probe %s",
+            *self.cfg.listen,
+            *self.cfg.trainer_listen,
+            self.cfg.sglang_url,
+            self.cfg.gpu_probe,
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        tasks = [
+            asyncio.create_task(self.watch.run(), name="sglang-watch"),
+            asyncio.create_task(self.sampler.run(), name="rollout-sampler"),
+        ]
+        try:
+            await stop.wait()
+        finally:
+            log.info("rljob-agent stopping")
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+            for runner in runners:
+                await runner.cleanup()
+            await self.client.close()

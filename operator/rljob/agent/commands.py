@@ -1,0 +1,109 @@
+"""Accepting operator commands: epochs (idempotency), one command at a time, the transition guards, and
+asynchronous execution whose outcome lands in AgentState.last_command."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from rljob.agent import transitions
+from rljob.agent.errors import CommandFailed, StateLost, conflict
+from rljob.agent.metrics import AgentMetrics
+from rljob.agent.operations import Operations
+from rljob.agent.sglang_client import SGLangError, SGLangUnreachable
+from rljob.agent.state import StateStore
+from rljob.agent.timing import measure_external
+from rljob.api.agent import Command, CommandState, CommandStatus
+
+log = logging.getLogger("rljob.agent")
+
+
+class CommandDesk:
+    def __init__(
+        self,
+        store: StateStore,
+        operations: Operations,
+        metrics: AgentMetrics,
+        confirm_death: Callable[[str], Awaitable[None]],
+    ) -> None:
+        self._store = store
+        self._ops = operations
+        self._metrics = metrics
+        self._confirm_death = confirm_death  # pings SGLang; marks the agent Failed if it is gone
+        self._running: asyncio.Task[None] | None = None
+
+    def submit(self, cmd: Command) -> tuple[int, CommandStatus]:
+        """(HTTP status, body): 202 accepted, 200 replay of the same epoch and action; Refused otherwise."""
+        st = self._store.state
+        last = st.last_command
+        if last is not None and cmd.epoch == last.epoch:
+            if cmd.action != last.action:
+                raise conflict("EpochConflict", f"epoch {cmd.epoch} was already used for {last.action.value}")
+            self._metrics.commands.labels(cmd.action.value, "replayed").inc()
+            return 200, last.model_copy()
+        if cmd.epoch < st.epoch:
+            raise conflict(
+                "StaleEpoch", f"epoch {cmd.epoch} is older than the last accepted epoch {st.epoch}"
+            )
+        if last is not None and last.state == CommandState.RUNNING:
+            raise conflict("Busy", f"{last.action.value} (epoch {last.epoch}) is still running")
+        transitions.check(cmd, st, self._store.facts)
+        status = CommandStatus(
+            epoch=cmd.epoch, action=cmd.action, state=CommandState.RUNNING, started_at=time.time()
+        )
+        with self._store.change() as s:
+            s.epoch = cmd.epoch
+            s.last_command = status
+        self._metrics.commands.labels(cmd.action.value, "accepted").inc()
+        log.info("command accepted: %s epoch=%d", cmd.action.value, cmd.epoch)
+        self._running = asyncio.create_task(self._run(cmd), name=f"command-{cmd.epoch}")
+        return 202, status.model_copy()
+
+    async def wait(self, epoch: int, seconds: float) -> CommandStatus | None:
+        def finished() -> bool:
+            last = self._store.state.last_command
+            return last is None or last.epoch != epoch or last.state != CommandState.RUNNING
+
+        await self._store.wait_until(finished, seconds)
+        last = self._store.state.last_command
+        return last.model_copy() if last is not None and last.epoch == epoch else None
+
+    async def _run(self, cmd: Command) -> None:
+        started = time.monotonic()
+        error: str | None = None
+        with measure_external() as external:
+            try:
+                await self._ops.execute(cmd)
+            except CommandFailed as e:
+                error = str(e)
+            except StateLost as e:
+                error = str(e)
+                self._store.fail(error)
+            except SGLangUnreachable as e:
+                error = f"SGLang unreachable: {e}"
+                await self._confirm_death(error)
+            except SGLangError as e:
+                error = str(e)
+            except Exception as e:  # a bug must not leave the command Running forever
+                log.exception("command %s epoch=%d crashed", cmd.action.value, cmd.epoch)
+                error = f"internal error: {e.__class__.__name__}: {e}"
+        seconds = time.monotonic() - started
+        result = "failed" if error else "succeeded"
+        self._metrics.commands.labels(cmd.action.value, result).inc()
+        self._metrics.command_seconds.labels(cmd.action.value).observe(seconds)
+        log.info(
+            "command %s epoch=%d %s in %.3fs%s",
+            cmd.action.value,
+            cmd.epoch,
+            result,
+            seconds,
+            f": {error}" if error else "",
+        )
+        with self._store.change() as s:
+            assert s.last_command is not None
+            s.last_command.state = CommandState.FAILED if error else CommandState.SUCCEEDED
+            s.last_command.error = error[:1024] if error else None
+            s.last_command.seconds = seconds
+            s.last_command.sglang_seconds = min(seconds, external[0])

@@ -1,0 +1,141 @@
+"""Command line of `rljob-agent`. Every flag has an env default: the operator injects env into the pod."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    listen: tuple[str, int]
+    trainer_listen: tuple[str, int]
+    sglang_url: str
+    token: str
+    gpu_probe: str
+    log_json: bool
+    sglang_api_key: str | None  # SGLang --api-key: normal routes (and lifecycle ones without an admin key)
+    sglang_admin_api_key: str | None  # SGLang --admin-api-key: the only key lifecycle routes accept then
+    call_timeout_s: float  # bound on SGLang calls made outside a command deadline
+    rollout_sample_s: float
+    rollout_report_s: float  # rollout-only changes bump the revision at most this often
+
+
+def parse_hostport(value: str) -> tuple[str, int]:
+    """`HOST:PORT`, `[v6]:PORT` or `:PORT` (all interfaces)."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(name, default)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rljob-agent", description="In-pod agent between the operator and SGLang."
+    )
+    p.add_argument(
+        "--listen",
+        type=parse_hostport,
+        default=_env("RLJOB_AGENT_LISTEN", "127.0.0.1:8471"),
+        help="operator-facing API, HOST:PORT (env RLJOB_AGENT_LISTEN; the operator passes the pod IP)",
+    )
+    p.add_argument(
+        "--trainer-listen",
+        type=parse_hostport,
+        default=_env("RLJOB_TRAINER_LISTEN", "127.0.0.1:8472"),
+        help="trainer-facing API, loopback only, no token (env RLJOB_TRAINER_LISTEN)",
+    )
+    p.add_argument(
+        "--sglang-url",
+        default=_env("RLJOB_SGLANG_URL", "http://127.0.0.1:30000"),
+        help="SGLang server in the pod (env RLJOB_SGLANG_URL)",
+    )
+    p.add_argument(
+        "--token-file",
+        default=_env("RLJOB_AGENT_TOKEN_FILE"),
+        help="bearer token the operator must present (env RLJOB_AGENT_TOKEN_FILE); required",
+    )
+    p.add_argument(
+        "--sglang-api-key-file",
+        default=_env("RLJOB_SGLANG_API_KEY_FILE"),
+        help="SGLang's --api-key, if it runs with one (env RLJOB_SGLANG_API_KEY_FILE)",
+    )
+    p.add_argument(
+        "--sglang-admin-api-key-file",
+        default=_env("RLJOB_SGLANG_ADMIN_API_KEY_FILE"),
+        help="SGLang's --admin-api-key, if it runs with one: lifecycle routes then take only this key "
+        "(env RLJOB_SGLANG_ADMIN_API_KEY_FILE)",
+    )
+    p.add_argument(
+        "--gpu-probe",
+        choices=["nvml", "emulator"],
+        default=_env("RLJOB_GPU_PROBE", "nvml"),
+        help="how freed GPU memory is verified (env RLJOB_GPU_PROBE)",
+    )
+    p.add_argument(
+        "--log-json",
+        action="store_true",
+        default=_env("RLJOB_AGENT_LOG_JSON", "") == "1",
+        help="one JSON object per log line (env RLJOB_AGENT_LOG_JSON=1)",
+    )
+    p.add_argument(
+        "--call-timeout",
+        type=float,
+        default=float(_env("RLJOB_AGENT_CALL_TIMEOUT", "300") or 300),
+        help="seconds any SGLang call may take when no command deadline applies",
+    )
+    p.add_argument(
+        "--rollout-sample-seconds",
+        type=float,
+        default=1.0,
+        help="how often SGLang's load endpoint is sampled while Serving",
+    )
+    p.add_argument(
+        "--rollout-report-seconds",
+        type=float,
+        default=10.0,
+        help="rollout-only changes bump the state revision at most this often",
+    )
+    return p
+
+
+def _read_secret(path: str, what: str) -> str:
+    value = Path(path).read_text().strip()
+    if not value:
+        raise SystemExit(f"rljob-agent: {what} file {path} is empty")
+    return value
+
+
+def parse_config(argv: list[str] | None = None) -> AgentConfig:
+    p = _parser()
+    args = p.parse_args(argv)
+    for name in ("listen", "trainer_listen"):
+        if isinstance(getattr(args, name), str):  # env defaults are not run through `type`
+            setattr(args, name, parse_hostport(getattr(args, name)))
+    if not args.token_file:
+        p.error("--token-file (or RLJOB_AGENT_TOKEN_FILE) is required: the operator API is never open")
+    return AgentConfig(
+        listen=args.listen,
+        trainer_listen=args.trainer_listen,
+        sglang_url=args.sglang_url.rstrip("/"),
+        token=_read_secret(args.token_file, "token"),
+        gpu_probe=args.gpu_probe,
+        log_json=args.log_json,
+        sglang_api_key=(
+            _read_secret(args.sglang_api_key_file, "SGLang API key") if args.sglang_api_key_file else None
+        ),
+        sglang_admin_api_key=(
+            _read_secret(args.sglang_admin_api_key_file, "SGLang admin API key")
+            if args.sglang_admin_api_key_file
+            else None
+        ),
+        call_timeout_s=args.call_timeout,
+        rollout_sample_s=args.rollout_sample_seconds,
+        rollout_report_s=args.rollout_report_seconds,
+    )

@@ -1,0 +1,23 @@
+"""Errors the agent turns into HTTP answers or command outcomes."""
+
+from __future__ import annotations
+
+
+class Refused(Exception):
+    """The agent refuses a request instead of forwarding it (body: Refusal)."""
+
+    def __init__(self, status: int, error: str, reason: str) -> None:
+        super().__init__(f"{error}: {reason}")
+        self.status, self.error, self.reason = status, error, reason
+
+
+def conflict(error: str, reason: str) -> Refused:
+    return Refused(409, error, reason)
+
+
+class CommandFailed(Exception):
+    """A command ran and did not reach its target stage; the agent is still consistent."""
+
+
+class StateLost(Exception):
+    """SGLang's state is no longer known (a non-idempotent call did not answer in time): the pod must go."""

@@ -1,0 +1,68 @@
+"""HTTP plumbing shared by both agent listeners: model replies, body and query parsing that names the
+offending field, and the middleware that turns refusals into Refusal bodies (and counts them)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from rljob.agent.errors import Refused
+from rljob.agent.metrics import AgentMetrics
+from rljob.api.agent import Refusal
+from rljob.api.base import describe_errors
+
+log = logging.getLogger("rljob.agent")
+T = TypeVar("T")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+MAX_WAIT_S = 30.0
+
+
+def reply(model: BaseModel, status: int = 200) -> web.Response:
+    return web.json_response(model.model_dump(mode="json", by_alias=True, exclude_none=True), status=status)
+
+
+async def read_body(request: web.Request, adapter: TypeAdapter[T]) -> T:
+    raw = await request.read()
+    try:
+        data: Any = json.loads(raw) if raw.strip() else None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise Refused(400, "InvalidJSON", f"body is not JSON: {e}") from e
+    if data is None:
+        raise Refused(400, "MissingBody", "a JSON object body is required")
+    try:
+        return adapter.validate_python(data)
+    except ValidationError as e:
+        raise Refused(422, "InvalidBody", "; ".join(describe_errors(e, "body"))) from e
+
+
+def query_number(request: web.Request, name: str, default: float, *, lo: float, hi: float) -> float:
+    """A numeric query parameter; out-of-range values are clamped to [lo, hi] (wait caps at ~30 s)."""
+    raw = request.query.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError as e:
+        raise Refused(400, "InvalidQuery", f"{name}: not a number: {raw[:64]!r}") from e
+    if value != value:  # NaN
+        raise Refused(400, "InvalidQuery", f"{name}: not a number")
+    return min(hi, max(lo, value))
+
+
+def make_error_middleware(metrics: AgentMetrics) -> Middleware:
+    @web.middleware
+    async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except Refused as e:
+            metrics.refusals.labels(e.error).inc()
+            log.info("refused %s %s: %s: %s", request.method, request.path, e.error, e.reason)
+            return reply(Refusal(error=e.error[:64], reason=e.reason[:1024]), e.status)
+
+    return errors

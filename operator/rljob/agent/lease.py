@@ -1,0 +1,66 @@
+"""The trainer's GPU lease: requested by the trainer, granted by the operator (only after verified
+release), returned by publish (or abandon). Trainer-side state lives in AgentState.trainer."""
+
+from __future__ import annotations
+
+from rljob.agent.errors import conflict
+from rljob.agent.state import StateStore
+from rljob.api.agent import LeaseStatus, PublishRequest, Stage, TrainerReport
+
+
+class LeaseDesk:
+    def __init__(self, store: StateStore) -> None:
+        self._store = store
+
+    def _report(self) -> TrainerReport:
+        return self._store.state.trainer.model_copy()
+
+    def request(self) -> TrainerReport:
+        st = self._store.state
+        if st.stage == Stage.FAILED:
+            raise conflict("AgentFailed", f"the pod must be replaced: {st.fatal}")
+        if st.trainer.lease_held:
+            raise conflict("LeaseHeld", "the trainer already holds the GPU lease")
+        if not st.trainer.requested:  # asking twice keeps the first request's epoch
+            with self._store.change() as s:
+                s.trainer.requested = True
+                s.trainer.request_epoch = s.epoch
+                s.trainer.error = None
+        return self._report()
+
+    def status(self) -> LeaseStatus:
+        t = self._store.state.trainer
+        return LeaseStatus(granted=t.lease_held, epoch=self._store.lease_epoch if t.lease_held else None)
+
+    async def wait_granted(self, wait: float) -> LeaseStatus:
+        st = self._store.state
+        await self._store.wait_until(lambda: st.trainer.lease_held or st.stage == Stage.FAILED, wait)
+        return self.status()
+
+    def grant(self, epoch: int) -> None:
+        self._store.lease_epoch = epoch
+        with self._store.change() as s:
+            s.stage = Stage.GRANTED
+            s.trainer.lease_held = True
+            s.trainer.requested = False
+            s.trainer.error = None
+
+    def publish(self, req: PublishRequest) -> TrainerReport:
+        st = self._store.state
+        if not st.trainer.lease_held:
+            raise conflict("NoLease", "publish needs the GPU lease (wait for it with GET /v1/trainer/lease)")
+        with self._store.change() as s:
+            s.trainer.published_version = req.version
+            s.trainer.published_path = req.path
+            s.trainer.published_epoch = self._store.lease_epoch
+            s.trainer.lease_held = False
+            s.stage = Stage.TRAINED
+        return self._report()
+
+    def abandon(self, reason: str) -> TrainerReport:
+        if not self._store.state.trainer.lease_held:
+            raise conflict("NoLease", "no lease to return")
+        with self._store.change() as s:
+            s.trainer.lease_held = False
+            s.trainer.error = reason[:1024]
+        return self._report()

@@ -1,0 +1,314 @@
+"""What each accepted command does to SGLang, in the contract's safe order (contract §9): drain, release
+with per-GPU verification, grant, refit (disk, or a tensor/distributed window), resume. Every SGLang call
+is bounded by the command's deadline. A non-idempotent call that does not answer leaves SGLang's state
+unknown: that raises StateLost (the pod must be replaced) rather than guessing."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from rljob.agent.errors import CommandFailed, StateLost
+from rljob.agent.gpu_probe import GpuMemory, GpuProbe
+from rljob.agent.lease import LeaseDesk
+from rljob.agent.metrics import AgentMetrics
+from rljob.agent.refit_window import RefitWindows
+from rljob.agent.sglang_client import SGLangClient, SGLangError, SGLangUnreachable
+from rljob.agent.state import StateStore
+from rljob.agent.transitions import refit_path
+from rljob.api.agent import (
+    Command,
+    DrainCommand,
+    GrantCommand,
+    MemoryReport,
+    RefitCommand,
+    ReleaseCommand,
+    ResumeCommand,
+    RolloutReport,
+    Stage,
+)
+from rljob.api.spec import DrainMode, RefitSource, ReleaseTag, ReleaseVerify
+
+log = logging.getLogger("rljob.agent")
+
+RESUME_ORDER = (ReleaseTag.CUDA_GRAPH, ReleaseTag.WEIGHTS, ReleaseTag.KV_CACHE)
+FLUSH_SERVER_WAIT_CAP_S = 30.0
+HEALTH_ATTEMPT_CAP_S = 25.0  # SGLang's own health timeout is 20 s
+
+
+class Deadline:
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._at = asyncio.get_running_loop().time() + seconds
+
+    def remaining(self) -> float:
+        return max(0.0, self._at - asyncio.get_running_loop().time())
+
+
+class Operations:
+    def __init__(
+        self,
+        store: StateStore,
+        client: SGLangClient,
+        probe: GpuProbe,
+        windows: RefitWindows,
+        lease: LeaseDesk,
+        metrics: AgentMetrics,
+        call_timeout_s: float,
+    ) -> None:
+        self.store = store
+        self.client = client
+        self.probe = probe
+        self.windows = windows
+        self.lease = lease
+        self.metrics = metrics
+        self.call_timeout_s = call_timeout_s
+
+    async def execute(self, cmd: Command) -> None:
+        if isinstance(cmd, DrainCommand):
+            await self.drain(cmd)
+        elif isinstance(cmd, ReleaseCommand):
+            await self.release(cmd)
+        elif isinstance(cmd, GrantCommand):
+            self.lease.grant(cmd.epoch)
+        elif isinstance(cmd, RefitCommand):
+            await self.refit(cmd)
+        elif isinstance(cmd, ResumeCommand):
+            await self.resume(cmd)
+
+    # --- drain -----------------------------------------------------------------------------------
+
+    async def drain(self, cmd: DrainCommand) -> None:
+        dl = Deadline(cmd.timeout_seconds)
+        await self._pause(cmd.mode, dl)
+        await self._idle_barrier(dl, "drain")
+        with self.store.change() as s:
+            s.stage = Stage.DRAINED
+
+    async def _pause(self, mode: DrainMode, dl: Deadline) -> None:
+        with self.store.change() as s:
+            s.sglang.paused = True  # from here on the engine may be paused: never assume otherwise
+        try:
+            await self.client.pause(mode.value, timeout=dl.remaining())
+        except TimeoutError as e:
+            raise CommandFailed(
+                f"pause_generation({mode.value}) did not return within {dl.seconds:g}s "
+                "(in-flight requests did not finish aborting)"
+            ) from e
+        except SGLangError as e:
+            raise CommandFailed(str(e)) from e
+
+    async def _idle_barrier(self, dl: Deadline, what: str) -> None:
+        """flush_cache succeeds only when the scheduler is fully idle: the same predicate release asserts."""
+        server_waits = self.client.quirks is not None and self.client.quirks.flush_takes_timeout
+        backoff = 0.02
+        while True:
+            remaining = dl.remaining()
+            if remaining <= 0:
+                raise CommandFailed(f"{what}: SGLang did not become idle within {dl.seconds:g}s")
+            server_wait = min(FLUSH_SERVER_WAIT_CAP_S, remaining - 0.25) if server_waits else 0.0
+            try:
+                if await self.client.flush_cache(max(0.0, server_wait), timeout=remaining):
+                    return
+            except TimeoutError as e:
+                raise CommandFailed(f"{what}: flush_cache did not answer within {dl.seconds:g}s") from e
+            except SGLangError as e:
+                raise CommandFailed(str(e)) from e
+            await asyncio.sleep(min(backoff, dl.remaining()))
+            backoff = min(backoff * 2, 0.5)
+
+    # --- release ---------------------------------------------------------------------------------
+
+    async def release(self, cmd: ReleaseCommand) -> None:
+        tags = [t.value for t in cmd.tags]
+        # Re-check idleness right before the call: release asserts it, and failing kills SGLang.
+        await self._idle_barrier(Deadline(cmd.verify.timeout_seconds), "release")
+        before = await self._sample()
+        with self.store.change() as s:
+            s.memory = MemoryReport(used_before_bytes=sum(g.used_bytes for g in before), gpus=len(before))
+        try:
+            await self.client.release(tags, timeout=self.call_timeout_s)
+        except TimeoutError as e:
+            raise StateLost(
+                f"release_memory_occupation({', '.join(tags)}) did not answer in {self.call_timeout_s:g}s: "
+                "whether the tags are released is unknown"
+            ) from e
+        except SGLangError as e:
+            raise CommandFailed(str(e)) from e  # refused in the tokenizer: nothing was released
+        with self.store.change() as s:
+            s.released_tags = [*s.released_tags, *cmd.tags]
+        await self._verify_freed(before, cmd.verify)
+        with self.store.change() as s:
+            s.stage = Stage.RELEASED
+
+    async def _sample(self) -> list[GpuMemory]:
+        try:
+            gpus = await self.probe.sample()
+        except SGLangUnreachable:
+            raise  # the emulator probe lives on SGLang's port: its death is SGLang's death
+        except Exception as e:  # NVML errors have no common base class worth naming
+            raise CommandFailed(f"GPU probe failed: {e.__class__.__name__}: {e}") from e
+        if not gpus:
+            raise CommandFailed("GPU probe sees no GPU")
+        return gpus
+
+    async def _verify_freed(self, before: list[GpuMemory], verify: ReleaseVerify) -> None:
+        """Every GPU must free max(min_freed_bytes, fraction x used_before): release returns when rank 0
+        is done, other ranks (and delayed unmaps) may still hold memory (slime#579, miles#86)."""
+        dl = Deadline(verify.timeout_seconds)
+        used_before = {g.index: g.used_bytes for g in before}
+        need = {
+            i: max(verify.min_freed_bytes, int(verify.min_freed_fraction * u)) for i, u in used_before.items()
+        }
+        pause = 0.02
+        while True:
+            after = await self._sample()
+            freed = {g.index: used_before.get(g.index, 0) - g.used_bytes for g in after}
+            if set(freed) != set(need):
+                raise CommandFailed(f"GPU set changed during release: {sorted(need)} -> {sorted(freed)}")
+            ok = all(freed[i] >= need[i] for i in need)
+            if ok or dl.remaining() <= 0:
+                break
+            await asyncio.sleep(min(pause, dl.remaining()))
+            pause = min(pause * 2, 0.5)
+        for i, f in freed.items():
+            self.metrics.freed_bytes.labels(str(i)).set(max(0, f))
+        with self.store.change() as s:
+            s.memory.used_after_bytes = sum(g.used_bytes for g in after)
+            s.memory.freed_bytes = max(0, min(freed.values()))
+            s.memory.verified = ok
+        if not ok:
+            short = ", ".join(
+                f"GPU {i} freed {max(0, freed[i])} of {need[i]} bytes" for i in need if freed[i] < need[i]
+            )
+            raise CommandFailed(f"release not verified within {verify.timeout_seconds}s: {short}")
+
+    # --- resume helpers --------------------------------------------------------------------------
+
+    async def _resume_tags(self, tags: list[ReleaseTag], dl: Deadline) -> None:
+        if not tags:
+            return
+        names = [t.value for t in tags]
+        try:
+            await self.client.resume(names, timeout=dl.remaining())
+        except TimeoutError as e:
+            raise StateLost(
+                f"resume_memory_occupation({', '.join(names)}) did not answer within the deadline "
+                "(out of GPU memory? sglang#14092): whether the tags are resumed is unknown"
+            ) from e
+        except SGLangError as e:
+            raise CommandFailed(str(e)) from e
+        with self.store.change() as s:
+            s.released_tags = [t for t in s.released_tags if t not in tags]
+
+    def _released(self, *candidates: ReleaseTag) -> list[ReleaseTag]:
+        return [t for t in candidates if t in self.store.state.released_tags]
+
+    # --- refit -----------------------------------------------------------------------------------
+
+    async def refit(self, cmd: RefitCommand) -> None:
+        dl = Deadline(cmd.timeout_seconds)
+        path = refit_path(cmd, self.store.state)
+        unpaused = self.store.state.stage in (Stage.READY, Stage.SERVING)
+        if unpaused:  # rejoin after recovery: drain first
+            await self._pause(DrainMode.ABORT, dl)
+        # ≤0.5.21 kills the server if the post-refit flush finds work: refit only while paused and idle.
+        await self._idle_barrier(dl, "refit")
+        if unpaused:
+            with self.store.change() as s:
+                s.stage = Stage.DRAINED
+        # Multi-stage resume: weights (and graphs) now, kv_cache only at resume; the engine stays paused.
+        await self._resume_tags(self._released(ReleaseTag.CUDA_GRAPH, ReleaseTag.WEIGHTS), dl)
+        try:
+            if cmd.source == RefitSource.DISK:
+                assert path is not None  # transitions.check refused a disk refit without one
+                await self.client.update_weights_from_disk(path, cmd.version, timeout=dl.remaining())
+            else:
+                await self._refit_window(cmd, dl)
+            served = await self.client.served_version(timeout=max(1.0, dl.remaining()))
+        except SGLangError as e:
+            raise CommandFailed(str(e)) from e
+        except TimeoutError as e:
+            raise CommandFailed(f"refit did not finish within {dl.seconds:g}s") from e
+        if served != cmd.version:
+            raise CommandFailed(
+                f"SGLang serves weight_version {served!r} after the refit, expected {cmd.version!r}"
+            )
+        with self.store.change() as s:
+            s.stage = Stage.REFITTED
+            s.sglang.served_version = served
+            if cmd.source == RefitSource.DISK:
+                s.sglang.model_path = path
+
+    async def _refit_window(self, cmd: RefitCommand, dl: Deadline) -> None:
+        session = self.client.quirks is not None and self.client.quirks.weight_update_session
+        if session:
+            await self._begin_session(dl)
+        window = self.windows.open(cmd.version, cmd.source, dl.remaining())
+        failure: CommandFailed | None = None
+        try:
+            await self.windows.wait_closed(window)
+            if window.error is not None:
+                failure = CommandFailed(f"refit window failed: {window.error}")
+            elif not window.final_pushed:
+                failure = CommandFailed("the trainer closed the refit window without a final push")
+        except TimeoutError:
+            failure = CommandFailed(f"the trainer did not close the refit window within {dl.seconds:g}s")
+        finally:
+            self.windows.shut(window)
+        if session:
+            try:
+                await self.client.end_weight_update(timeout=max(1.0, dl.remaining()))
+            except (SGLangError, TimeoutError) as e:
+                failure = failure or CommandFailed(f"end_weight_update failed: {e}")
+        if failure is not None:
+            raise failure
+        await self._idle_barrier(dl, "refit")  # the pushes ran with flush_cache=false: flush now
+
+    async def _begin_session(self, dl: Deadline) -> None:
+        try:
+            await self.client.begin_weight_update(timeout=dl.remaining())
+        except SGLangError as e:
+            if "already open" not in e.message:
+                raise
+            # A window that failed before its end call left the session open: close it, start clean.
+            log.warning("weight-update session was still open; ending it first")
+            await self.client.end_weight_update(timeout=dl.remaining())
+            await self.client.begin_weight_update(timeout=dl.remaining())
+
+    # --- resume ----------------------------------------------------------------------------------
+
+    async def resume(self, cmd: ResumeCommand) -> None:
+        dl = Deadline(cmd.timeout_seconds)
+        await self._resume_tags(self._released(*RESUME_ORDER), dl)
+        try:
+            await self.client.continue_generation(timeout=dl.remaining())
+        except TimeoutError as e:
+            raise CommandFailed("continue_generation did not answer before the deadline") from e
+        except SGLangError as e:
+            raise CommandFailed(str(e)) from e
+        with self.store.change() as s:
+            s.sglang.paused = False
+        await self._wait_healthy(dl)
+        expected = self.store.state.sglang.served_version
+        try:
+            served = await self.client.served_version(timeout=max(1.0, dl.remaining()))
+        except (SGLangError, TimeoutError) as e:
+            raise CommandFailed(f"cannot read the served weight_version: {e}") from e
+        if served != expected:
+            raise CommandFailed(f"SGLang serves weight_version {served!r}, expected {expected!r}")
+        with self.store.change() as s:
+            s.stage = Stage.SERVING
+            s.rollout = RolloutReport()
+
+    async def _wait_healthy(self, dl: Deadline) -> None:
+        while True:
+            remaining = dl.remaining()
+            if remaining <= 0:
+                raise CommandFailed(f"SGLang did not pass /health_generate within {dl.seconds:g}s")
+            try:
+                if await self.client.health_generate(timeout=min(HEALTH_ATTEMPT_CAP_S, remaining)):
+                    return
+            except TimeoutError:
+                continue
+            await asyncio.sleep(min(0.2, dl.remaining()))

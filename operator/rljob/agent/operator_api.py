@@ -1,0 +1,93 @@
+"""Operator-facing API on the pod IP: state long-poll and commands, behind the bearer token.
+/healthz, /metrics and /openapi.json are open (probes and scrapers carry no token)."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from rljob.agent.commands import CommandDesk
+from rljob.agent.errors import Refused
+from rljob.agent.http_util import MAX_WAIT_S, Handler, make_error_middleware, query_number, read_body, reply
+from rljob.agent.metrics import AgentMetrics
+from rljob.agent.openapi import build_document
+from rljob.agent.state import StateStore
+from rljob.api.agent import COMMAND_ADAPTER, AgentHealth, CommandState, Stage
+
+# /probe/sglang is the SGLang container's liveness probe: SGLang binds 127.0.0.1, which the kubelet
+# can't reach, so the kubelet asks the agent, which asks SGLang's /ping (200 even while paused).
+OPEN_PATHS = frozenset({"/healthz", "/metrics", "/openapi.json", "/probe/sglang"})
+
+
+def _auth_middleware(token: str) -> Middleware:
+    expected = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path not in OPEN_PATHS:
+            presented = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(presented, expected):  # constant time
+                raise Refused(401, "Unauthorized", "missing or wrong bearer token")
+        return await handler(request)
+
+    return auth
+
+
+def build_operator_app(
+    store: StateStore,
+    desk: CommandDesk,
+    metrics: AgentMetrics,
+    token: str,
+    ping_sglang: Callable[[], Awaitable[int]] | None = None,
+) -> web.Application:
+    document = build_document()
+
+    async def get_state(request: web.Request) -> web.Response:
+        since = query_number(request, "since", -1, lo=-1, hi=2**53)
+        wait = query_number(request, "wait", 0, lo=0, hi=MAX_WAIT_S)
+        if wait > 0 and since >= 0:
+            await store.wait_newer(int(since), wait)
+        return reply(store.state)
+
+    async def post_command(request: web.Request) -> web.Response:
+        wait = query_number(request, "wait", 0, lo=0, hi=MAX_WAIT_S)
+        cmd = await read_body(request, COMMAND_ADAPTER)
+        status, body = desk.submit(cmd)
+        if wait > 0 and body.state == CommandState.RUNNING:
+            done = await desk.wait(cmd.epoch, wait)
+            if done is not None:
+                body = done
+                status = 202 if done.state == CommandState.RUNNING else 200
+        return reply(body, status)
+
+    async def healthz(request: web.Request) -> web.Response:
+        st = store.state
+        return reply(AgentHealth(ok=st.stage != Stage.FAILED, stage=st.stage, boot_id=st.boot_id))
+
+    async def probe_sglang(request: web.Request) -> web.Response:
+        try:
+            code = await ping_sglang() if ping_sglang is not None else 503
+        except Exception:  # any failure to reach SGLang is a failed probe, never a 500
+            code = 503
+        return web.Response(status=200 if code == 200 else 503, text="ok" if code == 200 else "unavailable")
+
+    async def metrics_route(request: web.Request) -> web.Response:
+        resp = web.Response(body=generate_latest(metrics.registry))
+        resp.content_type = CONTENT_TYPE_LATEST.split(";")[0]
+        return resp
+
+    async def openapi(request: web.Request) -> web.Response:
+        return web.json_response(document)
+
+    app = web.Application(middlewares=[make_error_middleware(metrics), _auth_middleware(token)])
+    app.router.add_get("/v1/state", get_state)
+    app.router.add_post("/v1/commands", post_command)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics_route)
+    app.router.add_get("/openapi.json", openapi)
+    app.router.add_get("/probe/sglang", probe_sglang)
+    return app

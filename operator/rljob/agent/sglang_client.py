@@ -1,0 +1,293 @@
+"""The agent's only way to talk to SGLang: one method per endpoint it uses, the version quirks applied,
+every call timed by operation, and transport failures told apart from SGLang's answers."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+
+from rljob.agent.quirks import SGLangQuirks
+from rljob.agent.timing import add_external
+
+# Lifecycle routes SGLang guards as ADMIN_OPTIONAL (contract §5).
+ADMIN_OPTIONAL_ROUTES = frozenset(
+    {
+        "/pause_generation",
+        "/continue_generation",
+        "/flush_cache",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+        "/update_weights_from_disk",
+        "/update_weights_from_tensor",
+        "/update_weights_from_distributed",
+        "/init_weights_update_group",
+        "/begin_weight_update",
+        "/end_weight_update",
+    }
+)
+
+
+class SGLangUnreachable(Exception):
+    """Connection refused, reset or dropped: SGLang is not up yet, or it died."""
+
+
+class SGLangError(Exception):
+    """SGLang answered with an error status or `success: false`."""
+
+    def __init__(self, operation: str, status: int, message: str) -> None:
+        super().__init__(f"{operation}: HTTP {status}: {message}")
+        self.operation, self.status, self.message = operation, status, message
+
+
+def _message(body: Any, text: str) -> str:
+    if isinstance(body, dict):
+        if isinstance(body.get("error"), dict):
+            return str(body["error"].get("message", text))
+        for key in ("message", "detail", "error"):
+            if key in body:
+                return str(body[key])
+    return text[:500]
+
+
+class SGLangClient:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None,
+        admin_api_key: str | None,
+        call_timeout_s: float,
+        observe: Callable[[str, float], None],
+    ) -> None:
+        self.base_url = base_url
+        self.call_timeout_s = call_timeout_s
+        self._observe = observe  # latency histogram by operation
+        # Auth levels (contract §5): lifecycle routes are ADMIN_OPTIONAL (the admin key if the server has one,
+        # else its api key); every other route needs the api key if one is set.
+        self._normal_auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        admin = admin_api_key or api_key
+        self._admin_auth = {"Authorization": f"Bearer {admin}"} if admin else {}
+        self._session: aiohttp.ClientSession | None = None
+        self.quirks: SGLangQuirks | None = None  # set once /server_info answered
+
+    async def start(self) -> None:
+        # No connection pool limit: long-polling SGLang routes must not starve the probe or the liveness ping.
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), raise_for_status=False)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def _q(self) -> SGLangQuirks:
+        if self.quirks is None:
+            raise RuntimeError("SGLang version not detected yet")
+        return self.quirks
+
+    async def _call(
+        self,
+        operation: str,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        params: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> tuple[int, Any, str]:
+        assert self._session is not None, "start() first"
+        started = time.monotonic()
+        try:
+            async with self._session.request(
+                method,
+                self.base_url + path,
+                json=body if method == "POST" else None,
+                params=params,
+                headers=self._admin_auth if path in ADMIN_OPTIONAL_ROUTES else self._normal_auth,
+                timeout=aiohttp.ClientTimeout(total=timeout if timeout is not None else self.call_timeout_s),
+            ) as resp:
+                text = await resp.text()
+                status = resp.status
+        except TimeoutError:
+            raise  # aiohttp timeouts are also ClientConnectionErrors: a hang is not death
+        except (aiohttp.ClientConnectionError, ConnectionError) as e:
+            raise SGLangUnreachable(f"{operation}: {e.__class__.__name__}: {e}") from e
+        finally:
+            elapsed = time.monotonic() - started
+            self._observe(operation, elapsed)
+            add_external(elapsed)
+        try:
+            parsed: Any = json.loads(text) if text else None
+        except ValueError:
+            parsed = None
+        return status, parsed, text
+
+    async def _ok(self, operation: str, method: str, path: str, **kw: Any) -> Any:
+        status, body, text = await self._call(operation, method, path, **kw)
+        if status != 200:
+            raise SGLangError(operation, status, _message(body, text))
+        return body
+
+    async def _refit(self, operation: str, path: str, body: dict[str, Any], timeout: float | None) -> str:
+        """Refit endpoints answer {success, message}; success:false is a failure even with HTTP 200."""
+        reply = await self._ok(operation, "POST", path, body=body, timeout=timeout)
+        if not isinstance(reply, dict) or reply.get("success") is not True:
+            raise SGLangError(operation, 200, _message(reply, str(reply)))
+        return str(reply.get("message", ""))
+
+    # --- discovery -------------------------------------------------------------------------------
+
+    async def server_info(self, timeout: float | None = None) -> dict[str, Any]:
+        info = await self._ok("server_info", "GET", "/server_info", timeout=timeout)
+        if not isinstance(info, dict):
+            raise SGLangError("server_info", 200, "not a JSON object")
+        return info
+
+    async def model_info(self, timeout: float | None = None) -> dict[str, Any]:
+        info = await self._ok("model_info", "GET", "/model_info", timeout=timeout)
+        if not isinstance(info, dict):
+            raise SGLangError("model_info", 200, "not a JSON object")
+        return info
+
+    async def served_version(self, timeout: float | None = None) -> str:
+        route = self._q().weight_version_route
+        body = await self._ok("weight_version", "GET", route, timeout=timeout)
+        return str(body["weight_version"])
+
+    async def ping(self, timeout: float = 5.0) -> int:
+        """Liveness only: any HTTP answer means the process is alive (/ping stays 200 while paused)."""
+        status, _, _ = await self._call("ping", "GET", "/ping", timeout=timeout)
+        return status
+
+    # --- drain -----------------------------------------------------------------------------------
+
+    async def pause(self, mode: str, timeout: float | None = None) -> None:
+        assert mode in ("abort", "retract"), "in_place keeps KV held: a later release would kill SGLang"
+        await self._ok("pause_generation", "POST", "/pause_generation", body={"mode": mode}, timeout=timeout)
+
+    async def continue_generation(self, timeout: float | None = None) -> None:
+        await self._ok("continue_generation", "POST", "/continue_generation", body={}, timeout=timeout)
+
+    async def flush_cache(self, server_wait_s: float, timeout: float | None = None) -> bool:
+        """True once SGLang flushed (it was idle). `server_wait_s` is sent as ?timeout= where supported."""
+        params = (
+            {"timeout": f"{server_wait_s:.3f}"}
+            if self._q().flush_takes_timeout and server_wait_s > 0
+            else None
+        )
+        status, body, text = await self._call(
+            "flush_cache", "POST", "/flush_cache", params=params, timeout=timeout
+        )
+        if status == 200:
+            return True
+        if status == 400:
+            return False  # not idle yet / another flush in progress / timed out waiting
+        raise SGLangError("flush_cache", status, _message(body, text))
+
+    # --- memory ----------------------------------------------------------------------------------
+
+    async def release(self, tags: list[str], timeout: float | None = None) -> None:
+        await self._ok(
+            "release_memory_occupation",
+            "POST",
+            "/release_memory_occupation",
+            body={"tags": tags},
+            timeout=timeout,
+        )
+
+    async def resume(self, tags: list[str], timeout: float | None = None) -> None:
+        await self._ok(
+            "resume_memory_occupation",
+            "POST",
+            "/resume_memory_occupation",
+            body={"tags": tags},
+            timeout=timeout,
+        )
+
+    # --- refit -----------------------------------------------------------------------------------
+
+    async def update_weights_from_disk(self, path: str, version: str, timeout: float | None = None) -> str:
+        body = {"model_path": path, "weight_version": version, "flush_cache": True}
+        return await self._refit("update_weights_from_disk", "/update_weights_from_disk", body, timeout)
+
+    async def begin_weight_update(self, timeout: float | None = None) -> str:
+        return await self._refit("begin_weight_update", "/begin_weight_update", {}, timeout)
+
+    async def end_weight_update(self, timeout: float | None = None) -> str:
+        return await self._refit("end_weight_update", "/end_weight_update", {}, timeout)
+
+    async def update_weights_from_tensor(
+        self, tensors: list[str], load_format: str | None, version: str | None, timeout: float | None = None
+    ) -> str:
+        body: dict[str, Any] = {"serialized_named_tensors": tensors, "flush_cache": False}
+        if load_format is not None:
+            body["load_format"] = load_format
+        if version is not None:
+            body["weight_version"] = version
+        return await self._refit("update_weights_from_tensor", "/update_weights_from_tensor", body, timeout)
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        version: str | None,
+        timeout: float | None = None,
+    ) -> str:
+        body: dict[str, Any] = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "flush_cache": False,
+        }
+        if version is not None:
+            body["weight_version"] = version
+        return await self._refit(
+            "update_weights_from_distributed", "/update_weights_from_distributed", body, timeout
+        )
+
+    async def init_weights_update_group(self, body: dict[str, Any], timeout: float | None = None) -> str:
+        return await self._refit("init_weights_update_group", "/init_weights_update_group", body, timeout)
+
+    # --- health and load -------------------------------------------------------------------------
+
+    async def health_generate(self, timeout: float) -> bool:
+        status, _, _ = await self._call("health_generate", "GET", "/health_generate", timeout=timeout)
+        return status == 200
+
+    async def load(self, timeout: float = 5.0) -> dict[str, float | None]:
+        """cache_hit_rate, gen_throughput, utilization over the DP ranks; None where the version has none."""
+        route = self._q().load_route
+        body = await self._ok("load", "GET", route, timeout=timeout)
+        loads = body.get("loads", []) if isinstance(body, dict) else body
+        if not isinstance(loads, list) or not loads:
+            return {"cache_hit_rate": None, "gen_throughput": None, "utilization": None}
+
+        def mean(key: str) -> float | None:
+            vals = [float(x[key]) for x in loads if isinstance(x, dict) and x.get(key) is not None]
+            return sum(vals) / len(vals) if vals else None
+
+        tput = [float(x["gen_throughput"]) for x in loads if isinstance(x, dict) and "gen_throughput" in x]
+        return {
+            "cache_hit_rate": mean("cache_hit_rate"),
+            "gen_throughput": sum(tput) if tput else None,
+            "utilization": mean("utilization"),
+        }
+
+    # --- emulator only ---------------------------------------------------------------------------
+
+    async def emulator_memory(self, timeout: float = 5.0) -> list[dict[str, int]]:
+        """`/_emulator/memory`: the emulator's per-GPU accounting (not an SGLang route)."""
+        body = await self._ok("emulator_memory", "GET", "/_emulator/memory", timeout=timeout)
+        return [
+            {
+                "index": int(g["index"]),
+                "used_bytes": int(g["used_bytes"]),
+                "total_bytes": int(g["total_bytes"]),
+            }
+            for g in body["gpus"]
+        ]

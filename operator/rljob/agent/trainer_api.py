@@ -1,0 +1,84 @@
+"""Trainer-facing API on loopback (no token: the pod boundary is the security boundary), wrapped by the
+`rljob.trainer` SDK: lease request/wait/publish/abandon and the refit window."""
+
+from __future__ import annotations
+
+from aiohttp import web
+from pydantic import TypeAdapter
+
+from rljob.agent.http_util import MAX_WAIT_S, make_error_middleware, query_number, read_body, reply
+from rljob.agent.lease import LeaseDesk
+from rljob.agent.metrics import AgentMetrics
+from rljob.agent.refit_window import RefitWindows
+from rljob.agent.state import StateStore
+from rljob.api.agent import (
+    AbandonRequest,
+    DistributedPush,
+    InitWeightsGroup,
+    PublishRequest,
+    RefitClose,
+    TensorPush,
+)
+
+PUBLISH = TypeAdapter(PublishRequest)
+ABANDON = TypeAdapter(AbandonRequest)
+TENSOR = TypeAdapter(TensorPush)
+DISTRIBUTED = TypeAdapter(DistributedPush)
+GROUP = TypeAdapter(InitWeightsGroup)
+CLOSE = TypeAdapter(RefitClose)
+
+
+def build_trainer_app(
+    store: StateStore, lease: LeaseDesk, windows: RefitWindows, metrics: AgentMetrics
+) -> web.Application:
+    async def request_gpu(request: web.Request) -> web.Response:
+        return reply(lease.request())
+
+    async def get_lease(request: web.Request) -> web.Response:
+        wait = query_number(request, "wait", 0, lo=0, hi=MAX_WAIT_S)
+        return reply(await lease.wait_granted(wait) if wait > 0 else lease.status())
+
+    async def publish(request: web.Request) -> web.Response:
+        return reply(lease.publish(await read_body(request, PUBLISH)))
+
+    async def abandon(request: web.Request) -> web.Response:
+        return reply(lease.abandon((await read_body(request, ABANDON)).reason))
+
+    async def get_refit(request: web.Request) -> web.Response:
+        wait = query_number(request, "wait", 0, lo=0, hi=MAX_WAIT_S)
+        if wait > 0:
+            await store.wait_until(lambda: windows.view().open, wait)
+        return reply(windows.view())
+
+    async def push_tensor(request: web.Request) -> web.Response:
+        return reply(await windows.push_tensor(await read_body(request, TENSOR)))
+
+    async def push_distributed(request: web.Request) -> web.Response:
+        return reply(await windows.push_distributed(await read_body(request, DISTRIBUTED)))
+
+    async def init_group(request: web.Request) -> web.Response:
+        return reply(await windows.init_group(await read_body(request, GROUP)))
+
+    async def close_window(request: web.Request) -> web.Response:
+        return reply(windows.trainer_close((await read_body(request, CLOSE)).error))
+
+    async def get_state(request: web.Request) -> web.Response:
+        since = query_number(request, "since", -1, lo=-1, hi=2**53)
+        wait = query_number(request, "wait", 0, lo=0, hi=MAX_WAIT_S)
+        if wait > 0 and since >= 0:
+            await store.wait_newer(int(since), wait)
+        return reply(store.state)
+
+    app = web.Application(middlewares=[make_error_middleware(metrics)], client_max_size=256 << 20)
+    r = app.router
+    r.add_post("/v1/trainer/request", request_gpu)
+    r.add_get("/v1/trainer/lease", get_lease)
+    r.add_post("/v1/trainer/publish", publish)
+    r.add_post("/v1/trainer/abandon", abandon)
+    r.add_get("/v1/trainer/refit", get_refit)
+    r.add_post("/v1/trainer/refit/group", init_group)
+    r.add_post("/v1/trainer/refit/tensor", push_tensor)
+    r.add_post("/v1/trainer/refit/distributed", push_distributed)
+    r.add_post("/v1/trainer/refit/close", close_window)
+    r.add_get("/v1/trainer/state", get_state)
+    return app

@@ -1,0 +1,105 @@
+"""Which command is legal in which stage, and the guards that keep SGLang alive (DESIGN §4 invariants).
+Pure functions of the state: a refusal here means nothing was sent to SGLang."""
+
+from __future__ import annotations
+
+from rljob.agent.errors import conflict
+from rljob.agent.state import ServerFacts
+from rljob.api.agent import (
+    Action,
+    AgentState,
+    Command,
+    RefitCommand,
+    ReleaseCommand,
+    ResumeCommand,
+    Stage,
+)
+from rljob.api.spec import RefitSource, ReleaseTag
+
+# Stages each action may start from.
+# Ready is a fresh server whose weights the operator has not verified yet: it may resume (already at the
+# committed version), refit (rejoin at the committed version) or drain (suspend before rollout opened).
+ALLOWED_FROM: dict[Action, frozenset[Stage]] = {
+    Action.DRAIN: frozenset({Stage.READY, Stage.SERVING, Stage.DRAINED}),
+    Action.RELEASE: frozenset({Stage.DRAINED}),
+    Action.GRANT: frozenset({Stage.RELEASED}),
+    Action.REFIT: frozenset({Stage.TRAINED, Stage.READY, Stage.SERVING, Stage.DRAINED}),  # others: rejoin
+    Action.RESUME: frozenset({Stage.REFITTED, Stage.DRAINED, Stage.READY}),
+}
+
+
+def refit_path(cmd: RefitCommand, state: AgentState) -> str | None:
+    """The checkpoint a disk refit loads: the command's path, else what the trainer published."""
+    if cmd.path:
+        return cmd.path
+    return state.trainer.published_path if state.stage == Stage.TRAINED else None
+
+
+def check(cmd: Command, state: AgentState, facts: ServerFacts | None) -> None:
+    """Raise Refused (409) when `cmd` must not run now."""
+    if state.stage == Stage.FAILED:
+        raise conflict("AgentFailed", f"the pod must be replaced: {state.fatal}")
+    if state.stage == Stage.STARTING or facts is None:
+        raise conflict("NotReady", "SGLang has not answered /server_info yet")
+    allowed = ALLOWED_FROM[cmd.action]
+    if state.stage not in allowed:
+        raise conflict(
+            "IllegalTransition",
+            f"{cmd.action.value} is not allowed in stage {state.stage.value} "
+            f"(only from {', '.join(sorted(s.value for s in allowed))})",
+        )
+    if isinstance(cmd, ReleaseCommand):
+        _check_release(cmd, state, facts)
+    elif cmd.action == Action.GRANT and not state.memory.verified:
+        raise conflict("NotVerified", "freed GPU memory was not verified on every GPU")
+    elif isinstance(cmd, RefitCommand):
+        _check_refit(cmd, state, facts)
+    elif isinstance(cmd, ResumeCommand):
+        _check_resume(state, facts)
+
+
+def _check_release(cmd: ReleaseCommand, state: AgentState, facts: ServerFacts) -> None:
+    if len(set(cmd.tags)) != len(cmd.tags):
+        raise conflict("DuplicateTag", "a tag appears twice: releasing a tag twice kills SGLang")
+    again = [t.value for t in cmd.tags if t in state.released_tags]
+    if again:
+        raise conflict(
+            "AlreadyReleased", f"already released: {', '.join(again)} (a second release kills SGLang)"
+        )
+    if ReleaseTag.WEIGHTS in cmd.tags and facts.weight_cache_active:
+        raise conflict(
+            "WeightCacheActive",
+            f"SGLang runs --weight-cache-mode {facts.weight_cache_mode}: releasing weights kills it",
+        )
+    if not facts.memory_saver:
+        raise conflict(
+            "MemorySaverDisabled", "SGLang runs without --enable-memory-saver: release frees nothing"
+        )
+
+
+def _check_refit(cmd: RefitCommand, state: AgentState, facts: ServerFacts) -> None:
+    if facts.weight_cache_active:
+        raise conflict(
+            "WeightCacheActive",
+            f"SGLang runs --weight-cache-mode {facts.weight_cache_mode}: every refit kills it",
+        )
+    if cmd.source == RefitSource.DISK and refit_path(cmd, state) is None:
+        raise conflict(
+            "NoPath", "disk refit needs a path: none in the command and none published by the trainer"
+        )
+    if cmd.source != RefitSource.DISK and facts.dp_size > 1:
+        raise conflict(
+            "DataParallelUnsupported", f"{cmd.source.value} refit is not supported with dp_size > 1"
+        )
+
+
+def _check_resume(state: AgentState, facts: ServerFacts) -> None:
+    if (
+        state.stage == Stage.DRAINED
+        and ReleaseTag.WEIGHTS in state.released_tags
+        and not facts.weights_cpu_backup
+    ):
+        raise conflict(
+            "WeightsNotRefitted",
+            "weights were released without CPU backup: their contents are garbage until a refit",
+        )

@@ -1,0 +1,254 @@
+"""The agent's wire protocol: operator -> agent commands and the agent's state report, plus the
+trainer-facing messages. The agent's OpenAPI document is generated from these models."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import Field, TypeAdapter
+
+from rljob.api.base import WireModel
+from rljob.api.spec import DrainMode, RefitSource, ReleaseTag, ReleaseVerify, WeightVersion
+
+AGENT_API_VERSION = "v1"
+
+
+class Action(StrEnum):
+    DRAIN = "drain"
+    RELEASE = "release"
+    GRANT = "grant"
+    REFIT = "refit"
+    RESUME = "resume"
+
+
+class Stage(StrEnum):
+    """Where the agent has brought its pod's SGLang server. Linear within an iteration:
+    Serving -> Drained -> Released -> Granted -> Trained -> Refitted -> Serving.
+    A fresh agent goes Starting -> Ready; only the operator's `resume` (served version verified)
+    or `refit` + `resume` opens rollout (Serving): the trainer must never sample from weights the job
+    has not committed (e.g. a recreated pod still serving the initial weights)."""
+
+    STARTING = "Starting"  # SGLang not answering yet
+    READY = "Ready"  # SGLang up and version detected; rollout not opened by the operator yet
+    SERVING = "Serving"  # rollout open
+    DRAINED = "Drained"  # paused and idle
+    RELEASED = "Released"  # memory released and verified on every GPU
+    GRANTED = "Granted"  # trainer holds the GPU lease
+    TRAINED = "Trained"  # trainer published a version and returned the lease
+    REFITTED = "Refitted"  # weights resumed, new version loaded and verified; still paused
+    FAILED = "Failed"  # SGLang died or a fatal error: the pod must be replaced
+
+
+class CommandState(StrEnum):
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+class _CommandBase(WireModel):
+    """Every command carries the epoch: the idempotency key. The same epoch again returns the recorded
+    result and does nothing; an older epoch is refused as stale (409)."""
+
+    epoch: int = Field(ge=1)
+
+
+class DrainCommand(_CommandBase):
+    action: Literal[Action.DRAIN] = Action.DRAIN
+    mode: DrainMode = DrainMode.ABORT
+    timeout_seconds: float = Field(default=120, gt=0, le=3600)
+
+
+class ReleaseCommand(_CommandBase):
+    action: Literal[Action.RELEASE] = Action.RELEASE
+    tags: list[ReleaseTag] = Field(min_length=1, max_length=3)
+    verify: ReleaseVerify = Field(default_factory=ReleaseVerify)
+
+
+class GrantCommand(_CommandBase):
+    action: Literal[Action.GRANT] = Action.GRANT
+
+
+class RefitCommand(_CommandBase):
+    action: Literal[Action.REFIT] = Action.REFIT
+    version: WeightVersion
+    path: str | None = Field(default=None, max_length=1024)
+    source: RefitSource = RefitSource.DISK
+    timeout_seconds: float = Field(default=600, gt=0, le=86400)
+
+
+class ResumeCommand(_CommandBase):
+    action: Literal[Action.RESUME] = Action.RESUME
+    timeout_seconds: float = Field(default=300, gt=0, le=86400)
+
+
+Command = Annotated[
+    DrainCommand | ReleaseCommand | GrantCommand | RefitCommand | ResumeCommand, Field(discriminator="action")
+]
+"""`POST /v1/commands` body, discriminated by `action`."""
+
+COMMAND_ADAPTER: TypeAdapter[Command] = TypeAdapter(Command)
+
+
+class CommandStatus(WireModel):
+    epoch: int = Field(ge=0)
+    action: Action
+    state: CommandState
+    error: str | None = Field(default=None, max_length=1024)
+    started_at: float | None = Field(default=None, description="Agent clock, unix seconds.")
+    seconds: float | None = Field(default=None, ge=0, description="Time spent executing, SGLang calls included.")
+    sglang_seconds: float | None = Field(
+        default=None,
+        ge=0,
+        description="Part of `seconds` spent waiting on SGLang calls and GPU memory probes.",
+    )
+
+
+class Refusal(WireModel):
+    """409/400/401 body: why the agent refused instead of forwarding the call to SGLang."""
+
+    error: str = Field(max_length=64)
+    reason: str = Field(max_length=1024)
+
+
+class SGLangInfo(WireModel):
+    reachable: bool = False
+    version: str | None = Field(default=None, max_length=64)
+    weight_cache_mode: str = Field(default="off", max_length=32)
+    served_version: str | None = Field(default=None, max_length=64)
+    model_path: str | None = Field(default=None, max_length=1024)
+    paused: bool = False
+
+
+class MemoryReport(WireModel):
+    used_before_bytes: int = Field(default=0, ge=0)
+    used_after_bytes: int = Field(default=0, ge=0)
+    freed_bytes: int = Field(default=0, ge=0, description="Least over the pod's GPUs.")
+    gpus: int = Field(default=0, ge=0)
+    verified: bool = False
+
+
+class TrainerReport(WireModel):
+    requested: bool = Field(default=False, description="The trainer asked for the GPU and waits.")
+    request_epoch: int | None = Field(default=None, description="Agent epoch when the request arrived.")
+    lease_held: bool = False
+    published_version: WeightVersion | None = None
+    published_path: str | None = Field(default=None, max_length=1024)
+    published_epoch: int | None = Field(default=None, description="Grant epoch under which it was published.")
+    refit_window_version: WeightVersion | None = Field(
+        default=None, description="Set while a tensor/distributed refit window is open for this version."
+    )
+    error: str | None = Field(
+        default=None,
+        max_length=1024,
+        description="The trainer returned the lease without publishing, and why.",
+    )
+
+
+class RolloutReport(WireModel):
+    """Sampled from SGLang's load endpoint during rollout."""
+
+    samples: int = Field(default=0, ge=0)
+    cache_hit_rate: float | None = Field(default=None, ge=0, le=1)
+    generation_tokens_per_second: float | None = Field(default=None, ge=0)
+    utilization: float | None = Field(default=None, ge=0)
+
+
+class AgentState(WireModel):
+    """`GET /v1/state?since=<revision>&wait=<seconds>`: long-polls until revision > since."""
+
+    revision: int = Field(ge=0)
+    boot_id: str = Field(max_length=64, description="Changes when the agent process restarts.")
+    stage: Stage
+    epoch: int = Field(default=0, ge=0, description="Last accepted command epoch.")
+    last_command: CommandStatus | None = None
+    released_tags: list[ReleaseTag] = Field(default_factory=list, max_length=3)
+    memory: MemoryReport = Field(default_factory=MemoryReport)
+    sglang: SGLangInfo = Field(default_factory=SGLangInfo)
+    trainer: TrainerReport = Field(default_factory=TrainerReport)
+    rollout: RolloutReport = Field(default_factory=RolloutReport)
+    fatal: str | None = Field(default=None, max_length=1024, description="Set when SGLang died or state is lost.")
+
+
+# --- trainer side (loopback, wrapped by rljob.trainer) ---------------------------------------------
+
+
+class PublishRequest(WireModel):
+    """`POST /v1/trainer/publish`: the trainer finished its step and returns the lease."""
+
+    version: WeightVersion
+    path: str | None = Field(default=None, max_length=1024)
+
+
+class TensorPush(WireModel):
+    """`POST /v1/trainer/refit/tensor`: one bucket, forwarded to SGLang inside the refit window."""
+
+    serialized_named_tensors: list[str] = Field(min_length=1, max_length=64)
+    load_format: str | None = Field(default=None, max_length=64)
+    last: bool = Field(
+        default=False, description="The final push of the window: it carries the weight_version."
+    )
+
+
+class DistributedPush(WireModel):
+    """`POST /v1/trainer/refit/distributed`: metadata of one NCCL broadcast the trainer is about to send."""
+
+    names: list[str] = Field(min_length=1, max_length=100_000)
+    dtypes: list[str] = Field(min_length=1, max_length=100_000)
+    shapes: list[list[int]] = Field(min_length=1, max_length=100_000)
+    group_name: str = Field(default="weight_update_group", max_length=128)
+    last: bool = Field(
+        default=False, description="The final push of the window: it carries the weight_version."
+    )
+
+
+class AbandonRequest(WireModel):
+    """`POST /v1/trainer/abandon`: the trainer returns the lease without publishing (its step failed)."""
+
+    reason: str = Field(min_length=1, max_length=1024)
+
+
+class LeaseStatus(WireModel):
+    """`GET /v1/trainer/lease?wait=<s>`: long-polls until the operator granted the GPU."""
+
+    granted: bool
+    epoch: int | None = Field(default=None, description="Grant epoch; publish records it as published_epoch.")
+
+
+class RefitWindow(WireModel):
+    """`GET /v1/trainer/refit?wait=<s>`: long-polls until a tensor/distributed refit window is open."""
+
+    open: bool
+    version: WeightVersion | None = None
+    source: RefitSource | None = None
+    pushes: int = Field(default=0, ge=0)
+
+
+class InitWeightsGroup(WireModel):
+    """`POST /v1/trainer/refit/group`: forwarded to SGLang's /init_weights_update_group inside a window."""
+
+    master_address: str = Field(min_length=1, max_length=256)
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=0, le=1_000_000)
+    world_size: int = Field(ge=1, le=1_000_000)
+    group_name: str = Field(default="weight_update_group", max_length=128)
+    backend: str = Field(default="nccl", max_length=32)
+
+
+class RefitClose(WireModel):
+    """`POST /v1/trainer/refit/close`: the trainer is done pushing (or failed, with `error`)."""
+
+    error: str | None = Field(default=None, max_length=1024)
+
+
+class PushResult(WireModel):
+    pushes: int = Field(ge=0, description="Pushes forwarded to SGLang in this window so far.")
+    message: str = Field(default="", max_length=4096)
+
+
+class AgentHealth(WireModel):
+    """`GET /healthz`: the agent process answers (SGLang's health is in AgentState)."""
+
+    ok: bool
+    stage: Stage
+    boot_id: str = Field(max_length=64)

@@ -1,0 +1,107 @@
+"""Request bodies as SGLang parses them: unknown fields ignored, defaults as in 0.5.23 (contract §2)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class PauseBody(Body):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class ContinueBody(Body):
+    torch_empty_cache: bool = True
+
+
+class AbortBody(Body):
+    rid: str = ""
+    abort_all: bool = False
+    abort_message: str | None = None
+
+
+class MemoryBody(Body):
+    tags: list[str] | None = None
+
+
+class DiskBody(Body):
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+    torch_empty_cache: bool = False
+    recapture_cuda_graph: bool = False
+    manifest: dict[str, Any] | None = None
+    is_async: bool = False
+    keep_pause: bool = False
+    token_step: int = 0
+
+
+class TensorBody(Body):
+    serialized_named_tensors: list[str]
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    selector: Literal["target", "draft", "all"] = "all"
+    torch_empty_cache: bool = False
+
+
+class DistributedBody(Body):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: Literal["flattened_bucket"] | None = None
+    selector: Literal["target", "draft", "all"] = "all"
+    torch_empty_cache: bool = False
+
+
+class InitGroupBody(Body):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class GroupBody(Body):
+    group_name: str = "weight_update_group"
+
+
+class BeginBody(Body):
+    selector: Literal["target", "draft", "all"] = "all"
+
+
+class EmptyBody(Body):
+    pass
+
+
+class WeightVersionBody(Body):
+    new_version: str
+    abort_all_requests: bool = True
+
+
+class CheckerBody(Body):
+    action: Literal["checksum", "snapshot", "compare", "reset_tensors"] = "checksum"
+    allow_quant_error: bool = False
+    skip_tensor_list: list[str] = []
+    selector: Literal["target", "draft", "all"] = "all"
+
+
+class GenerateBody(Body):
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | None = None
+    rid: str | list[str] | None = None
+    stream: bool = False

@@ -1,0 +1,192 @@
+"""Command line of the emulator: SGLang's launch_server flags that matter to the RL lifecycle (others are
+ignored with a warning: the emulator cannot honour them) plus emulator-only flags (version, memory sizes,
+speed, faults)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from rljob.sim.sglang.faults import Faults, parse_route_seconds
+from rljob.sim.sglang.versions import DEFAULT_VERSION, SUPPORTED_VERSIONS, VersionProfile, version_key
+
+log = logging.getLogger("sglang.emulator")
+
+GiB = 1 << 30
+
+
+@dataclass
+class EmulatorConfig:
+    profile: VersionProfile
+    host: str
+    port: int
+    model_path: str
+    served_model_name: str
+    weight_version: str
+    enable_memory_saver: bool
+    enable_weights_cpu_backup: bool
+    weight_cache_mode: str
+    enable_metrics: bool
+    api_key: str | None
+    admin_api_key: str | None
+    tp_size: int
+    dp_size: int
+    max_total_tokens: int
+    max_running_requests: int
+    gpus: int
+    gpu_total_bytes: int
+    baseline_bytes: int
+    region_sizes: dict[str, int]
+    cuda_graph_in_memory_saver: bool  # env SGLANG_MEMORY_SAVER_CUDA_GRAPH=1 at launch
+    tokens_per_second: float
+    startup_seconds: float
+    health_check_timeout: float
+    scheduler_lag_seconds: float
+    faults: Faults
+    server_args: dict[str, Any] = field(default_factory=dict)  # what /server_info reports
+    launch_command: str = ""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m rljob.sim.sglang", description=__doc__)
+    s = p.add_argument_group("SGLang launch_server flags")
+    s.add_argument("--model-path", default="emulated/model")
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--tokenizer-path", default=None)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=30000)
+    s.add_argument("--weight-version", default="default")
+    s.add_argument("--enable-memory-saver", action="store_true")
+    s.add_argument("--enable-weights-cpu-backup", action="store_true")
+    s.add_argument("--enable-draft-weights-cpu-backup", action="store_true")
+    s.add_argument("--weight-cache-mode", choices=["off", "daemon", "client"], default=None)
+    s.add_argument("--enable-metrics", action="store_true")
+    s.add_argument("--api-key", default=None)
+    s.add_argument("--admin-api-key", default=None)
+    s.add_argument("--tp-size", "--tp", type=int, default=1)
+    s.add_argument("--dp-size", "--dp", type=int, default=1)
+    s.add_argument("--max-total-tokens", type=int, default=65536)
+    s.add_argument("--max-running-requests", type=int, default=256)
+    s.add_argument("--load-format", default="auto")
+    s.add_argument("--skip-server-warmup", action="store_true")
+    s.add_argument("--disable-cuda-graph", action="store_true")
+    s.add_argument("--mem-fraction-static", type=float, default=None)
+    e = p.add_argument_group("emulator")
+    e.add_argument(
+        "--sglang-version", default=DEFAULT_VERSION, help=f"one of {', '.join(SUPPORTED_VERSIONS)}"
+    )
+    e.add_argument("--gpus", type=int, default=None, help="GPUs of the server (default: tp-size x dp-size)")
+    e.add_argument("--gpu-total-bytes", type=int, default=80 * GiB)
+    e.add_argument("--baseline-bytes", type=int, default=2 * GiB, help="never released (context, NCCL)")
+    e.add_argument("--weights-bytes", type=int, default=16 * GiB)
+    e.add_argument("--kv-bytes", type=int, default=40 * GiB)
+    e.add_argument("--graph-bytes", type=int, default=2 * GiB)
+    e.add_argument("--tokens-per-second", type=float, default=50.0, help="per request; 0 = instant")
+    e.add_argument("--startup-seconds", type=float, default=0.0, help="delay before the port opens")
+    e.add_argument("--health-check-timeout", type=float, default=None, help="default: env or 20 s")
+    e.add_argument(
+        "--scheduler-lag-seconds",
+        type=float,
+        default=0.05,
+        help="finished/aborted requests stay in the running batch this long (the abort-pause race)",
+    )
+    f = p.add_argument_group("faults (also settable at runtime: POST /_emulator/faults)")
+    f.add_argument("--fault-slow", action="append", default=[], metavar="ROUTE=SECONDS")
+    f.add_argument("--fault-hang", action="append", default=[], metavar="ROUTE")
+    f.add_argument("--fault-release-unmap-delay", type=float, default=0.0, metavar="SECONDS")
+    f.add_argument("--fault-resume-oom", action="append", default=[], metavar="TAG")
+    f.add_argument("--fault-refit-fail", action="store_true")
+    return p
+
+
+def parse_config(argv: list[str]) -> EmulatorConfig:
+    args, unknown = _parser().parse_known_args(argv)
+    if unknown:
+        log.warning("ignoring launch flags the emulator does not model: %s", " ".join(unknown))
+    version_key(args.sglang_version)  # validate
+    profile = VersionProfile(args.sglang_version)
+    if args.weight_cache_mode is not None and not profile.has_weight_cache:
+        log.warning("--weight-cache-mode does not exist in SGLang %s; ignored", profile.version)
+        args.weight_cache_mode = None
+    if args.admin_api_key is not None and not profile.has_admin_api_key:
+        log.warning("--admin-api-key does not exist in SGLang %s; ignored", profile.version)
+        args.admin_api_key = None
+    env_timeout = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
+    cfg = EmulatorConfig(
+        profile=profile,
+        host=args.host,
+        port=args.port,
+        model_path=args.model_path,
+        served_model_name=args.served_model_name or args.model_path,
+        weight_version=args.weight_version,
+        enable_memory_saver=args.enable_memory_saver,
+        # The weight cache forces CPU backup off (contract §3.2).
+        enable_weights_cpu_backup=args.enable_weights_cpu_backup
+        and (args.weight_cache_mode or "off") == "off",
+        weight_cache_mode=args.weight_cache_mode or "off",
+        enable_metrics=args.enable_metrics,
+        api_key=args.api_key,
+        admin_api_key=args.admin_api_key,
+        tp_size=args.tp_size,
+        dp_size=args.dp_size,
+        max_total_tokens=args.max_total_tokens,
+        max_running_requests=args.max_running_requests,
+        gpus=args.gpus or args.tp_size * args.dp_size,
+        gpu_total_bytes=args.gpu_total_bytes,
+        baseline_bytes=args.baseline_bytes,
+        region_sizes={
+            "weights": args.weights_bytes,
+            "kv_cache": args.kv_bytes,
+            "cuda_graph": args.graph_bytes,
+        },
+        cuda_graph_in_memory_saver=os.environ.get("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "")
+        in ("1", "true", "True"),
+        tokens_per_second=args.tokens_per_second,
+        startup_seconds=args.startup_seconds,
+        health_check_timeout=args.health_check_timeout
+        if args.health_check_timeout is not None
+        else env_timeout,
+        scheduler_lag_seconds=args.scheduler_lag_seconds,
+        faults=Faults(
+            slow=parse_route_seconds(args.fault_slow),
+            hang=set(args.fault_hang),
+            release_unmap_delay_s=args.fault_release_unmap_delay,
+            resume_oom_tags=set(args.fault_resume_oom),
+            refit_fail=args.fault_refit_fail,
+        ),
+    )
+    cfg.server_args = _server_args(cfg, args)
+    cfg.launch_command = "python -m sglang.launch_server " + " ".join(argv)
+    return cfg
+
+
+def _server_args(cfg: EmulatorConfig, args: argparse.Namespace) -> dict[str, Any]:
+    """The resolved launch config as /server_info reports it (a subset of SGLang's ServerArgs)."""
+    out: dict[str, Any] = {
+        "model_path": cfg.model_path,
+        "tokenizer_path": args.tokenizer_path or cfg.model_path,
+        "served_model_name": cfg.served_model_name,
+        "host": cfg.host,
+        "port": cfg.port,
+        "weight_version": cfg.weight_version,
+        "enable_memory_saver": cfg.enable_memory_saver,
+        "enable_weights_cpu_backup": cfg.enable_weights_cpu_backup,
+        "enable_draft_weights_cpu_backup": args.enable_draft_weights_cpu_backup,
+        "enable_metrics": cfg.enable_metrics,
+        "tp_size": cfg.tp_size,
+        "dp_size": cfg.dp_size,
+        "load_format": args.load_format,
+        "skip_server_warmup": args.skip_server_warmup,
+        "disable_cuda_graph": args.disable_cuda_graph,
+        "mem_fraction_static": args.mem_fraction_static,
+        "max_running_requests": cfg.max_running_requests,
+        "api_key": None,  # SGLang redacts secrets; so do we
+    }
+    if cfg.profile.has_weight_cache:
+        out["weight_cache_mode"] = cfg.weight_cache_mode
+    if cfg.profile.has_admin_api_key:
+        out["admin_api_key"] = None
+    return out

@@ -1,0 +1,75 @@
+"""GPU memory per region and GPU. `RegionBackend` is the seam a torch_memory_saver-backed implementation
+(real GPU regions) replaces later; `AccountingBackend` only keeps numbers."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+REGIONS = ("kv_cache", "weights", "cuda_graph")
+
+
+class RegionBackend(Protocol):
+    gpus: int
+
+    def pause(self, region: str, *, unmap_delay_s: float = 0.0) -> None:
+        """Unmap the region on every GPU (torch_memory_saver pause)."""
+
+    def resume(self, region: str) -> None:
+        """Map the region again on every GPU; contents are not restored."""
+
+    def is_paused(self, region: str) -> bool: ...
+
+    def used_bytes(self, gpu: int) -> int: ...
+
+    def total_bytes(self, gpu: int) -> int: ...
+
+    def region_bytes(self, gpu: int) -> dict[str, int]: ...
+
+
+@dataclass
+class _Region:
+    size: int
+    paused: bool = False
+    unmapped_at: float = 0.0  # monotonic time the physical memory is actually gone (delayed-unmap fault)
+
+    def mapped_bytes(self, now: float) -> int:
+        return 0 if self.paused and now >= self.unmapped_at else self.size
+
+
+@dataclass
+class AccountingBackend:
+    """Same sizes on every GPU: `baseline` (CUDA context, NCCL, allocator cache: never released) plus the
+    regions. A delayed unmap keeps the bytes counted for a while after pause returned, as slime#579."""
+
+    gpus: int
+    total: int
+    baseline: int
+    sizes: dict[str, int]
+    _regions: dict[str, _Region] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._regions = {name: _Region(self.sizes.get(name, 0)) for name in REGIONS}
+        if self.baseline + sum(self.sizes.values()) > self.total:
+            raise ValueError("regions plus baseline exceed --gpu-total-bytes")
+
+    def pause(self, region: str, *, unmap_delay_s: float = 0.0) -> None:
+        r = self._regions[region]
+        r.paused, r.unmapped_at = True, time.monotonic() + unmap_delay_s
+
+    def resume(self, region: str) -> None:
+        self._regions[region].paused = False
+
+    def is_paused(self, region: str) -> bool:
+        return self._regions[region].paused
+
+    def used_bytes(self, gpu: int) -> int:
+        return self.baseline + sum(self.region_bytes(gpu).values())
+
+    def total_bytes(self, gpu: int) -> int:
+        return self.total
+
+    def region_bytes(self, gpu: int) -> dict[str, int]:
+        now = time.monotonic()
+        return {name: r.mapped_bytes(now) for name, r in self._regions.items()}

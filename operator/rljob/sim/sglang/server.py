@@ -1,0 +1,54 @@
+"""Wiring and entry point: `python -m rljob.sim.sglang [launch_server flags] [emulator flags]`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from aiohttp import web
+
+from rljob.sim.sglang import routes_control, routes_debug, routes_serving
+from rljob.sim.sglang.config import EmulatorConfig, parse_config
+from rljob.sim.sglang.engine import Engine
+from rljob.sim.sglang.http_common import ENGINE_KEY, sglang_middleware
+from rljob.sim.sglang.memory import AccountingBackend
+from rljob.sim.sglang.weight_updater import WeightUpdater
+
+log = logging.getLogger("sglang.emulator")
+
+
+def build_app(cfg: EmulatorConfig) -> web.Application:
+    backend = AccountingBackend(
+        gpus=cfg.gpus, total=cfg.gpu_total_bytes, baseline=cfg.baseline_bytes, sizes=cfg.region_sizes
+    )
+    engine = Engine(cfg, backend)
+    app = web.Application(middlewares=[sglang_middleware], client_max_size=64 << 20)
+    app[ENGINE_KEY] = engine
+    app[routes_control.UPDATER_KEY] = WeightUpdater(engine)
+    routes_control.add_routes(app, cfg.profile)
+    routes_serving.add_routes(app, cfg.profile, enable_metrics=cfg.enable_metrics)
+    routes_debug.add_routes(app)
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(
+        level=logging.INFO, format="[%(asctime)s] %(levelname)s %(message)s", stream=sys.stderr
+    )
+    cfg = parse_config(sys.argv[1:] if argv is None else argv)
+    log.info(
+        "SGLang emulator %s on %s:%d (memory saver %s, weight cache %s, %d GPU(s))",
+        cfg.profile.version,
+        cfg.host,
+        cfg.port,
+        "on" if cfg.enable_memory_saver else "off",
+        cfg.weight_cache_mode,
+        cfg.gpus,
+    )
+    if cfg.startup_seconds > 0:
+        asyncio.run(asyncio.sleep(cfg.startup_seconds))  # model loading: the port is not open yet
+    app = build_app(cfg)
+    log.info("The server is fired up and ready to roll!")
+    # SIGTERM: hung handlers (faults) must not hold the exit for aiohttp's default 60 s.
+    web.run_app(app, host=cfg.host, port=cfg.port, print=None, access_log=None, shutdown_timeout=0.5)

@@ -1,0 +1,194 @@
+"""Refit endpoints (contract §2.4, §3.5): disk/tensor/distributed updates, begin/end sessions by version,
+weight-update groups, /update_weight_version and /weights_checker. Each returns (HTTP status, JSON body)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import hashlib
+import json
+import time
+from typing import Any
+
+from rljob.sim.sglang import fatal
+from rljob.sim.sglang.engine import Engine
+from rljob.sim.sglang.weights import LoadedWeights, WeightsLoadError, read_safetensors
+
+Reply = tuple[int, dict[str, Any]]
+
+FLUSH_REFUSED = (
+    "Weights were updated, but the cache was not flushed because requests are still running or queued. "
+    "Retract or finish them, then call /flush_cache."
+)
+
+
+def _fail(message: str) -> Reply:
+    return 400, {"success": False, "message": message}
+
+
+def _session_required(route: str) -> Reply:
+    return _fail(f"{route} must run between begin_weight_update() and end_weight_update()")
+
+
+class WeightUpdater:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.session_open = False
+        self.groups: set[str] = set()
+        self._push_digest: Any = None  # sha256 over the pushes of the refit in progress
+        self._push_tensors = 0
+
+    # --- disk ------------------------------------------------------------------------------------
+
+    async def from_disk(self, body: dict[str, Any]) -> Reply:
+        eng = self.engine
+        eng.refuse_under_weight_cache("update_weights_from_disk")
+        async with _WriterLock(eng, body.get("abort_all_requests", False)):
+            eng.require_weights_mapped()
+            started = time.monotonic()
+            try:
+                checksum, tensors = await asyncio.to_thread(read_safetensors, body["model_path"])
+            except (WeightsLoadError, OSError) as e:
+                return _fail(f"Failed to update weights: {e}. Rolling back to the original weights.")
+            eng.weights = LoadedWeights("disk", body["model_path"], checksum, tensors=tensors)
+            eng.model_path = eng.served_model_name = body["model_path"]
+            status, reply = self._finish(body, "disk", started, "Succeeded to update model weights.")
+            reply["num_paused_requests"] = 0
+            return status, reply
+
+    # --- tensor / distributed --------------------------------------------------------------------
+
+    async def from_tensor(self, body: dict[str, Any]) -> Reply:
+        eng = self.engine
+        if eng.profile.needs_weight_update_session and not self.session_open:
+            return _fail(
+                "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+            )
+        eng.refuse_under_weight_cache("update_weights_from_tensor")
+        async with _WriterLock(eng, body.get("abort_all_requests", False)):
+            eng.require_weights_mapped()
+            started = time.monotonic()
+            try:
+                payloads = [base64.b64decode(s, validate=True) for s in body["serialized_named_tensors"]]
+            except (binascii.Error, ValueError) as e:
+                return _fail(f"Failed to update weights: cannot deserialize named tensors: {e}")
+            self._absorb("tensor", payloads)
+            return self._finish(body, "tensor", started, "Succeeded to update parameter online from tensor.")
+
+    async def from_distributed(self, body: dict[str, Any]) -> Reply:
+        eng = self.engine
+        if eng.profile.needs_weight_update_session and not self.session_open:
+            return _session_required("update_weights_from_distributed")
+        if body["group_name"] not in self.groups:
+            return _fail("Please call `init_weights_update_group` first.")
+        if not (len(body["names"]) == len(body["dtypes"]) == len(body["shapes"])):
+            return _fail("names, dtypes and shapes must have the same length")
+        eng.refuse_under_weight_cache("update_weights_from_distributed")
+        async with _WriterLock(eng, body.get("abort_all_requests", False)):
+            eng.require_weights_mapped()
+            started = time.monotonic()
+            # No NCCL here: the broadcast metadata stands in for the received tensors.
+            meta = json.dumps([body["names"], body["dtypes"], body["shapes"]]).encode()
+            self._absorb("distributed", [meta], tensors=len(body["names"]))
+            return self._finish(body, "distributed", started, "Succeeded to update parameter online.")
+
+    def _absorb(self, source: str, payloads: list[bytes], tensors: int | None = None) -> None:
+        if self._push_digest is None:
+            self._push_digest, self._push_tensors = hashlib.sha256(), 0
+        for p in payloads:
+            self._push_digest.update(p)
+        self._push_tensors += tensors if tensors is not None else len(payloads)
+        self.engine.weights = LoadedWeights(
+            source, f"<{source}>", self._push_digest.hexdigest(), tensors=self._push_tensors
+        )
+
+    def start_new_refit(self) -> None:
+        """Called when weights are resumed or a session begins: later pushes make a new checkpoint."""
+        self._push_digest = None
+
+    def _finish(self, body: dict[str, Any], source: str, started: float, message: str) -> Reply:
+        eng = self.engine
+        eng.weight_load_seconds[source] = time.monotonic() - started
+        version = body.get("weight_version")
+        if version is not None:
+            self._push_digest = None  # the version marks the end of this refit's pushes
+        if eng.faults.refit_fail:
+            return _fail(FLUSH_REFUSED)
+        if body.get("flush_cache", True):
+            if not eng.scheduler.is_idle():
+                if eng.profile.refit_flush_failure_is_fatal:
+                    fatal.scheduler_exception("AssertionError", "Cache flush failed after updating weights")
+                return _fail(FLUSH_REFUSED)
+            eng.scheduler.reset_cache()
+        if version is not None:
+            eng.set_weight_version(version)
+            message += f" Weight version updated to {version}."
+        return 200, {"success": True, "message": message}
+
+    # --- sessions and groups ---------------------------------------------------------------------
+
+    def begin(self) -> Reply:
+        if self.session_open:
+            return _fail("a weight-update session is already open")
+        self.session_open = True
+        self.start_new_refit()
+        return 200, {"success": True, "message": "weight-update session opened"}
+
+    def end(self) -> Reply:
+        if not self.session_open:
+            return _fail("no weight-update session is open")
+        self.session_open = False
+        return 200, {"success": True, "message": "weight-update session closed"}
+
+    def init_group(self, body: dict[str, Any]) -> Reply:
+        self.groups.add(body["group_name"])
+        return 200, {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def destroy_group(self, body: dict[str, Any]) -> Reply:
+        if body["group_name"] not in self.groups:
+            return _fail("The group to be destroyed does not exist.")
+        self.groups.remove(body["group_name"])
+        return 200, {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    # --- version and checker ---------------------------------------------------------------------
+
+    def update_weight_version(self, body: dict[str, Any]) -> Reply:
+        if body.get("abort_all_requests", True):
+            self.engine.scheduler.abort(abort_all=True)
+        self.engine.set_weight_version(body["new_version"])
+        v = body["new_version"]
+        return 200, {"success": True, "message": f"Weight version updated to {v}", "new_version": v}
+
+    def weights_checker(self, body: dict[str, Any]) -> Reply:
+        eng = self.engine
+        eng.require_weights_mapped()
+        checksums = [
+            hashlib.sha256(f"{eng.weights.checksum}:{r}".encode()).hexdigest() for r in range(eng.cfg.tp_size)
+        ]
+        ranks = [{"tp_rank": r, "checksum": c} for r, c in enumerate(checksums)]
+        per_engine = hashlib.sha256("".join(checksums).encode()).hexdigest()
+        return 200, {
+            "success": True,
+            "message": f"action={body.get('action', 'checksum')}",
+            "ranks": ranks,
+            "per_engine_checksum": per_engine,
+        }
+
+
+class _WriterLock:
+    """Refits while paused skip the lock; otherwise they wait for every in-flight request (§2.4)."""
+
+    def __init__(self, engine: Engine, abort_all: bool) -> None:
+        self.sched = engine.scheduler
+        self.abort_all = abort_all
+        self.taken = False
+
+    async def __aenter__(self) -> None:
+        if not self.sched.is_pause:
+            await self.sched.writer_lock_acquire(self.abort_all)
+            self.taken = True
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.taken:
+            await self.sched.writer_lock_release()

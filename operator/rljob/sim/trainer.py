@@ -1,0 +1,201 @@
+"""Simulated trainer: the end-to-end proof that no stale weights or KV are ever served.
+
+Loop: wait until the agent reports Serving; send rollout requests (a shared prompt prefix, several
+samples per prompt) to SGLang and check every answer's meta_info.weight_version (and per-token spans)
+equals the served version and that the text is not garbage; then take the GPU lease, write a real
+safetensors checkpoint for version int(served)+1, publish it, and for tensor/distributed refits push it
+through the agent's refit window. Exits 2 with a message when a check fails.
+
+    python -m rljob.sim.trainer [--iterations N] [--prompts P] [--samples-per-prompt K] ...
+    env: RLJOB_AGENT_URL, RLJOB_SGLANG_URL, RLJOB_REFIT_SOURCE (disk|tensor|distributed), RLJOB_WEIGHTS_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import save, save_file
+
+from rljob.sim.sglang.tokens import GARBAGE_MARKER
+from rljob.trainer import Handoff
+
+
+class StaleServing(Exception):
+    """SGLang answered with the wrong weights (version or garbage): the invariant this program checks."""
+
+
+def _log(event: str, **fields: Any) -> None:
+    print(json.dumps({"event": event, "ts": round(time.time(), 3), **fields}), flush=True)
+
+
+def next_version(served: str | None) -> str:
+    return str(int(served) + 1) if served is not None and served.isdigit() else "1"
+
+
+def make_tensors(version: str, total_bytes: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(int(version) if version.isdigit() else abs(hash(version)) % 2**32)
+    cols = 256
+    rows = max(1, total_bytes // (4 * cols * 4))
+    return {
+        f"model.layers.{i}.mlp.weight": rng.standard_normal((rows, cols), dtype=np.float32) for i in range(4)
+    }
+
+
+def write_checkpoint(weights_dir: Path, version: str, tensors: dict[str, np.ndarray]) -> Path:
+    weights_dir.mkdir(parents=True, exist_ok=True)
+    # One file per pod: trainers of a gang may share a volume (a claim that outlives the pods).
+    path = weights_dir / f"weights-v{version}-pod{os.environ.get('RLJOB_POD_INDEX', os.getpid())}.safetensors"
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp), metadata={"weight_version": version})
+    tmp.replace(path)  # a reader never sees a half-written file
+    return path
+
+
+class Rollout:
+    def __init__(self, sglang_url: str, api_key: str | None, args: argparse.Namespace) -> None:
+        self.url = sglang_url.rstrip("/")
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+        self.args = args
+
+    def _generate(self, prompt: str) -> list[dict[str, Any]]:
+        body = {
+            "text": [prompt] * self.args.samples_per_prompt,
+            "sampling_params": {"max_new_tokens": self.args.max_new_tokens, "temperature": 1.0},
+        }
+        req = urllib.request.Request(
+            self.url + "/generate", json.dumps(body).encode(), self.headers, method="POST"
+        )
+        with urllib.request.urlopen(req, timeout=self.args.request_timeout) as resp:
+            out = json.loads(resp.read())
+        return out if isinstance(out, list) else [out]
+
+    def run(self, iteration: int, served: str) -> dict[str, Any]:
+        prefix = " ".join(f"sys{i}" for i in range(self.args.prefix_tokens))
+        prompts = [f"{prefix} question-{iteration}-{i} please answer" for i in range(self.args.prompts)]
+        with ThreadPoolExecutor(max_workers=min(4, len(prompts))) as pool:
+            results = [r for batch in pool.map(self._generate, prompts) for r in batch]
+        cached = prompt_tokens = 0
+        for r in results:
+            meta = r["meta_info"]
+            self.check(r, served)
+            cached += int(meta.get("cached_tokens", 0))
+            prompt_tokens += int(meta.get("prompt_tokens", 0))
+        return {"responses": len(results), "cached_tokens": cached, "prompt_tokens": prompt_tokens}
+
+    @staticmethod
+    def check(response: dict[str, Any], served: str) -> None:
+        meta = response["meta_info"]
+        if meta.get("finish_reason", {}).get("type") == "abort":
+            return  # aborted by a drain: no tokens to judge
+        if meta.get("weight_version") != served:
+            raise StaleServing(
+                f"request {meta.get('id')} served by weight_version {meta.get('weight_version')!r}, "
+                f"but the agent reports {served!r}"
+            )
+        for span in meta.get("weight_versions") or []:
+            if span["version"] != served:
+                raise StaleServing(
+                    f"request {meta.get('id')} has tokens {span['start']}..{span['end']} "
+                    f"from weight_version {span['version']!r}, expected {served!r}"
+                )
+        if GARBAGE_MARKER in response.get("text", ""):
+            raise StaleServing(f"request {meta.get('id')} produced garbage: weights resumed without a refit")
+
+
+def push_refit(
+    handoff: Handoff, source: str, version: str, tensors: dict[str, np.ndarray], timeout: float
+) -> None:
+    with handoff.refit_window(timeout=timeout) as window:
+        if window.version != version:
+            raise StaleServing(
+                f"refit window for version {window.version}, but this trainer published {version}"
+            )
+        names = sorted(tensors)
+        if source == "tensor":
+            for name in names:  # one bucket per tensor; one payload per TP rank (TP=1 here)
+                window.push_tensors([base64.b64encode(save({name: tensors[name]})).decode()])
+        else:
+            window.init_group("127.0.0.1", 29500, rank_offset=1, world_size=2)
+            for name in names:
+                t = tensors[name]
+                window.push_distributed([name], [str(t.dtype)], [list(t.shape)])
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m rljob.sim.trainer",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--iterations", type=int, default=0, help="stop after N iterations (0: forever)")
+    p.add_argument("--prompts", type=int, default=8, help="rollout prompts per iteration")
+    p.add_argument("--samples-per-prompt", type=int, default=4)
+    p.add_argument(
+        "--prefix-tokens", type=int, default=64, help="length of the prompt prefix all prompts share"
+    )
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--train-seconds", type=float, default=0.0)
+    p.add_argument("--weights-bytes", type=int, default=64 << 10, help="checkpoint size written per version")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for Serving, lease, window")
+    p.add_argument("--request-timeout", type=float, default=120.0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    source = os.environ.get("RLJOB_REFIT_SOURCE", "disk")
+    if source not in ("disk", "tensor", "distributed"):
+        print(f"RLJOB_REFIT_SOURCE must be disk, tensor or distributed, not {source!r}", file=sys.stderr)
+        return 1
+    weights_dir = Path(os.environ.get("RLJOB_WEIGHTS_DIR", "/tmp/rljob-weights"))
+    rollout = Rollout(
+        os.environ.get("RLJOB_SGLANG_URL", "http://127.0.0.1:30000"),
+        os.environ.get("RLJOB_SGLANG_API_KEY"),
+        args,
+    )
+    handoff = Handoff()
+    expected: str | None = None  # unknown after a (re)start: resume from what the agent serves
+    iteration = 0
+    try:
+        while args.iterations == 0 or iteration < args.iterations:
+            iteration += 1
+            st = handoff.wait_for_stage("Serving", timeout=args.timeout)
+            served = st["sglang"]["servedVersion"]
+            if expected is not None and served != expected:
+                raise StaleServing(f"agent serves {served!r} after this trainer published {expected!r}")
+            stats = rollout.run(iteration, served)
+            _log("rollout", iteration=iteration, served=served, **stats)
+            version = next_version(served)
+            tensors = make_tensors(version, args.weights_bytes)
+            with handoff.train(timeout=args.timeout) as lease:
+                time.sleep(args.train_seconds)
+                path = write_checkpoint(weights_dir, version, tensors)
+                lease.publish(version, str(path))
+            _log("published", iteration=iteration, version=version, path=str(path), source=source)
+            if source != "disk":
+                push_refit(handoff, source, version, tensors, args.timeout)
+            expected = version
+        final = handoff.wait_for_stage("Serving", timeout=args.timeout)["sglang"]["servedVersion"]
+        if expected is not None and final != expected:
+            raise StaleServing(f"agent serves {final!r} after this trainer published {expected!r}")
+        _log("done", iterations=iteration, served=final)
+        return 0
+    except StaleServing as e:
+        print(f"STALE SERVING: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

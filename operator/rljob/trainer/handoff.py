@@ -1,0 +1,206 @@
+"""The trainer side of the GPU handoff.
+
+handoff = Handoff()
+with handoff.train(timeout=3600) as lease:   # asks for the GPU, returns once the agent granted it
+    ...                                      # train: the GPU memory SGLang released is yours
+    lease.publish(version, path)             # hands the GPU back with the new weights' version
+
+with handoff.refit_window(timeout=600) as window:  # tensor/distributed refit only
+    window.push_tensors([...])                     # forwarded to SGLang by the agent
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from rljob.trainer.client import AgentClient, AgentError, AgentUnavailable
+
+POLL_S = 25.0  # each long-poll; the agent caps waits at 30 s
+
+
+class LeaseError(RuntimeError):
+    pass
+
+
+@dataclass
+class Lease:
+    """The GPU lease: valid until `publish` (or until the `train()` block exits)."""
+
+    _client: AgentClient
+    epoch: int | None
+    published: str | None = None
+
+    def publish(self, version: str, path: str | None = None) -> None:
+        if self.published is not None:
+            raise LeaseError(f"already published {self.published}: a lease publishes once")
+        body: dict[str, Any] = {"version": str(version)}
+        if path is not None:
+            body["path"] = str(path)
+        self._client.call("POST", "/v1/trainer/publish", body)
+        self.published = str(version)
+
+
+@dataclass
+class RefitSession:
+    """A tensor/distributed refit window. The final push must carry the version, so each push is held
+    back until the next one (or the end of the window) shows whether it was the last."""
+
+    _client: AgentClient
+    version: str
+    source: str
+    pushes: int = 0
+    _held: tuple[str, dict[str, Any]] | None = field(default=None, repr=False)
+
+    def push_tensors(self, serialized_named_tensors: list[str], load_format: str | None = None) -> None:
+        """One bucket: one serialized payload per TP rank (SGLang's MultiprocessingSerializer, base64)."""
+        body: dict[str, Any] = {"serializedNamedTensors": list(serialized_named_tensors)}
+        if load_format is not None:
+            body["loadFormat"] = load_format
+        self._hold("/v1/trainer/refit/tensor", body)
+
+    def push_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+    ) -> None:
+        """Metadata of one NCCL broadcast; the trainer sends the tensors itself as group rank 0."""
+        body = {"names": names, "dtypes": dtypes, "shapes": shapes, "groupName": group_name}
+        self._hold("/v1/trainer/refit/distributed", body)
+
+    def init_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> None:
+        self._client.call(
+            "POST",
+            "/v1/trainer/refit/group",
+            {
+                "masterAddress": master_address,
+                "masterPort": master_port,
+                "rankOffset": rank_offset,
+                "worldSize": world_size,
+                "groupName": group_name,
+                "backend": backend,
+            },
+        )
+
+    def _hold(self, path: str, body: dict[str, Any]) -> None:
+        self._send_held(last=False)
+        self._held = (path, body)
+
+    def _send_held(self, *, last: bool) -> None:
+        if self._held is None:
+            return
+        path, body = self._held
+        self._held = None
+        self._client.call("POST", path, {**body, "last": last})
+        self.pushes += 1
+
+    def _finish(self) -> None:
+        if self._held is None:
+            raise LeaseError("the refit window closed without any push: nothing carries the version")
+        self._send_held(last=True)
+
+
+class Handoff:
+    def __init__(self, agent_url: str | None = None) -> None:
+        self.client = AgentClient(agent_url)
+
+    def state(self, since: int | None = None, wait: float = 0.0) -> dict[str, Any]:
+        """The agent's state (camelCase AgentState); long-polls past revision `since` when `wait` > 0."""
+        query = {"since": since, "wait": f"{wait:g}"} if since is not None and wait > 0 else None
+        return dict(self.client.call("GET", "/v1/trainer/state", query=query))
+
+    def wait_for_stage(self, stage: str, timeout: float | None = None) -> dict[str, Any]:
+        """Block until the agent reports `stage` (e.g. "Serving"); raises on Failed or timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        st = self._first_state(deadline)
+        while st["stage"] != stage:
+            if st["stage"] == "Failed":
+                raise LeaseError(f"agent failed: {st.get('fatal')}")
+            left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
+            if left <= 0:
+                raise TimeoutError(f"agent stage is {st['stage']}, not {stage}, after {timeout}s")
+            st = self.state(since=st["revision"], wait=left)
+        return st
+
+    def _first_state(self, deadline: float | None) -> dict[str, Any]:
+        """Containers of a pod start in any order: wait for the agent to listen, not just fail."""
+        while True:
+            try:
+                return self.state()
+            except AgentUnavailable:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)
+
+    @contextmanager
+    def train(self, timeout: float | None = None) -> Iterator[Lease]:
+        """Ask for the GPU, wait for the lease, yield it. Leaving without `publish` returns the lease as
+        abandoned (the agent records why) and raises."""
+        self.client.call("POST", "/v1/trainer/request", {})
+        lease = Lease(self.client, self._wait_lease(timeout))
+        try:
+            yield lease
+        except BaseException as e:
+            if lease.published is None:
+                self._abandon(f"trainer step failed: {e.__class__.__name__}: {e}")
+            raise
+        if lease.published is None:
+            self._abandon("the train() block exited without publishing")
+            raise LeaseError("train() block exited without lease.publish(version, path)")
+
+    def _wait_lease(self, timeout: float | None) -> int | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
+            if left <= 0:
+                raise TimeoutError(f"GPU lease not granted within {timeout}s")
+            status = self.client.call("GET", "/v1/trainer/lease", query={"wait": f"{max(0.1, left):g}"})
+            if status.get("granted"):
+                epoch = status.get("epoch")
+                return int(epoch) if epoch is not None else None
+            st = self.state()
+            if st["stage"] == "Failed":
+                raise LeaseError(f"agent failed while waiting for the lease: {st.get('fatal')}")
+
+    def _abandon(self, reason: str) -> None:
+        with contextlib.suppress(AgentError):  # no lease held any more: nothing to return
+            self.client.call("POST", "/v1/trainer/abandon", {"reason": reason[:1024]})
+
+    @contextmanager
+    def refit_window(self, timeout: float | None = None) -> Iterator[RefitSession]:
+        """Wait for the agent to open a tensor/distributed refit window; the final push carries the version
+        when the block exits; an exception closes the window with the error (the refit fails)."""
+        session = RefitSession(self.client, *self._wait_window(timeout))
+        try:
+            yield session
+            session._finish()
+        except BaseException as e:
+            self.client.call(
+                "POST", "/v1/trainer/refit/close", {"error": f"{e.__class__.__name__}: {e}"[:1024]}
+            )
+            raise
+        self.client.call("POST", "/v1/trainer/refit/close", {})
+
+    def _wait_window(self, timeout: float | None) -> tuple[str, str]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
+            if left <= 0:
+                raise TimeoutError(f"no refit window opened within {timeout}s")
+            window = self.client.call("GET", "/v1/trainer/refit", query={"wait": f"{max(0.1, left):g}"})
+            if window.get("open"):
+                return str(window["version"]), str(window["source"])

@@ -1,0 +1,140 @@
+"""The emulator dies exactly where SGLang dies (contract §2.1, §3): called directly, bypassing the agent.
+Each test proves the process exits non-zero and logs SGLang's text."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from agent_procs import VERSIONS, Emulator, wait_until, write_weights
+
+pytestmark = pytest.mark.emulator_may_die
+
+
+def _dies(emu: Emulator, text: str) -> None:
+    code = emu.wait_exit(10)
+    assert code != 0, f"exit code {code}"
+    assert text in emu.log_text(), emu.log_text()[-2000:]
+
+
+def _call_expecting_drop(emu: Emulator, path: str, body: object) -> None:
+    try:
+        r = emu.call("POST", path, body, timeout=10)
+    except OSError:  # connection dropped: what the client of a dead SGLang sees
+        return
+    raise AssertionError(f"{path} answered {r.status} {r.text}; SGLang would have died")
+
+
+def _start_long_request(emu: Emulator) -> threading.Thread:
+    def run() -> None:
+        body = {"text": "a b c", "sampling_params": {"max_new_tokens": 500}}
+        with contextlib.suppress(OSError):  # the server may die under it: that is the point
+            emu.call("POST", "/generate", body, timeout=30)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    wait_until(lambda: emu.stats()["running"] == 1, 5, "the request to run")
+    return t
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_release_while_a_request_runs(version: str, start_emulator: Callable[..., Emulator]) -> None:
+    emu = start_emulator(version, tps=50)
+    _start_long_request(emu)
+    _call_expecting_drop(emu, "/release_memory_occupation", {"tags": ["kv_cache"]})
+    expected = "no ongoing request" if version == "0.5.6" else "only when server is idle"
+    _dies(emu, expected)
+    assert "Scheduler hit an exception" in emu.log_text()
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_release_after_in_place_pause_with_running_request(
+    version: str, start_emulator: Callable[..., Emulator]
+) -> None:
+    emu = start_emulator(version, tps=50)
+    _start_long_request(emu)
+    assert emu.call("POST", "/pause_generation", {"mode": "in_place"}).status == 200
+    _call_expecting_drop(emu, "/release_memory_occupation", {})
+    _dies(emu, "release_memory_occupation should be called only when")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_double_release(version: str, start_emulator: Callable[..., Emulator]) -> None:
+    emu = start_emulator(version)
+    assert emu.call("POST", "/release_memory_occupation", {"tags": ["kv_cache"]}).status == 200
+    _call_expecting_drop(emu, "/release_memory_occupation", {"tags": ["kv_cache"]})
+    _dies(emu, "Cannot pause allocation that is not active")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_resume_of_an_unreleased_tag(version: str, start_emulator: Callable[..., Emulator]) -> None:
+    emu = start_emulator(version)
+    assert emu.call("POST", "/release_memory_occupation", {"tags": ["weights"]}).status == 200
+    _call_expecting_drop(emu, "/resume_memory_occupation", {"tags": ["kv_cache"]})
+    _dies(emu, "KeyError: 'kv_cache'")
+
+
+@pytest.mark.parametrize("version", ["0.5.21", "0.5.23"])
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/release_memory_occupation", {"tags": ["weights"]}),
+        ("/update_weights_from_disk", {"model_path": "/nonexistent"}),
+        ("/update_weights_from_distributed", {"names": ["w"], "dtypes": ["float32"], "shapes": [[1]]}),
+    ],
+)
+def test_weights_operation_under_weight_cache(
+    version: str, path: str, body: dict[str, object], start_emulator: Callable[..., Emulator]
+) -> None:
+    emu = start_emulator(version, "--weight-cache-mode", "client")
+    if "distributed" in path:
+        emu.call(
+            "POST",
+            "/init_weights_update_group",
+            {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2},
+        )
+        emu.call("POST", "/begin_weight_update", {})
+    _call_expecting_drop(emu, path, body)
+    _dies(emu, "[weight_cache]")
+    assert "--weight-cache-mode client" in emu.log_text()
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_generate_reaching_released_memory(version: str, start_emulator: Callable[..., Emulator]) -> None:
+    """Release does not pause: a request arriving while KV is unmapped touches unmapped memory."""
+    emu = start_emulator(version)
+    assert emu.call("POST", "/release_memory_occupation", {"tags": ["kv_cache"]}).status == 200
+    _call_expecting_drop(emu, "/generate", {"text": "hello", "sampling_params": {"max_new_tokens": 2}})
+    _dies(emu, "illegal memory access")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_refit_into_released_weights(
+    version: str, tmp_path: Path, start_emulator: Callable[..., Emulator]
+) -> None:
+    emu = start_emulator(version)
+    assert emu.call("POST", "/release_memory_occupation", {"tags": ["weights"]}).status == 200
+    _call_expecting_drop(emu, "/update_weights_from_disk", {"model_path": str(write_weights(tmp_path, "1"))})
+    _dies(emu, "illegal memory access")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_post_refit_flush_with_running_requests(
+    version: str, tmp_path: Path, start_emulator: Callable[..., Emulator]
+) -> None:
+    """≤0.5.21 asserts "Cache flush failed after updating weights" (sglang#12099); 0.5.23: success:false."""
+    emu = start_emulator(version, tps=50)
+    _start_long_request(emu)
+    assert emu.call("POST", "/pause_generation", {"mode": "in_place"}).status == 200
+    body = {"model_path": str(write_weights(tmp_path, "1")), "weight_version": "1"}
+    if version == "0.5.23":
+        r = emu.call("POST", "/update_weights_from_disk", body)
+        assert r.status == 400 and r.body["success"] is False and "not flushed" in r.body["message"]
+        assert emu.alive()
+        assert emu.call("GET", "/model_info").body["weight_version"] == "default"  # version not recorded
+        return
+    _call_expecting_drop(emu, "/update_weights_from_disk", body)
+    _dies(emu, "Cache flush failed after updating weights")

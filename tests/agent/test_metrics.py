@@ -1,0 +1,49 @@
+"""The agent's Prometheus metrics and JSON logs."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from agent_procs import ALL_TAGS, Agent, Conductor, Emulator, write_weights
+
+
+def _value(text: str, sample: str) -> float:
+    m = re.search("^" + re.escape(sample) + r" (\S+)$", text, re.M)
+    assert m, f"{sample} not in metrics"
+    return float(m.group(1))
+
+
+def test_metrics_after_an_iteration(
+    tmp_path: Path, start_emulator: Callable[..., Emulator], start_agent: Callable[..., Agent]
+) -> None:
+    emu = start_emulator("0.5.23", "--gpus", "2")
+    agent = start_agent(emu, "--log-json")
+    c = Conductor(agent)
+    c.full_iteration("1", str(write_weights(tmp_path, "1")))
+    c.refused("release", "IllegalTransition", tags=ALL_TAGS)
+    text = agent.get("/metrics", token=None).text
+    for action, n in (("drain", 1), ("release", 1), ("grant", 1), ("refit", 1), ("resume", 2)):  # + opening
+        assert _value(text, f'rljob_agent_commands_total{{action="{action}",result="succeeded"}}') == n
+    assert _value(text, 'rljob_agent_refusals_total{reason="IllegalTransition"}') == 1
+    for op in (
+        "pause_generation",
+        "flush_cache",
+        "release_memory_occupation",
+        "resume_memory_occupation",
+        "update_weights_from_disk",
+        "continue_generation",
+        "health_generate",
+        "weight_version",
+    ):
+        assert _value(text, f'rljob_agent_sglang_operation_seconds_count{{operation="{op}"}}') >= 1, op
+    freed = emu.call("GET", "/_emulator/memory").body  # resumed by now; the gauge keeps the release's figure
+    assert len(freed["gpus"]) == 2
+    for gpu in ("0", "1"):
+        assert _value(text, f'rljob_agent_freed_bytes{{gpu="{gpu}"}}') == (40 + 16) << 30
+    assert _value(text, "rljob_agent_state_revision") == agent.state()["revision"]
+    lines = [json.loads(line) for line in agent.log_text().splitlines() if line.startswith("{")]
+    assert any(re.match(r"command refit epoch=\d+ succeeded", rec["msg"]) for rec in lines)
+    assert all({"ts", "level", "logger", "msg"} <= set(rec) for rec in lines)

@@ -1,0 +1,153 @@
+"""Tensor/distributed refits through the agent's refit window, with the trainer SDK: sessions by version,
+the final push carrying the version, and every way a window can fail without leaving SGLang inconsistent."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from agent_procs import Agent, Conductor, Emulator
+
+from rljob.trainer import AgentError, Handoff
+
+
+def _to_trained(c: Conductor, version: str) -> None:
+    c.iteration_to_trained(version, None)
+
+
+def _refit_async(agent: Agent, c: Conductor, **fields: Any) -> None:
+    """Start a refit without waiting: the window needs the trainer to act before it can finish."""
+    c.epoch += 1
+    r = agent.command("refit", c.epoch, wait=0, **fields)
+    assert r.status == 202, r.text
+
+
+def _outcome(agent: Agent, timeout: float = 15) -> dict[str, Any]:
+    st = agent.wait_state(lambda s: s["lastCommand"]["state"] != "Running", timeout, "refit to finish")
+    return dict(st["lastCommand"])
+
+
+@pytest.mark.parametrize("version", ["0.5.15.post1", "0.5.21", "0.5.23"])
+def test_tensor_window_pushes_in_order_and_last_carries_version(
+    version: str, start_emulator: Callable[..., Emulator], start_agent: Callable[..., Agent]
+) -> None:
+    emu = start_emulator(version)
+    agent = start_agent(emu)
+    c = Conductor(agent)
+    _to_trained(c, "1")
+    _refit_async(agent, c, version="1", source="tensor")
+    handoff = Handoff(agent.trainer_url)
+    with handoff.refit_window(timeout=10) as w:
+        assert (w.version, w.source) == ("1", "tensor")
+        assert agent.state()["trainer"]["refitWindowVersion"] == "1"
+        for chunk in (b"alpha", b"beta", b"gamma"):
+            w.push_tensors([base64.b64encode(chunk).decode()])
+        # held back until the next push shows it was not the last: SGLang saw 2 of 3 so far
+        assert emu.stats()["calls"]["/update_weights_from_tensor"] == 2
+        assert emu.call("GET", "/model_info").body["weight_version"] == "default"
+    out = _outcome(agent)
+    assert out["state"] == "Succeeded", out
+    st = agent.state()
+    assert st["stage"] == "Refitted" and st["trainer"].get("refitWindowVersion") is None
+    assert emu.stats()["calls"]["/update_weights_from_tensor"] == 3
+    assert emu.weights()["checksum"] == hashlib.sha256(b"alphabetagamma").hexdigest()
+    calls = emu.stats()["calls"]
+    session = version != "0.5.15.post1"
+    assert calls.get("/begin_weight_update", 0) == calls.get("/end_weight_update", 0) == int(session)
+    assert calls["/flush_cache"] >= 1
+    r = agent.trainer("POST", "/v1/trainer/refit/tensor", {"serializedNamedTensors": ["AA=="]})
+    assert r.status == 409 and r.body["error"] == "NoRefitWindow"
+    c.ok("resume")
+
+
+def test_window_closed_with_error_fails_the_refit_and_ends_the_session(
+    start_emulator: Callable[..., Emulator], start_agent: Callable[..., Agent]
+) -> None:
+    emu = start_emulator("0.5.23")
+    agent = start_agent(emu)
+    c = Conductor(agent)
+    _to_trained(c, "1")
+    _refit_async(agent, c, version="1", source="tensor")
+    handoff = Handoff(agent.trainer_url)
+    with pytest.raises(RuntimeError, match="trainer exploded"), handoff.refit_window(timeout=10) as w:
+        w.push_tensors([base64.b64encode(b"x").decode()])
+        raise RuntimeError("trainer exploded")
+    out = _outcome(agent)
+    assert out["state"] == "Failed" and "trainer exploded" in out["error"]
+    assert emu.stats()["calls"]["/end_weight_update"] == 1  # the session did not stay open
+    assert agent.state()["stage"] == "Trained"
+    # a second attempt (new epoch) works: begin does not find a stale session
+    _refit_async(agent, c, version="1", source="tensor")
+    with handoff.refit_window(timeout=10) as w:
+        w.push_tensors([base64.b64encode(b"y").decode()])
+    assert _outcome(agent)["state"] == "Succeeded"
+
+
+def test_window_not_closed_fails_by_deadline(
+    start_emulator: Callable[..., Emulator], start_agent: Callable[..., Agent]
+) -> None:
+    emu = start_emulator("0.5.21")
+    agent = start_agent(emu)
+    c = Conductor(agent)
+    _to_trained(c, "1")
+    started = time.monotonic()
+    _refit_async(agent, c, version="1", source="tensor", timeoutSeconds=1)
+    out = _outcome(agent)
+    assert out["state"] == "Failed" and "did not close the refit window" in out["error"]
+    assert time.monotonic() - started < 5
+    assert agent.trainer("GET", "/v1/trainer/refit").body == {"open": False, "pushes": 0}
+    assert emu.stats()["calls"]["/end_weight_update"] == 1
+
+
+def test_push_refused_by_sglang_fails_the_window(
+    start_emulator: Callable[..., Emulator], start_agent: Callable[..., Agent]
+) -> None:
+    emu = start_emulator("0.5.23")
+    agent = start_agent(emu)
+    c = Conductor(agent)
+    _to_trained(c, "1")
+    _refit_async(agent, c, version="1", source="tensor")
+    handoff = Handoff(agent.trainer_url)
+    with pytest.raises(AgentError) as err, handoff.refit_window(timeout=10) as w:
+        w.push_tensors(["not base64!"])
+        w.push_tensors(["QQ=="])  # sends the held first push: SGLang refuses it
+    assert err.value.status == 502 and "deserialize" in err.value.reason
+    out = _outcome(agent)
+    assert out["state"] == "Failed" and "deserialize" in out["error"]
+
+
+def test_wrong_source_and_final_push_guards(
+    start_emulator: Callable[..., Emulator], start_agent: Callable[..., Agent]
+) -> None:
+    emu = start_emulator("0.5.23")
+    agent = start_agent(emu)
+    c = Conductor(agent)
+    _to_trained(c, "1")
+    _refit_async(agent, c, version="1", source="distributed")
+    agent.wait_state(lambda s: s["trainer"].get("refitWindowVersion") == "1", 5)
+    t = agent.trainer
+    r = t("POST", "/v1/trainer/refit/tensor", {"serializedNamedTensors": ["QQ=="]})
+    assert r.status == 409 and r.body["error"] == "WrongSource"
+    meta = {"names": ["w"], "dtypes": ["float32"], "shapes": [[2, 2]]}
+    r = t("POST", "/v1/trainer/refit/distributed", meta)  # no group yet: SGLang says so
+    assert r.status == 502 and "init_weights_update_group" in r.body["reason"]
+    assert agent.state()["lastCommand"]["state"] == "Running"  # open until the trainer closes it
+    t("POST", "/v1/trainer/refit/close", {})
+    assert _outcome(agent)["state"] == "Failed"
+    _refit_async(agent, c, version="1", source="distributed")
+    agent.wait_state(lambda s: s["trainer"].get("refitWindowVersion") == "1", 5)
+    group = {"masterAddress": "127.0.0.1", "masterPort": 29500, "rankOffset": 1, "worldSize": 2}
+    assert t("POST", "/v1/trainer/refit/group", group).status == 200
+    r = t("POST", "/v1/trainer/refit/distributed", {**meta, "names": ["w", "v"]})
+    assert r.status == 422
+    assert t("POST", "/v1/trainer/refit/distributed", {**meta, "last": True}).status == 200
+    r = t("POST", "/v1/trainer/refit/distributed", meta)
+    assert r.status == 409 and r.body["error"] == "FinalPushDone"
+    t("POST", "/v1/trainer/refit/close", {})
+    assert _outcome(agent)["state"] == "Succeeded"
+    assert agent.state()["sglang"]["servedVersion"] == "1"
+    assert agent.state()["releasedTags"] == ["kv_cache"]
