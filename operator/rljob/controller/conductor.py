@@ -66,7 +66,7 @@ class Conductor:
 
     async def run(self, stopped: Callable[[], bool]) -> None:
         status = parse_status(self.body.get("status"))
-        writer = StatusWriter(self.kube, self.namespace, self.name, status)
+        writer = StatusWriter(self.kube, self.namespace, self.name, self.body.get("status"))
         token = await self._ensure_token_and_service()
         async with AgentClient(token) as agents:
             try:

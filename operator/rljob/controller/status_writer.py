@@ -26,11 +26,12 @@ def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
 
 
 class StatusWriter:
-    def __init__(self, kube: Kube, namespace: str, name: str, current: RLJobStatus) -> None:
+    def __init__(self, kube: Kube, namespace: str, name: str, stored: dict[str, Any] | None) -> None:
+        """`stored`: the status as the API server has it (not parsed: defaults must be written too)."""
         self._kube = kube
         self._namespace = namespace
         self._name = name
-        self._written = current.wire()
+        self._written: dict[str, Any] = dict(stored or {})
         self.writes = 0
 
     async def write(self, status: RLJobStatus) -> bool:
