@@ -52,10 +52,14 @@ class Agent:
         )
         self.desk = CommandDesk(self.store, ops, self.metrics, self.watch.confirm_death)
         self.sampler = RolloutSampler(self.store, self.client, cfg.rollout_sample_s, cfg.rollout_report_s)
+        self._runners: list[web.AppRunner] = []
+        self._tasks: list[asyncio.Task[None]] = []
 
-    async def run(self) -> None:
+    async def start(self) -> None:
+        """Listen on both APIs and start the background loops; no signal handling, so that the agent can
+        be embedded in another program's event loop (`run` is the `rljob-agent` process: start, wait for
+        SIGTERM/SIGINT, stop)."""
         await self.client.start()
-        runners = []
         for app, (host, port) in (
             (
                 build_operator_app(self.store, self.desk, self.metrics, self.cfg.token, self.client.ping),
@@ -66,7 +70,7 @@ class Agent:
             runner = web.AppRunner(app, access_log=None, handle_signals=False)
             await runner.setup()
             await web.TCPSite(runner, host, port).start()
-            runners.append(runner)
+            self._runners.append(runner)
         log.info(
             "rljob-agent listening: operator %s:%d, trainer %s:%d; SGLang %s; GPU probe %s",
             *self.cfg.listen,
@@ -74,23 +78,32 @@ class Agent:
             self.cfg.sglang_url,
             self.cfg.gpu_probe,
         )
+        self._tasks = [
+            asyncio.create_task(self.watch.run(), name="sglang-watch"),
+            asyncio.create_task(self.sampler.run(), name="rollout-sampler"),
+        ]
+
+    async def stop(self) -> None:
+        """Stops what `start` started (background loops, listeners, the SGLang client)."""
+        log.info("rljob-agent stopping")
+        tasks, self._tasks = self._tasks, []
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        runners, self._runners = self._runners, []
+        for runner in runners:
+            await runner.cleanup()
+        await self.client.close()
+
+    async def run(self) -> None:
+        await self.start()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        tasks = [
-            asyncio.create_task(self.watch.run(), name="sglang-watch"),
-            asyncio.create_task(self.sampler.run(), name="rollout-sampler"),
-        ]
         try:
             await stop.wait()
         finally:
-            log.info("rljob-agent stopping")
-            for t in tasks:
-                t.cancel()
-            for t in tasks:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await t
-            for runner in runners:
-                await runner.cleanup()
-            await self.client.close()
+            await self.stop()

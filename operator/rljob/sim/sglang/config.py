@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rljob.sim.sglang.faults import Faults, parse_route_seconds
+from rljob.sim.sglang.memory import BACKENDS, cuda_options, select_backend
 from rljob.sim.sglang.versions import DEFAULT_VERSION, SUPPORTED_VERSIONS, VersionProfile, version_key
 
 log = logging.getLogger("sglang.emulator")
@@ -48,6 +49,8 @@ class EmulatorConfig:
     faults: Faults
     server_args: dict[str, Any] = field(default_factory=dict)  # what /server_info reports
     launch_command: str = ""
+    memory_backend: str = "accounting"  # accounting (numbers only) | cuda (torch_memory_saver regions)
+    memory_saver_hook_mode: str = "preload"  # torch_memory_saver hook: preload (SGLang's) | torch
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -84,6 +87,20 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--weights-bytes", type=int, default=16 * GiB)
     e.add_argument("--kv-bytes", type=int, default=40 * GiB)
     e.add_argument("--graph-bytes", type=int, default=2 * GiB)
+    e.add_argument(
+        "--memory-backend",
+        choices=BACKENDS,
+        default="accounting",
+        help="cuda: the regions are real CUDA memory through torch_memory_saver (needs torch, a GPU); "
+        "--gpu-total-bytes and --baseline-bytes are then the GPU's own",
+    )
+    e.add_argument(
+        "--memory-saver-hook-mode",
+        choices=["preload", "torch"],
+        default="preload",
+        help="torch_memory_saver hook for --memory-backend cuda; preload re-executes the emulator with "
+        "LD_PRELOAD set when it is not (SGLang sets it up the same way)",
+    )
     e.add_argument("--tokens-per-second", type=float, default=50.0, help="per request; 0 = instant")
     e.add_argument("--startup-seconds", type=float, default=0.0, help="delay before the port opens")
     e.add_argument("--health-check-timeout", type=float, default=None, help="default: env or 20 s")
@@ -158,8 +175,11 @@ def parse_config(argv: list[str]) -> EmulatorConfig:
             refit_fail=args.fault_refit_fail,
         ),
     )
+    cfg.memory_backend = args.memory_backend
+    cfg.memory_saver_hook_mode = args.memory_saver_hook_mode
     cfg.server_args = _server_args(cfg, args)
     cfg.launch_command = "python -m sglang.launch_server " + " ".join(argv)
+    select_backend(cfg.memory_backend, **(cuda_options(cfg) if cfg.memory_backend != "accounting" else {}))
     return cfg
 
 

@@ -1,13 +1,57 @@
-"""GPU memory per region and GPU. `RegionBackend` is the seam a torch_memory_saver-backed implementation
-(real GPU regions) replaces later; `AccountingBackend` only keeps numbers."""
+"""GPU memory per region and GPU. `RegionBackend` is the seam: `AccountingBackend` (the default) only keeps
+numbers; `gpu_memory.CudaRegionBackend` (`--memory-backend cuda`) backs the regions with real CUDA memory
+through torch_memory_saver, as SGLang does."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from rljob.sim.sglang.config import EmulatorConfig
 
 REGIONS = ("kv_cache", "weights", "cuda_graph")
+BACKENDS = ("accounting", "cuda")
+
+# Set by `config.parse_config` for `--memory-backend cuda`: the options of the backend the emulator process
+# uses. None (the default) keeps the accounting backend.
+_selected: dict[str, Any] | None = None
+
+
+def select_backend(name: str, **options: Any) -> None:
+    """Make this process's emulator use backend `name` (`accounting` resets to the default)."""
+    global _selected
+    if name not in BACKENDS:
+        raise ValueError(f"unknown memory backend {name!r}; one of {', '.join(BACKENDS)}")
+    _selected = None if name == "accounting" else {"name": name, **options}
+
+
+def make_backend(cfg: EmulatorConfig) -> RegionBackend:
+    """The backend `cfg` asks for. torch is imported only for the cuda backend."""
+    if cfg.memory_backend == "accounting":
+        return AccountingBackend(
+            gpus=cfg.gpus, total=cfg.gpu_total_bytes, baseline=cfg.baseline_bytes, sizes=cfg.region_sizes
+        )
+    return _cuda_backend(cfg.region_sizes, gpus=cfg.gpus, **cuda_options(cfg))
+
+
+def cuda_options(cfg: EmulatorConfig) -> dict[str, Any]:
+    """What the cuda backend takes from the launch config besides sizes and GPU count."""
+    return {
+        "memory_saver": cfg.enable_memory_saver,
+        "graph_in_saver": cfg.cuda_graph_in_memory_saver,
+        "hook_mode": cfg.memory_saver_hook_mode,
+    }
+
+
+def _cuda_backend(
+    sizes: dict[str, int], *, gpus: int, total: int = 0, baseline: int = 0, **options: Any
+) -> RegionBackend:
+    """`total` and `baseline` are ignored: a real GPU has its own size and context."""
+    from rljob.sim.sglang.gpu_memory import CudaRegionBackend  # lazy: imports torch
+
+    return CudaRegionBackend(gpus=gpus, sizes=sizes, **options)
 
 
 class RegionBackend(Protocol):
@@ -48,6 +92,14 @@ class AccountingBackend:
     baseline: int
     sizes: dict[str, int]
     _regions: dict[str, _Region] = field(default_factory=dict)
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # server.build_app constructs this class; a `--memory-backend` other than accounting (selected by
+        # parse_config) is built here instead. Constructing through `make_backend(cfg)` needs no redirect.
+        if cls is AccountingBackend and _selected is not None and not args:
+            options = {k: v for k, v in _selected.items() if k != "name"}
+            return _cuda_backend(kwargs.pop("sizes"), **kwargs, **options)
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         self._regions = {name: _Region(self.sizes.get(name, 0)) for name in REGIONS}

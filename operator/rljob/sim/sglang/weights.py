@@ -7,8 +7,10 @@ import hashlib
 import json
 import secrets
 import struct
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 class WeightsLoadError(Exception):
@@ -42,24 +44,47 @@ def safetensors_files(path: str) -> list[Path]:
     return []
 
 
+# Where loaded checkpoint bytes go besides the checksum. None (the accounting backend): nowhere. The cuda
+# backend registers one that copies the files into its weights region and returns what the device then
+# holds, so the checksum the emulator serves is computed over GPU memory read back.
+WeightsSink = Callable[[list[bytes]], Iterable[Any]]
+_sink: WeightsSink | None = None
+
+
+def set_weights_sink(sink: WeightsSink | None) -> None:
+    global _sink
+    _sink = sink
+
+
+def _count_tensors(f: Path, data: bytes) -> int:
+    """The header is parsed by hand (8-byte little-endian length, then JSON) to prove it is one."""
+    if len(data) < 8:
+        raise WeightsLoadError(f"{f}: too short for a safetensors file")
+    (header_len,) = struct.unpack("<Q", data[:8])
+    try:
+        header = json.loads(data[8 : 8 + header_len])
+    except ValueError as e:
+        raise WeightsLoadError(f"{f}: bad safetensors header: {e}") from e
+    return sum(1 for k in header if k != "__metadata__")
+
+
 def read_safetensors(path: str) -> tuple[str, int]:
     """sha256 over the bytes of every safetensors file at `path` (a file or a directory) and the tensor
-    count. The header is parsed by hand (8-byte little-endian length, then JSON) to prove it is one."""
+    count. With a weights sink the bytes hashed are those the sink read back after loading them."""
     files = safetensors_files(path)
     if not files:
         raise WeightsLoadError(f"no safetensors file at {path}")
     digest, tensors = hashlib.sha256(), 0
-    for f in files:
-        data = f.read_bytes()
-        if len(data) < 8:
-            raise WeightsLoadError(f"{f}: too short for a safetensors file")
-        (header_len,) = struct.unpack("<Q", data[:8])
-        try:
-            header = json.loads(data[8 : 8 + header_len])
-        except ValueError as e:
-            raise WeightsLoadError(f"{f}: bad safetensors header: {e}") from e
-        tensors += sum(1 for k in header if k != "__metadata__")
-        digest.update(data)
+    if _sink is None:
+        for f in files:
+            data = f.read_bytes()
+            tensors += _count_tensors(f, data)
+            digest.update(data)
+        return digest.hexdigest(), tensors
+    blobs = [f.read_bytes() for f in files]
+    tensors = sum(_count_tensors(f, b) for f, b in zip(files, blobs, strict=True))  # all valid before loading
+    for chunk in _sink(blobs):
+        digest.update(chunk)
     return digest.hexdigest(), tensors
 
 
