@@ -27,8 +27,12 @@ EXAMPLE = yaml.safe_load((ROOT / "examples/rljob.yaml").read_text())
 # Every lifecycle route takes a little time, so a test can catch (and kill the operator in) any phase.
 SLOW = " ".join(
     f"--fault-slow {route}=0.6"
-    for route in ("/pause_generation", "/release_memory_occupation", "/update_weights_from_disk",
-                  "/continue_generation")
+    for route in (
+        "/pause_generation",
+        "/release_memory_occupation",
+        "/update_weights_from_disk",
+        "/continue_generation",
+    )
 )
 
 
@@ -53,8 +57,15 @@ class RL:
         return get_rljob(self.api, self.namespace, name)
 
     def wait(self, name: str, *phases: str, timeout: float = 120) -> dict[str, Any]:
-        return wait_rljob(self.api, self.namespace, name, phase_is(*phases), timeout, f"in {phases}",
-                          on_timeout=self.operator.log_tail)
+        return wait_rljob(
+            self.api,
+            self.namespace,
+            name,
+            phase_is(*phases),
+            timeout,
+            f"in {phases}",
+            on_timeout=self.operator.log_tail,
+        )
 
     def pods(self, name: str) -> list[dict[str, Any]]:
         got = self.api.get(f"/api/v1/namespaces/{self.namespace}/pods", labelSelector=f"rljob.io/job={name}")
@@ -65,14 +76,22 @@ class RL:
             return json.loads(resp.read())
 
     def events(self, name: str) -> list[dict[str, Any]]:
-        got = self.api.get(f"/api/v1/namespaces/{self.namespace}/events",
-                           fieldSelector=f"involvedObject.name={name}")
+        got = self.api.get(
+            f"/api/v1/namespaces/{self.namespace}/events", fieldSelector=f"involvedObject.name={name}"
+        )
         return list(got["items"])
 
 
 @pytest.fixture
-def rl(admin_kubeconfig: Path, kube_api: KubeApi, kubectl: Kubectl, namespace: str, kubelet_factory: Any,
-       crd: None, tmp_path: Path) -> Iterator[RL]:
+def rl(
+    admin_kubeconfig: Path,
+    kube_api: KubeApi,
+    kubectl: Kubectl,
+    namespace: str,
+    kubelet_factory: Any,
+    crd: None,
+    tmp_path: Path,
+) -> Iterator[RL]:
     kubelet = kubelet_factory(mapping=rljob_mapping())
     operator = OperatorProcess(admin_kubeconfig, [namespace], tmp_path / "operator.log").start()
     try:
@@ -81,9 +100,18 @@ def rl(admin_kubeconfig: Path, kube_api: KubeApi, kubectl: Kubectl, namespace: s
         operator.stop()
 
 
-def job(name: str, *, iterations: int = 3, replicas: int = 2, backoff: int = 3, sim_args: str = "",
-        keep: bool = True, sglang_args: tuple[str, ...] = (), train_seconds: float = 0.5,
-        prompts: int = 4) -> dict[str, Any]:
+def job(
+    name: str,
+    *,
+    iterations: int = 3,
+    replicas: int = 2,
+    backoff: int = 3,
+    sim_args: str = "",
+    keep: bool = True,
+    sglang_args: tuple[str, ...] = (),
+    train_seconds: float = 0.5,
+    prompts: int = 4,
+) -> dict[str, Any]:
     manifest = copy.deepcopy(EXAMPLE)
     manifest["metadata"] = {"name": name}
     spec = manifest["spec"]
@@ -93,8 +121,18 @@ def job(name: str, *, iterations: int = 3, replicas: int = 2, backoff: int = 3, 
     spec["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] = f"{name}-weights"
     sglang, trainer = spec["template"]["spec"]["containers"]
     sglang["args"] = [*sglang["args"], *sglang_args]
-    sglang["env"] = [*sglang.get("env", []), {"name": SIM_ARGS_ENV, "value": f"--tokens-per-second 0 {sim_args}"}]
-    trainer["args"] = ["--prompts", str(prompts), "--samples-per-prompt", "2", "--train-seconds", str(train_seconds)]
+    sglang["env"] = [
+        *sglang.get("env", []),
+        {"name": SIM_ARGS_ENV, "value": f"--tokens-per-second 0 {sim_args}"},
+    ]
+    trainer["args"] = [
+        "--prompts",
+        str(prompts),
+        "--samples-per-prompt",
+        "2",
+        "--train-seconds",
+        str(train_seconds),
+    ]
     return manifest
 
 
@@ -158,8 +196,14 @@ def test_pod_deleted_mid_iteration_recovers_at_committed_weights(rl: RL, phase: 
     name = f"lose-{phase.lower()}"
     rl.apply(job(name, iterations=3, backoff=2, sim_args=SLOW, train_seconds=1.0))
     # In iteration 2, so the new gang must load committed weights "1", not the initial "0".
-    wait_rljob(rl.api, rl.namespace, name, lambda o: o.get("status", {}).get("iteration", 0) == 2
-               and o.get("status", {}).get("phase") == phase, 120, f"in {phase} of iteration 2")
+    wait_rljob(
+        rl.api,
+        rl.namespace,
+        name,
+        lambda o: o.get("status", {}).get("iteration", 0) == 2 and o.get("status", {}).get("phase") == phase,
+        120,
+        f"in {phase} of iteration 2",
+    )
     victim = rl.pods(name)[1]["metadata"]["name"]
     rl.kubectl("delete", "pod", victim, "--grace-period=0", "--force", namespace=rl.namespace)
     # Recovering lasts one round (delete the gang, recreate it): too short to poll; restarts proves it.
@@ -196,9 +240,19 @@ def test_suspend_mid_rollout_and_resume_completes_at_the_committed_version(rl: R
     name = "suspend"
     rl.apply(job(name, iterations=3, prompts=20, sim_args="--tokens-per-second 400"))
     rl.wait(name, "Rollout", timeout=90)
-    wait_rljob(rl.api, rl.namespace, name, lambda o: o.get("status", {}).get("iteration", 0) >= 2
-               and o.get("status", {}).get("phase") == "Rollout", 90, "in rollout of iteration 2")
-    rl.kubectl("patch", "rljob", name, "--type=merge", "-p", '{"spec":{"suspend":true}}', namespace=rl.namespace)
+    wait_rljob(
+        rl.api,
+        rl.namespace,
+        name,
+        lambda o: (
+            o.get("status", {}).get("iteration", 0) >= 2 and o.get("status", {}).get("phase") == "Rollout"
+        ),
+        90,
+        "in rollout of iteration 2",
+    )
+    rl.kubectl(
+        "patch", "rljob", name, "--type=merge", "-p", '{"spec":{"suspend":true}}', namespace=rl.namespace
+    )
     obj = rl.wait(name, "Suspended", timeout=60)
     committed = obj["status"]["weightVersion"]
     assert committed == "1"
@@ -206,7 +260,9 @@ def test_suspend_mid_rollout_and_resume_completes_at_the_committed_version(rl: R
     while rl.pods(name) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert rl.pods(name) == []
-    rl.kubectl("patch", "rljob", name, "--type=merge", "-p", '{"spec":{"suspend":false}}', namespace=rl.namespace)
+    rl.kubectl(
+        "patch", "rljob", name, "--type=merge", "-p", '{"spec":{"suspend":false}}', namespace=rl.namespace
+    )
     obj = rl.wait(name, "Succeeded", timeout=150)
     assert obj["status"]["weightVersion"] == "3"
     assert versions(obj) == ["0", "1", "2", "3"]
@@ -236,10 +292,14 @@ def test_weight_cache_is_refused_before_memory_is_touched(rl: RL) -> None:
         ({"replicas": 0}, "spec.replicas"),
     ],
 )
-def test_api_server_refuses_invalid_specs_with_the_field_path(rl: RL, patch: dict[str, Any], field: str) -> None:
+def test_api_server_refuses_invalid_specs_with_the_field_path(
+    rl: RL, patch: dict[str, Any], field: str
+) -> None:
     manifest = job("invalid")
     manifest["spec"].update(patch)
-    result = rl.kubectl("apply", "-f", "-", input=yaml.safe_dump(manifest), namespace=rl.namespace, check=False)
+    result = rl.kubectl(
+        "apply", "-f", "-", input=yaml.safe_dump(manifest), namespace=rl.namespace, check=False
+    )
     assert result.returncode != 0
     assert field in result.stderr, result.stderr
     assert rl.api.get(rljob_path(rl.namespace))["items"] == []  # nothing was stored
@@ -247,11 +307,27 @@ def test_api_server_refuses_invalid_specs_with_the_field_path(rl: RL, patch: dic
 
 def test_immutable_fields_are_refused_on_update(rl: RL) -> None:
     rl.apply(job("immutable", iterations=1))
-    result = rl.kubectl("patch", "rljob", "immutable", "--type=merge", "-p", '{"spec":{"replicas":3}}',
-                        namespace=rl.namespace, check=False)
+    result = rl.kubectl(
+        "patch",
+        "rljob",
+        "immutable",
+        "--type=merge",
+        "-p",
+        '{"spec":{"replicas":3}}',
+        namespace=rl.namespace,
+        check=False,
+    )
     assert result.returncode != 0 and "replicas is immutable" in result.stderr
-    result = rl.kubectl("patch", "rljob", "immutable", "--type=merge", "-p",
-                        '{"spec":{"release":{"tags":["kv_cache"]}}}', namespace=rl.namespace, check=False)
+    result = rl.kubectl(
+        "patch",
+        "rljob",
+        "immutable",
+        "--type=merge",
+        "-p",
+        '{"spec":{"release":{"tags":["kv_cache"]}}}',
+        namespace=rl.namespace,
+        check=False,
+    )
     assert result.returncode != 0 and "release is immutable" in result.stderr
 
 

@@ -41,6 +41,7 @@ class Agent:
         self.windows = RefitWindows(self.store, self.client)
         self.lease = LeaseDesk(self.store)
         self.watch = SGLangWatch(self.store, self.client)
+        self.sampler = RolloutSampler(self.store, self.client, cfg.rollout_sample_s, cfg.rollout_report_s)
         ops = Operations(
             self.store,
             self.client,
@@ -49,9 +50,9 @@ class Agent:
             self.lease,
             self.metrics,
             cfg.call_timeout_s,
+            before_drain=self.sampler.final_sample,
         )
         self.desk = CommandDesk(self.store, ops, self.metrics, self.watch.confirm_death)
-        self.sampler = RolloutSampler(self.store, self.client, cfg.rollout_sample_s, cfg.rollout_report_s)
         self._runners: list[web.AppRunner] = []
         self._tasks: list[asyncio.Task[None]] = []
 

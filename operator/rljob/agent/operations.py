@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 from rljob.agent.errors import CommandFailed, StateLost
 from rljob.agent.gpu_probe import GpuMemory, GpuProbe
@@ -55,7 +56,9 @@ class Operations:
         lease: LeaseDesk,
         metrics: AgentMetrics,
         call_timeout_s: float,
+        before_drain: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
+        self.before_drain = before_drain
         self.store = store
         self.client = client
         self.probe = probe
@@ -80,6 +83,8 @@ class Operations:
 
     async def drain(self, cmd: DrainCommand) -> None:
         dl = Deadline(cmd.timeout_seconds)
+        if self.before_drain is not None:
+            await self.before_drain()  # last rollout sample, while requests still run
         await self._pause(cmd.mode, dl)
         await self._idle_barrier(dl, "drain")
         with self.store.change() as s:

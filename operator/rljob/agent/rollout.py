@@ -29,7 +29,12 @@ class RolloutSampler:
             if self._store.state.stage == Stage.SERVING:
                 await self.sample()
 
-    async def sample(self) -> None:
+    async def final_sample(self) -> None:
+        """Called as a drain starts: a rollout shorter than the sampling period still gets its numbers."""
+        if self._store.state.stage == Stage.SERVING:
+            await self.sample(force=True)
+
+    async def sample(self, force: bool = False) -> None:
         try:
             load = await self._client.load()
         except (SGLangError, SGLangUnreachable, TimeoutError):
@@ -50,5 +55,5 @@ class RolloutSampler:
             self._tput_sum += tput
             self._tput_busy += 1
             report.generation_tokens_per_second = self._tput_sum / self._tput_busy
-        if report.samples == 1 or time.monotonic() - self._store.last_commit >= self._report_s:
+        if force or report.samples == 1 or time.monotonic() - self._store.last_commit >= self._report_s:
             self._store.commit()

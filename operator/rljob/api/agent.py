@@ -96,7 +96,9 @@ class CommandStatus(WireModel):
     state: CommandState
     error: str | None = Field(default=None, max_length=1024)
     started_at: float | None = Field(default=None, description="Agent clock, unix seconds.")
-    seconds: float | None = Field(default=None, ge=0, description="Time spent executing, SGLang calls included.")
+    seconds: float | None = Field(
+        default=None, ge=0, description="Time spent executing, SGLang calls included."
+    )
     sglang_seconds: float | None = Field(
         default=None,
         ge=0,
@@ -167,7 +169,9 @@ class AgentState(WireModel):
     sglang: SGLangInfo = Field(default_factory=SGLangInfo)
     trainer: TrainerReport = Field(default_factory=TrainerReport)
     rollout: RolloutReport = Field(default_factory=RolloutReport)
-    fatal: str | None = Field(default=None, max_length=1024, description="Set when SGLang died or state is lost.")
+    fatal: str | None = Field(
+        default=None, max_length=1024, description="Set when SGLang died or state is lost."
+    )
 
 
 # --- trainer side (loopback, wrapped by rljob.trainer) ---------------------------------------------

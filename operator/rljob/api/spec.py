@@ -177,7 +177,9 @@ SPEC_RULES = [
 
 
 class RLJobSpec(WireModel):
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": cast(list[JsonValue], SPEC_RULES)})
+    model_config = ConfigDict(
+        json_schema_extra={"x-kubernetes-validations": cast(list[JsonValue], SPEC_RULES)}
+    )
 
     replicas: int = Field(
         default=1, ge=1, le=1024, description="GPU pods in the gang.", json_schema_extra=immutable("replicas")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -60,6 +60,7 @@ class Conductor:
         self.clock = clock
         self.wake = asyncio.Event()
         self._watches: dict[str, AgentWatch] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def poke(self) -> None:
         self.wake.set()
@@ -95,6 +96,8 @@ class Conductor:
                 for watch in self._watches.values():
                     await watch.close()
                 self._watches.clear()
+                if self._tasks:
+                    await asyncio.wait(self._tasks, timeout=5)
 
     async def _round(self, agents: AgentClient, spec: RLJobSpec, status: RLJobStatus) -> Decision:
         pods = await self.kube.list_pods(self.namespace, self.name)
@@ -130,10 +133,8 @@ class Conductor:
 
     async def _act(self, spec: RLJobSpec, decision: Decision) -> None:
         ns = self.namespace
-        for event in decision.events:
-            await self.kube.post_event(
-                ns, dict(self.body), event.type.value, event.reason.value, event.message
-            )
+        if decision.events:  # events are for people: never on the lifecycle's critical path
+            self._background(self._post_events(decision))
         await asyncio.gather(*(self.kube.delete_pod(ns, name) for name in decision.delete_pods))
         manifests = [
             gang_pod(
@@ -151,6 +152,18 @@ class Conductor:
             manifest["metadata"]["namespace"] = ns
         await asyncio.gather(*(self.kube.create(ns, m) for m in manifests))
         await self._send(decision)
+
+    async def _post_events(self, decision: Decision) -> None:
+        body = dict(self.body)
+        for event in decision.events:  # in order, so `kubectl describe` reads like the timeline
+            await self.kube.post_event(
+                self.namespace, body, event.type.value, event.reason.value, event.message
+            )
+
+    def _background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _send(self, decision: Decision) -> None:
         sends = []

@@ -161,15 +161,27 @@ class _Step:
             span.agent_seconds = round(max(own), 6) if own else None
         if st.phase == Phase.RELEASING:
             span.freed_bytes = sum(a.memory.freed_bytes for a in agents)
-        if st.phase == Phase.ROLLOUT:
+        if st.phase in (Phase.ROLLOUT, Phase.DRAINING):
+            # The agent takes its last rollout sample as the drain starts: read the numbers at the end of
+            # Draining too, and keep them on this iteration's Rollout span.
+            rollout = next(
+                (
+                    s
+                    for s in reversed(st.timeline)
+                    if s.phase == Phase.ROLLOUT and s.iteration == st.iteration
+                ),
+                None,
+            )
             rates = [a.rollout.cache_hit_rate for a in agents if a.rollout.cache_hit_rate is not None]
             tps = [
                 a.rollout.generation_tokens_per_second
                 for a in agents
                 if a.rollout.generation_tokens_per_second is not None
             ]
-            span.cache_hit_rate = round(sum(rates) / len(rates), 6) if rates else None
-            span.tokens_per_second = round(sum(tps), 3) if tps else None
+            if rollout is not None and rates:
+                rollout.cache_hit_rate = round(sum(rates) / len(rates), 6)
+            if rollout is not None and tps:
+                rollout.tokens_per_second = round(sum(tps), 3)
 
     def _refresh_pods(self) -> None:
         """Per-pod entries are refreshed at phase changes only: status writes per iteration stay
@@ -478,8 +490,11 @@ def _resumed(step: _Step) -> None:
     _commit(step, target)
     st.target_weights = None
     if rejoin:
-        step.enter(Phase.ROLLOUT, EventReason.PHASE_CHANGED, f"rollout of iteration {st.iteration} open at "
-                   f"{target.version}")
+        step.enter(
+            Phase.ROLLOUT,
+            EventReason.PHASE_CHANGED,
+            f"rollout of iteration {st.iteration} open at {target.version}",
+        )
         return
     step.close_span()  # fold the Resuming span into this iteration's report
     report = iteration_report(st.iteration, st.timeline)

@@ -180,7 +180,9 @@ class IpAllocator:
             self._used.discard(int(ipaddress.IPv4Address(ip)))
 
 
-SHARED_IPS = IpAllocator()  # shared by all kubelets of a process so that they never collide
+# Shared by all kubelets of a process so that they never collide; the second octet comes from the pid so
+# that two processes (a test run and `make demo`) on one machine don't hand out the same addresses.
+SHARED_IPS = IpAllocator(f"127.{os.getpid() % 200 + 20}.0.2")
 
 
 # -- volumes and env -----------------------------------------------------------------------------
