@@ -7,6 +7,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from agent_procs import ALL_TAGS, Agent, Conductor, Emulator, write_weights
 
 
@@ -47,3 +48,19 @@ def test_metrics_after_an_iteration(
     lines = [json.loads(line) for line in agent.log_text().splitlines() if line.startswith("{")]
     assert any(re.match(r"command refit epoch=\d+ succeeded", rec["msg"]) for rec in lines)
     assert all({"ts", "level", "logger", "msg"} <= set(rec) for rec in lines)
+
+
+@pytest.mark.emulator_may_die  # the test stops SGLang to see the probe fail
+def test_sglang_liveness_probe_goes_through_the_agent(
+    start_emulator: Callable[..., Emulator], start_agent: Callable[..., Agent]
+) -> None:
+    """The kubelet can't reach SGLang on 127.0.0.1, so the SGLang container's liveness probe asks the
+    agent, which asks SGLang's /ping: 200 while paused (never /health, which blocks then fails)."""
+    emu = start_emulator("0.5.23")
+    agent = start_agent(emu)
+    assert agent.get("/probe/sglang", token=None).status == 200  # open: probes carry no token
+    c = Conductor(agent)
+    c.ok("drain")
+    assert agent.get("/probe/sglang", token=None).status == 200  # paused is alive
+    emu.stop()
+    assert agent.get("/probe/sglang", token=None).status == 503

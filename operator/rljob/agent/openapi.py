@@ -70,6 +70,15 @@ ROUTES: tuple[Route, ...] = (
     Route("get", "/metrics", "Prometheus metrics.", {200: None}, open=True, text="text/plain"),
     Route("get", "/openapi.json", "This document.", {200: None}, open=True, text="application/json"),
     Route(
+        "get",
+        "/probe/sglang",
+        "Liveness of the SGLang container: SGLang's /ping through the agent (kubelet probes can't reach "
+        "127.0.0.1). 200 while paused; 503 when SGLang doesn't answer.",
+        {200: None, 503: None},
+        open=True,
+        text="text/plain",
+    ),
+    Route(
         "post",
         "/v1/trainer/request",
         "The trainer asks for the GPU.",
