@@ -342,3 +342,12 @@ def test_deleting_the_job_cleans_up_its_children(rl: RL) -> None:
     assert rl.pods(name) == []
     secrets = rl.api.get(f"/api/v1/namespaces/{rl.namespace}/secrets")["items"]
     assert not [s for s in secrets if s["metadata"]["name"] == f"{name}-agent-token"]
+
+
+def test_gpu_example_is_accepted_by_the_api_server(rl: RL) -> None:
+    """The realistic example (DRA ResourceClaimTemplate + RLJob) passes server-side validation."""
+    result = rl.kubectl(
+        "apply", "--dry-run=server", "-f", str(ROOT / "examples/rljob-gpu.yaml"), namespace=rl.namespace
+    )
+    assert "qwen3-8b-grpo created (server dry run)" in result.stdout
+    assert "one-gpu created (server dry run)" in result.stdout

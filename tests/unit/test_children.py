@@ -82,3 +82,13 @@ def test_secret_and_service() -> None:
     assert secret["data"]["token"] == "dG9r"
     svc = headless_service("demo", "u", demo_spec())
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["selector"] == {LABEL_JOB: "demo"}
+
+
+def test_agent_shares_the_rollout_containers_gpu_claim() -> None:
+    doc = [
+        d for d in yaml.safe_load_all((ROOT / "examples/rljob-gpu.yaml").read_text()) if d["kind"] == "RLJob"
+    ][0]
+    pod = gang_pod("j", "u", parse_spec(doc["spec"]), 0, 0, AgentOptions(), None)
+    agent = pod["spec"]["containers"][-1]
+    assert agent["name"] == AGENT_CONTAINER
+    assert agent["resources"]["claims"] == [{"name": "gpu"}]

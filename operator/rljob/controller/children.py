@@ -182,7 +182,13 @@ def gang_pod(
         elif container["name"] == spec.rollout.container:
             _with_env(container, common_env)
             container["livenessProbe"] = sglang_liveness(spec)
-    pod_spec["containers"].append(agent_container(spec, options))
+    agent = agent_container(spec, options)
+    rollout = next(c for c in pod_spec["containers"] if c["name"] == spec.rollout.container)
+    claims = (rollout.get("resources") or {}).get("claims")
+    if claims:
+        # DRA: containers of a pod can share a ResourceClaim, so NVML in the agent sees SGLang's GPUs.
+        agent["resources"]["claims"] = copy.deepcopy(claims)
+    pod_spec["containers"].append(agent)
     pod_spec.setdefault("volumes", []).append(
         {"name": TOKEN_VOLUME, "secret": {"secretName": token_secret_name(job), "defaultMode": 0o444}}
     )

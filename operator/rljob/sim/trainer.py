@@ -54,7 +54,10 @@ def make_tensors(version: str, total_bytes: int) -> dict[str, np.ndarray]:
 def write_checkpoint(weights_dir: Path, version: str, tensors: dict[str, np.ndarray]) -> Path:
     weights_dir.mkdir(parents=True, exist_ok=True)
     # One file per pod: trainers of a gang may share a volume (a claim that outlives the pods).
-    path = weights_dir / f"weights-v{version}-pod{os.environ.get('RLJOB_POD_INDEX', os.getpid())}.safetensors"
+    pod = os.environ.get("RLJOB_POD_INDEX")
+    path = weights_dir / (
+        f"weights-v{version}-pod{pod}.safetensors" if pod else f"weights-v{version}.safetensors"
+    )
     tmp = path.with_suffix(".tmp")
     save_file(tensors, str(tmp), metadata={"weight_version": version})
     tmp.replace(path)  # a reader never sees a half-written file
