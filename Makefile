@@ -19,8 +19,8 @@ $(BIN)/python:
 install: $(BIN)/python ## create .venv and install the package with sim + dev extras
 	$(BIN)/pip install -q -e '.[sim,dev]'
 
-test: install binaries ## every tier that runs without a GPU: unit, agent, e2e (real kube-apiserver)
-	$(BIN)/python -m pytest -q tests/unit tests/agent tests/e2e
+test: install binaries ## unit, agent, e2e (real kube-apiserver); the GPU tier reports itself skipped without a GPU
+	$(BIN)/python -m pytest -q tests/unit tests/agent tests/e2e tests/gpu
 
 test-unit: install ## pure tests only (seconds)
 	$(BIN)/python -m pytest -q tests/unit
@@ -64,8 +64,8 @@ cluster-status: ## is the local control plane running?
 demo: install binaries ## the whole loop on a real local API server with simulated GPUs
 	$(BIN)/python -m rljob.sim.demo
 
-bench: install binaries ## benchmarks: printed tables, not timed tests
-	$(BIN)/python -m pytest -q -s -m bench tests/bench
+bench: install binaries ## benchmarks: printed tables, not timed tests (agent overhead; control overhead 1/8/64 pods)
+	$(BIN)/python -m pytest -q -s -m bench tests/bench/bench_agent_overhead.py tests/bench/bench_control_overhead.py
 
 gpu-test: ## GPU tier (needs an NVIDIA GPU; see tests/gpu/README.md)
 	$(BIN)/python -m pytest -q -s tests/gpu

@@ -333,8 +333,8 @@ def test_immutable_fields_are_refused_on_update(rl: RL) -> None:
 
 def test_deleting_the_job_cleans_up_its_children(rl: RL) -> None:
     name = "delete-me"
-    rl.apply(job(name, iterations=5))
-    rl.wait(name, "Rollout", timeout=90)
+    rl.apply(job(name, iterations=1000))
+    rl.wait(name, "Rollout", "Draining", "Releasing", "Training", "Refitting", "Resuming", timeout=90)
     rl.kubectl("delete", "rljob", name, "--wait=true", "--timeout=60s", namespace=rl.namespace)
     deadline = time.monotonic() + 30
     while rl.pods(name) and time.monotonic() < deadline:

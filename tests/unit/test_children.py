@@ -85,9 +85,9 @@ def test_secret_and_service() -> None:
 
 
 def test_agent_shares_the_rollout_containers_gpu_claim() -> None:
-    doc = [
+    doc = next(
         d for d in yaml.safe_load_all((ROOT / "examples/rljob-gpu.yaml").read_text()) if d["kind"] == "RLJob"
-    ][0]
+    )
     pod = gang_pod("j", "u", parse_spec(doc["spec"]), 0, 0, AgentOptions(), None)
     agent = pod["spec"]["containers"][-1]
     assert agent["name"] == AGENT_CONTAINER

@@ -98,7 +98,7 @@ class AgentWatch:
     def __init__(self, client: AgentClient, endpoint: AgentEndpoint, wake: Callable[[], None]) -> None:
         self.endpoint = endpoint
         self.latest: AgentState | None = None
-        self._client = client
+        self.client = client
         self._wake = wake
         self._task = asyncio.create_task(self._run(), name=f"agent-watch-{endpoint.pod}")
 
@@ -108,7 +108,7 @@ class AgentWatch:
         failures = 0
         while True:
             try:
-                state = await self._client.state(self.endpoint, since=since, wait=LONG_POLL_SECONDS)
+                state = await self.client.state(self.endpoint, since=since, wait=LONG_POLL_SECONDS)
                 failures = 0
             except (TimeoutError, aiohttp.ClientError, ValidationError) as err:
                 failures += 1

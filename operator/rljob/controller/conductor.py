@@ -61,6 +61,8 @@ class Conductor:
         self.wake = asyncio.Event()
         self._watches: dict[str, AgentWatch] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._uids: dict[str, str] = {}  # pod name -> uid, from the last list
+        self._accepted: set[tuple[str, str, int]] = set()  # (pod uid, action, epoch) an agent took
 
     def poke(self) -> None:
         self.wake.set()
@@ -101,6 +103,7 @@ class Conductor:
 
     async def _round(self, agents: AgentClient, spec: RLJobSpec, status: RLJobStatus) -> Decision:
         pods = await self.kube.list_pods(self.namespace, self.name)
+        self._uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods}
         self._sync_watches(agents, spec, pods)
         states: dict[str, AgentState | None] = {}
         for pod in pods:
@@ -135,7 +138,7 @@ class Conductor:
         ns = self.namespace
         if decision.events:  # events are for people: never on the lifecycle's critical path
             self._background(self._post_events(decision))
-        await asyncio.gather(*(self.kube.delete_pod(ns, name) for name in decision.delete_pods))
+        await asyncio.gather(*(self.kube.delete_pod(ns, n, self._uids.get(n)) for n in decision.delete_pods))
         manifests = [
             gang_pod(
                 self.name,
@@ -166,13 +169,24 @@ class Conductor:
         task.add_done_callback(self._tasks.discard)
 
     async def _send(self, decision: Decision) -> None:
-        sends = []
+        """Fan out concurrently. A command an agent already accepted is not sent again while its state
+        report catches up (a repeat would be a harmless no-op, but at 64 pods it doubles the traffic)."""
+        epoch = decision.status.epoch
+        self._accepted = {a for a in self._accepted if a[2] >= epoch}
+        sends, keys = [], []
         for pc in decision.commands:
             watch = self._watches.get(pc.pod)
-            if watch is not None:
-                sends.append(watch._client.send(watch.endpoint, pc.command))
-        for outcome in await asyncio.gather(*sends):
-            if not outcome.accepted and outcome.refusal and not outcome.refusal.startswith("unreachable"):
+            if watch is None:
+                continue
+            key = (watch.endpoint.uid, pc.command.action.value, pc.command.epoch)
+            if key in self._accepted:
+                continue
+            sends.append(watch.client.send(watch.endpoint, pc.command))
+            keys.append(key)
+        for key, outcome in zip(keys, await asyncio.gather(*sends), strict=True):
+            if outcome.accepted:
+                self._accepted.add(key)
+            elif outcome.refusal and not outcome.refusal.startswith("unreachable"):
                 await self.kube.post_event(
                     self.namespace,
                     dict(self.body),

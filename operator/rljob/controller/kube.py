@@ -48,6 +48,10 @@ class Kube:
             self.core.list_namespaced_pod,
             namespace,
             label_selector=f"{LABEL_JOB}={job}",
+            # From the watch cache: a quorum read waits ~100 ms for etcd progress on every round. A
+            # slightly stale list only delays a decision: a create that raced gets 409, deletes carry
+            # the uid (below), and agent state, not this list, gates every SGLang call.
+            resource_version="0",
             _preload_content=False,
         )
         return list(json.loads(result.data)["items"])
@@ -68,18 +72,18 @@ class Kube:
                 return False
             raise
 
-    async def delete_pod(self, namespace: str, name: str) -> None:
+    async def delete_pod(self, namespace: str, name: str, uid: str | None = None) -> None:
+        """Grace 0: the gang is being torn down. With `uid`, only that incarnation of the name is
+        deleted, never a successor created since the (possibly cached) list was taken."""
+        options = client.V1DeleteOptions(
+            grace_period_seconds=0, preconditions=client.V1Preconditions(uid=uid) if uid else None
+        )
         try:
-            # Grace 0: the gang is being torn down; SGLang holds no state worth a graceful stop then.
             await self._call(
-                "delete_pod",
-                self.core.delete_namespaced_pod,
-                namespace=namespace,
-                name=name,
-                grace_period_seconds=0,
+                "delete_pod", self.core.delete_namespaced_pod, name=name, namespace=namespace, body=options
             )
         except ApiException as err:
-            if err.status != 404:
+            if err.status not in (404, 409):  # 409: the precondition failed, it is another pod now
                 raise
 
     async def delete_named(self, namespace: str, kind: str, name: str) -> None:

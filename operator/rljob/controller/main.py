@@ -35,6 +35,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="`emulator` only for simulated pods (tests, demo)",
     )
     p.add_argument("--metrics-port", type=int, default=int(env("RLJOB_METRICS_PORT", "9090")), help="0: off")
+    p.add_argument(
+        "--metrics-address",
+        default=env("RLJOB_METRICS_ADDRESS", "0.0.0.0"),
+        help="listen address of the metrics endpoint",
+    )
     p.add_argument("--health-endpoint", default=env("RLJOB_HEALTH_ENDPOINT", "http://0.0.0.0:8080/healthz"))
     p.add_argument("--tick-seconds", type=float, default=2.0, help="heartbeat for time-based decisions")
     p.add_argument("--log-json", action="store_true", default=env("RLJOB_LOG_JSON") == "1")
@@ -53,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     load_config()
     if args.metrics_port:
-        start_http_server(args.metrics_port)
+        start_http_server(args.metrics_port, addr=args.metrics_address)
     from rljob.controller import handlers  # noqa: F401  (registers the handlers)
 
     options = ConductorOptions(

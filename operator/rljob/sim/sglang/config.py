@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rljob.sim.sglang.faults import Faults, parse_route_seconds
-from rljob.sim.sglang.memory import BACKENDS, cuda_options, select_backend
+from rljob.sim.sglang.memory import BACKENDS
 from rljob.sim.sglang.versions import DEFAULT_VERSION, SUPPORTED_VERSIONS, VersionProfile, version_key
 
 log = logging.getLogger("sglang.emulator")
@@ -179,7 +179,6 @@ def parse_config(argv: list[str]) -> EmulatorConfig:
     cfg.memory_saver_hook_mode = args.memory_saver_hook_mode
     cfg.server_args = _server_args(cfg, args)
     cfg.launch_command = "python -m sglang.launch_server " + " ".join(argv)
-    select_backend(cfg.memory_backend, **(cuda_options(cfg) if cfg.memory_backend != "accounting" else {}))
     return cfg
 
 

@@ -14,18 +14,6 @@ if TYPE_CHECKING:
 REGIONS = ("kv_cache", "weights", "cuda_graph")
 BACKENDS = ("accounting", "cuda")
 
-# Set by `config.parse_config` for `--memory-backend cuda`: the options of the backend the emulator process
-# uses. None (the default) keeps the accounting backend.
-_selected: dict[str, Any] | None = None
-
-
-def select_backend(name: str, **options: Any) -> None:
-    """Make this process's emulator use backend `name` (`accounting` resets to the default)."""
-    global _selected
-    if name not in BACKENDS:
-        raise ValueError(f"unknown memory backend {name!r}; one of {', '.join(BACKENDS)}")
-    _selected = None if name == "accounting" else {"name": name, **options}
-
 
 def make_backend(cfg: EmulatorConfig) -> RegionBackend:
     """The backend `cfg` asks for. torch is imported only for the cuda backend."""
@@ -92,14 +80,6 @@ class AccountingBackend:
     baseline: int
     sizes: dict[str, int]
     _regions: dict[str, _Region] = field(default_factory=dict)
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        # server.build_app constructs this class; a `--memory-backend` other than accounting (selected by
-        # parse_config) is built here instead. Constructing through `make_backend(cfg)` needs no redirect.
-        if cls is AccountingBackend and _selected is not None and not args:
-            options = {k: v for k, v in _selected.items() if k != "name"}
-            return _cuda_backend(kwargs.pop("sizes"), **kwargs, **options)
-        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         self._regions = {name: _Region(self.sizes.get(name, 0)) for name in REGIONS}

@@ -12,16 +12,14 @@ from rljob.sim.sglang import routes_control, routes_debug, routes_serving
 from rljob.sim.sglang.config import EmulatorConfig, parse_config
 from rljob.sim.sglang.engine import Engine
 from rljob.sim.sglang.http_common import ENGINE_KEY, sglang_middleware
-from rljob.sim.sglang.memory import AccountingBackend
+from rljob.sim.sglang.memory import make_backend
 from rljob.sim.sglang.weight_updater import WeightUpdater
 
 log = logging.getLogger("sglang.emulator")
 
 
 def build_app(cfg: EmulatorConfig) -> web.Application:
-    backend = AccountingBackend(
-        gpus=cfg.gpus, total=cfg.gpu_total_bytes, baseline=cfg.baseline_bytes, sizes=cfg.region_sizes
-    )
+    backend = make_backend(cfg)
     engine = Engine(cfg, backend)
     app = web.Application(middlewares=[sglang_middleware], client_max_size=64 << 20)
     app[ENGINE_KEY] = engine

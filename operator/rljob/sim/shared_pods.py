@@ -1,0 +1,519 @@
+"""A kubelet mapping for many simulated pods on a small machine: pods share processes, every agent and
+every SGLang emulator is still a real HTTP server on its pod's loopback IP.
+
+`rljob_mapping()` runs one OS process per container (three per gang pod); 64 pods of those do not fit a
+2-core machine. `SharedPods` instead runs
+
+- every pod's agent (`rljob.agent.app.Agent`, configured from the args, env and mounted token file the
+  operator put in the pod spec) and SGLang emulator (`rljob.sim.sglang.server.build_app`, configured from
+  the container's launch flags) in ONE host process, on one event loop: real aiohttp servers bound to the
+  pod's IP and the ports of the pod spec;
+- every pod's trainer as a `TrainerDriver` thread in the calling process: the simulated trainer's loop
+  (`rljob.sim.trainer`) through the trainer SDK over HTTP, with the pod's URLs passed explicitly;
+
+and gives the kubelet a cheap placeholder process per container, so that it reports the containers
+Running and their exits: a placeholder exits with the trainer's exit code when the driver ends, and with
+137 for every container when the host process dies. When the kubelet stops a placeholder (the pod is
+deleted), the pod's components are stopped too (`attach` the kubelet for that).
+
+    shared = SharedPods(log_path).start()
+    kubelet = Kubelet(kubeconfig, [ns], mapping=shared.mapping())
+    shared.attach(kubelet)
+    kubelet.start()
+    ...
+    kubelet.stop(); shared.stop()
+
+Limits: an emulator fault that kills SGLang (`rljob.sim.sglang.fatal`) kills the whole host, i.e. every
+pod; containers other than agent/SGLang/trainer run as their own processes (`default_mapping`).
+
+Host process: `python -m rljob.sim.shared_pods` reads one JSON request a line on stdin
+({"id", "op": "agent"|"sglang"|"stop", "key", "argv", "env"}), answers one JSON line on stdout once the
+component listens ({"id", "ok", "error"}), and stops everything at EOF.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import errno
+import functools
+import itertools
+import json
+import logging
+import os
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from aiohttp import web
+
+from rljob.controller.children import AGENT_CONTAINER
+from rljob.sim import trainer as sim_trainer
+from rljob.sim.kubelet import ContainerContext, Kubelet, Launch, Mapping, default_mapping
+from rljob.sim.pods import SGLANG_ENTRY, SIM_ARGS_ENV, TRAINER_ENTRY
+from rljob.trainer import Handoff
+
+log = logging.getLogger("rljob.sim.shared_pods")
+
+EXIT_HOST_DIED = 137  # what a container of a SIGKILLed process reports
+# Waits until a trainer driver (or the host's death) writes an exit code into the FIFO, then exits with it.
+PLACEHOLDER_SCRIPT = 'read -r code < "$0"; exit "${code:-0}"'
+
+
+def pod_loopback(text: str, pod_ip: str) -> str:
+    """A pod's 127.0.0.1 (and 0.0.0.0) is its own loopback IP here, as in `rljob.sim.pods`."""
+    return text.replace("127.0.0.1", pod_ip).replace("0.0.0.0", pod_ip)
+
+
+# -- the trainer, as a thread ----------------------------------------------------------------------
+@dataclass
+class TrainerDriver:
+    """The simulated trainer's loop (rollout, checks, lease, checkpoint, publish, refit push) for one pod,
+    in a thread. `steps` maps each published version to the seconds from lease granted to publish
+    answered (the trainer's own part of the Training phase)."""
+
+    name: str
+    argv: Sequence[str]
+    agent_url: str
+    sglang_url: str
+    weights_dir: Path
+    refit_source: str = "disk"
+    sglang_api_key: str | None = None
+    on_exit: Callable[[int], None] = lambda _code: None
+    steps: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+    exit_code: int | None = None
+    _stopping: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
+    _thread: threading.Thread | None = field(default=None, init=False, repr=False)
+
+    def start(self) -> TrainerDriver:
+        self._thread = threading.Thread(target=self._run, name=f"trainer {self.name}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Asks the loop to end; a driver blocked in a long-poll ends when its agent goes away."""
+        self._stopping.set()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        code = 1
+        try:
+            code = self._loop()
+        except sim_trainer.StaleServing as exc:
+            self.error, code = f"STALE SERVING: {exc}", 2
+        except Exception as exc:
+            if not self._stopping.is_set():
+                self.error = f"{type(exc).__name__}: {exc}"
+                log.warning("trainer %s failed: %s", self.name, self.error)
+            code = 0 if self._stopping.is_set() else 1
+        finally:
+            self.exit_code = code
+            self.on_exit(code)
+
+    def _loop(self) -> int:
+        args = sim_trainer._parser().parse_args(list(self.argv))
+        rollout = sim_trainer.Rollout(self.sglang_url, self.sglang_api_key, args)
+        handoff = Handoff(self.agent_url)
+        expected: str | None = None
+        iteration = 0
+        while not self._stopping.is_set() and (args.iterations == 0 or iteration < args.iterations):
+            iteration += 1
+            served = handoff.wait_for_stage("Serving", timeout=args.timeout)["sglang"]["servedVersion"]
+            if expected is not None and served != expected:
+                raise sim_trainer.StaleServing(
+                    f"agent serves {served!r} after this trainer published {expected!r}"
+                )
+            rollout.run(iteration, served)
+            version = sim_trainer.next_version(served)
+            tensors = sim_trainer.make_tensors(version, args.weights_bytes)
+            with handoff.train(timeout=args.timeout) as lease:
+                granted = time.perf_counter()
+                time.sleep(args.train_seconds)
+                path = sim_trainer.write_checkpoint(self.weights_dir, version, tensors)
+                lease.publish(version, str(path))
+                self.steps[version] = time.perf_counter() - granted
+            if self.refit_source != "disk":
+                sim_trainer.push_refit(handoff, self.refit_source, version, tensors, args.timeout)
+            expected = version
+        return 0
+
+
+# -- the kubelet side ------------------------------------------------------------------------------
+@dataclass
+class _Component:
+    namespace: str
+    pod: str
+    uid: str
+    container: str
+    fifo: Path
+    in_host: bool
+    driver: TrainerDriver | None = None
+    seen_running: bool = False
+
+
+class SharedPods:
+    """Owns the host process and the trainer drivers; `mapping()` is what the kubelet calls."""
+
+    def __init__(self, log_path: Path | str, rpc_timeout: float = 30.0, reap_period: float = 0.5) -> None:
+        self.log_path = Path(log_path)
+        self.rpc_timeout = rpc_timeout
+        self.reap_period = reap_period
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.errors: list[str] = []  # trainer failures and host death, for the caller to check
+        self._ids = itertools.count(1)
+        self._pending: dict[int, Future[dict[str, Any]]] = {}
+        self._components: dict[str, _Component] = {}
+        self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._kubelet: Kubelet | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> SharedPods:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as logf:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-u", "-m", "rljob.sim.shared_pods"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf, start_new_session=True,
+            )  # fmt: skip
+        self._spawn(self._read_replies, "shared-pods replies")
+        return self
+
+    def attach(self, kubelet: Kubelet) -> None:
+        """Lets components follow their placeholders: a stopped container stops its component."""
+        self._kubelet = kubelet
+        self._spawn(self._reap_loop, "shared-pods reaper")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        with self._lock:
+            drivers = [c.driver for c in self._components.values() if c.driver is not None]
+        for d in drivers:
+            d.stop()
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(OSError):
+                assert proc.stdin is not None
+                proc.stdin.close()  # EOF: the host stops every component and exits
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        deadline = time.monotonic() + timeout  # drivers end once their agents are gone
+        for d in drivers:
+            d.join(timeout=max(0.0, deadline - time.monotonic()))
+        for t in self._threads:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+
+    def __enter__(self) -> SharedPods:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, "not started"
+        return self.proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def drivers(self) -> list[TrainerDriver]:
+        with self._lock:
+            return [c.driver for c in self._components.values() if c.driver is not None]
+
+    # -- the mapping -------------------------------------------------------------------------------
+    def mapping(self, extra_sglang_args: Sequence[str] = ()) -> Mapping:
+        def mapping(ctx: ContainerContext) -> Launch:
+            argv = [pod_loopback(a, ctx.pod_ip) for a in ctx.argv()]
+            env = {k: pod_loopback(v, ctx.pod_ip) for k, v in ctx.env.items()}
+            sim_args = shlex.split(ctx.env.get(SIM_ARGS_ENV, ""))
+            if ctx.name == AGENT_CONTAINER:
+                return self._start(ctx, "agent", argv[1:], env)
+            if SGLANG_ENTRY in argv:
+                launch_args = [*argv[argv.index(SGLANG_ENTRY) + 1 :], *extra_sglang_args, *sim_args]
+                return self._start(ctx, "sglang", launch_args, env)
+            if TRAINER_ENTRY in argv:
+                return self._start(ctx, "trainer", [*argv[argv.index(TRAINER_ENTRY) + 1 :], *sim_args], env)
+            launch = default_mapping(ctx)  # anything else: its own process, as rljob_mapping does
+            return Launch([pod_loopback(a, ctx.pod_ip) for a in launch.argv], env=env)
+
+        return mapping
+
+    def _start(self, ctx: ContainerContext, kind: str, argv: list[str], env: dict[str, str]) -> Launch:
+        meta = ctx.pod["metadata"]
+        key = f"{meta['uid']}/{ctx.name}"
+        self._stop_component(key)  # a restarted container replaces its component
+        fifo = ctx.scratch / "shared" / ctx.name
+        fifo.parent.mkdir(parents=True, exist_ok=True)
+        fifo.unlink(missing_ok=True)
+        os.mkfifo(fifo)
+        comp = _Component(
+            meta["namespace"], meta["name"], meta["uid"], ctx.name, fifo, in_host=kind != "trainer"
+        )
+        if kind == "trainer":
+            comp.driver = TrainerDriver(
+                name=f"{comp.namespace}/{comp.pod}",
+                argv=argv,
+                agent_url=env.get("RLJOB_AGENT_URL", f"http://{ctx.pod_ip}:8472"),
+                sglang_url=env.get("RLJOB_SGLANG_URL", f"http://{ctx.pod_ip}:30000"),
+                # One directory per pod: trainers of a gang share the claim, and each writes its own file.
+                weights_dir=Path(env.get("RLJOB_WEIGHTS_DIR", str(ctx.scratch / "weights")))
+                / f"pod-{env.get('RLJOB_POD_INDEX', comp.pod)}",
+                refit_source=env.get("RLJOB_REFIT_SOURCE", "disk"),
+                sglang_api_key=env.get("RLJOB_SGLANG_API_KEY"),
+                on_exit=functools.partial(self._trainer_exited, comp),
+            )
+        else:
+            reply = self._call({"op": kind, "key": key, "argv": argv, "env": env})
+            if not reply.get("ok"):
+                raise RuntimeError(f"shared host cannot start {kind} of {comp.pod}: {reply.get('error')}")
+        with self._lock:
+            self._components[key] = comp
+        if comp.driver is not None:
+            comp.driver.start()
+        return Launch(["sh", "-c", PLACEHOLDER_SCRIPT, str(fifo)], env=env)
+
+    def _trainer_exited(self, comp: _Component, code: int) -> None:
+        driver = comp.driver
+        if driver is not None and driver.error:
+            self.errors.append(f"trainer {driver.name}: {driver.error}")
+        with self._lock:
+            ended_by_itself = self._components.get(f"{comp.uid}/{comp.container}") is comp
+        if ended_by_itself and not self._stopping.is_set():  # else its placeholder is already stopped
+            _write_exit(comp.fifo, code)
+
+    # -- stopping components -----------------------------------------------------------------------
+    def _stop_component(self, key: str) -> None:
+        with self._lock:
+            comp = self._components.pop(key, None)
+        if comp is None:
+            return
+        if comp.driver is not None:
+            comp.driver.stop()
+        elif self.alive and not self._stopping.is_set():
+            with contextlib.suppress(RuntimeError, TimeoutError, OSError):
+                self._call({"op": "stop", "key": key})
+
+    def _reap_loop(self) -> None:
+        while not self._stopping.wait(self.reap_period):
+            kubelet = self._kubelet
+            if kubelet is None:
+                continue
+            with self._lock:
+                comps = list(self._components.items())
+            for key, comp in comps:
+                runner = kubelet.runner(comp.namespace, comp.pod)
+                running = (
+                    runner is not None and runner.uid == comp.uid and comp.container in runner.processes()
+                )
+                if running:
+                    comp.seen_running = True
+                elif comp.seen_running or runner is None or runner.uid != comp.uid:
+                    self._stop_component(key)
+
+    # -- RPC to the host ---------------------------------------------------------------------------
+    def _call(self, request: dict[str, Any]) -> dict[str, Any]:
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            raise RuntimeError("the shared host process is not running")
+        rid = next(self._ids)
+        fut: Future[dict[str, Any]] = Future()
+        with self._lock:
+            self._pending[rid] = fut
+        line = json.dumps({**request, "id": rid}).encode() + b"\n"
+        try:
+            with self._write_lock:
+                assert proc.stdin is not None
+                proc.stdin.write(line)
+                proc.stdin.flush()
+            return fut.result(self.rpc_timeout)
+        finally:
+            with self._lock:
+                self._pending.pop(rid, None)
+
+    def _read_replies(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            try:
+                reply = json.loads(raw)
+            except ValueError:
+                continue
+            with self._lock:
+                fut = self._pending.get(int(reply.get("id", 0)))
+            if fut is not None and not fut.done():
+                fut.set_result(reply)
+        # EOF: the host is gone. Every in-host container "exits" as its process would: killed.
+        with self._lock:
+            pending = list(self._pending.values())
+            host_comps = [c for c in self._components.values() if c.in_host]
+        for fut in pending:
+            if not fut.done():
+                fut.set_result({"ok": False, "error": "the shared host process exited"})
+        if not self._stopping.is_set():
+            self.errors.append(
+                f"the shared host process exited (code {self.proc.wait()}); see {self.log_path}"
+            )
+            for comp in host_comps:
+                _write_exit(comp.fifo, EXIT_HOST_DIED)
+
+    def _spawn(self, target: Callable[[], None], name: str) -> None:
+        t = threading.Thread(target=target, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+
+def _write_exit(fifo: Path, code: int, timeout: float = 5.0) -> None:
+    """Hands `code` to the container's placeholder (non-blocking: a placeholder already gone is fine)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:  # ENXIO: no reader yet (the placeholder is starting)
+                return
+            time.sleep(0.05)
+            continue
+        with contextlib.suppress(OSError):
+            os.write(fd, f"{code}\n".encode())
+        os.close(fd)
+        return
+
+
+# -- the host process ------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _environ(env: dict[str, str]) -> Iterator[None]:
+    """The container's env while its config is parsed (flags default from env). One loop thread: safe."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class _Host:
+    def __init__(self, out: IO[str]) -> None:
+        self.out = out
+        self.stoppers: dict[str, Callable[[], Awaitable[None]]] = {}
+        self.tasks: set[asyncio.Future[None]] = set()
+
+    def background(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def reply(self, rid: int, error: str | None = None) -> None:
+        self.out.write(json.dumps({"id": rid, "ok": error is None, "error": error}) + "\n")
+        self.out.flush()
+
+    async def handle(self, req: dict[str, Any]) -> None:
+        rid, op, key = int(req["id"]), str(req["op"]), str(req.get("key", ""))
+        try:
+            if op == "stop":  # in the background: a listener closes at once, open long-polls take longer
+                stopper = self.stoppers.pop(key, None)
+                if stopper is not None:
+                    self.background(stopper())
+            elif op == "agent":
+                await self.stop(key)
+                self.stoppers[key] = await self.start_agent(req["argv"], req.get("env") or {})
+            elif op == "sglang":
+                await self.stop(key)
+                self.stoppers[key] = await self.start_sglang(req["argv"], req.get("env") or {})
+            else:
+                raise ValueError(f"unknown op {op!r}")
+        except (Exception, SystemExit) as exc:  # argparse errors are SystemExit
+            log.exception("%s %s failed", op, key)
+            self.reply(rid, f"{type(exc).__name__}: {exc}")
+            return
+        self.reply(rid)
+
+    async def stop(self, key: str) -> None:
+        stopper = self.stoppers.pop(key, None)
+        if stopper is not None:
+            await stopper()
+
+    async def start_agent(self, argv: list[str], env: dict[str, str]) -> Callable[[], Awaitable[None]]:
+        from rljob.agent.app import Agent
+        from rljob.agent.config import parse_config
+
+        with _environ(env):
+            cfg = parse_config(argv)
+        agent = Agent(cfg)
+        await agent.start()
+        return agent.stop
+
+    async def start_sglang(self, argv: list[str], env: dict[str, str]) -> Callable[[], Awaitable[None]]:
+        from rljob.sim.sglang.config import parse_config
+        from rljob.sim.sglang.server import build_app
+
+        with _environ(env):
+            cfg = parse_config(argv)
+        # Hung handlers (faults) must not hold a stop for aiohttp's default 60 s, as in server.main.
+        runner = web.AppRunner(build_app(cfg), access_log=None, handle_signals=False, shutdown_timeout=0.5)
+
+        async def listen() -> None:
+            await asyncio.sleep(cfg.startup_seconds)  # model loading: the port is not open yet
+            await runner.setup()
+            await web.TCPSite(runner, cfg.host, cfg.port).start()
+
+        if cfg.startup_seconds > 0:
+            task = asyncio.get_running_loop().create_task(listen())
+
+            async def stop_later() -> None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                await runner.cleanup()
+
+            return stop_later
+        await listen()
+        return runner.cleanup
+
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=16 << 20)
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+        while line := await reader.readline():
+            self.background(self.handle(json.loads(line)))
+        stops = [stopper() for stopper in self.stoppers.values()]
+        self.stoppers.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*stops, return_exceptions=True), 5.0)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m rljob.sim.shared_pods", description=__doc__.split("\n")[0]
+    )
+    parser.parse_args(argv)
+    # As the agent and the emulator log as processes (INFO; no access log).
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    out = sys.stdout
+    sys.stdout = sys.stderr  # stdout carries replies only; stray prints go to the log
+    asyncio.run(_Host(out).serve())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,469 @@
+"""Control overhead of the operator + agents per phase transition, and status writes / API calls per
+iteration, for 1, 8 and 64 pods.
+
+    .venv/bin/python -m pytest -q -s -m bench tests/bench/bench_control_overhead.py
+    .venv/bin/python tests/bench/bench_control_overhead.py [--sizes 1,8,64] [--iterations 30,30,20] [--json F]
+
+What runs: a real kube-apiserver + etcd (`LocalControlPlane`, cached binaries), the real operator process
+(`rljob.controller.main`, its metrics endpoint bound to 127.0.0.1), the fake kubelet, and for every pod a
+real agent and SGLang emulator, each a real HTTP server on the pod's loopback IP. Pods share processes
+(`rljob.sim.shared_pods`: all agents and emulators on one event loop in one host process, the trainers as
+threads driving the trainer SDK over HTTP), so that 64 pods fit a 2-core machine. Zero-cost operations:
+emulator `--tokens-per-second 0 --scheduler-lag-seconds 0`, no faults; trainer `--train-seconds 0`, one
+prompt, one sample, 4 tokens, a 4 KiB checkpoint.
+
+Measured, per pod count, over the iterations after a warm-up one (window: rollout of iteration 2 opens ->
+Succeeded):
+- per transition (Draining, Releasing, Training, Refitting, Resuming): from `status.timeline`, overhead =
+  the phase's wall seconds - agentSeconds (the slowest pod's in-agent time), and the in-agent time;
+  median and p95 (nearest rank: with 20 samples the second largest, with fewer than 20 the maximum).
+  Training's wall time also holds the trainer's own step (lease granted -> publish answered, slowest pod,
+  measured in the trainer driver): shown, and subtracted in the "Training - trainer step" row;
+- per iteration: status writes (`rljob_status_writes_total`), operator API calls (`rljob_api_calls_total`,
+  our calls only: kopf's own watches are not counted) and agent commands, from the operator's metrics
+  endpoint scraped at both ends of the window (a write at either edge may fall on either side: +-1 per
+  window); CPU seconds (utime + stime from /proc/<pid>/stat) of the operator, the shared agent/emulator
+  host, kube-apiserver, etcd and this process (fake kubelet + trainer threads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from rljob.sim.cluster import LocalControlPlane, ensure_binaries, free_port
+from rljob.sim.harness import ROOT, OperatorProcess, rljob_path
+from rljob.sim.kubeaccess import ApiError, KubeApi, Kubectl, create_namespace, delete_namespace
+from rljob.sim.kubelet import IpAllocator, Kubelet
+from rljob.sim.pods import SIM_ARGS_ENV
+from rljob.sim.shared_pods import SharedPods
+
+TRANSITIONS = ("Draining", "Releasing", "Training", "Refitting", "Resuming")
+CPU_OF = ("operator", "agents+emulators", "kube-apiserver", "etcd", "kubelet+trainers")
+DEFAULT_SIZES = (1, 8, 64)
+DEFAULT_ITERATIONS = (30, 30, 20)
+SIM_ARGS = "--tokens-per-second 0 --scheduler-lag-seconds 0"
+TRAINER_ARGS = [
+    "--prompts", "1", "--samples-per-prompt", "1", "--max-new-tokens", "4", "--prefix-tokens", "8",
+    "--train-seconds", "0", "--weights-bytes", "4096",
+]  # fmt: skip
+
+
+def pod_ip_base() -> str:
+    """First pod IP of a random loopback /24: test runs of other processes on this machine (the fake
+    kubelet's default pool is one per process) must not share pod IPs with the benchmark."""
+    return f"127.{random.randint(64, 254)}.{random.randint(0, 255)}.2"
+
+
+# -- measurements --------------------------------------------------------------------------------
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def scrape(port: int) -> dict[str, float]:
+    """Counter samples of the operator's metrics endpoint, keyed `name{label=value,...}`."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}"] = s.value
+    return out
+
+
+@dataclass
+class Snapshot:
+    at: float
+    metrics: dict[str, float]
+    cpu: dict[str, float]
+
+
+def p95(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
+
+
+@dataclass
+class SizeResult:
+    pods: int
+    iterations: int  # measured (after the warm-up one)
+    startup_seconds: float  # RLJob created -> rollout of iteration 1 open
+    window_seconds: float
+    overhead: dict[str, list[float]] = field(default_factory=dict)  # phase -> per iteration, seconds
+    in_agent: dict[str, list[float]] = field(default_factory=dict)
+    trainer_step: list[float] = field(default_factory=list)  # slowest pod, per iteration
+    iteration_overhead: list[float] = field(default_factory=list)  # status.lastIteration, seconds
+    per_iteration: dict[str, float] = field(default_factory=dict)  # counters and CPU seconds / iteration
+    api_verbs: dict[str, float] = field(default_factory=dict)  # per iteration
+    commands: dict[str, float] = field(default_factory=dict)  # "action outcome" -> per iteration
+
+
+def delta(before: Snapshot, after: Snapshot, prefix: str) -> dict[str, float]:
+    return {
+        k: after.metrics[k] - before.metrics.get(k, 0.0)
+        for k in after.metrics
+        if k.startswith(prefix + "{") and after.metrics[k] - before.metrics.get(k, 0.0)
+    }
+
+
+def list_after_write(api: KubeApi, samples: int = 20) -> dict[str, list[float]]:
+    """The operator lists its pods right after writing status and events. A consistent list (no
+    resourceVersion) is served from the watch cache once the cache has caught up with etcd's latest
+    revision; this times it after a write to another object, against resourceVersion=0 (any cached)."""
+    ns, name = "default", f"bench-probe-{uuid.uuid4().hex[:6]}"
+    path = f"/api/v1/namespaces/{ns}/configmaps"
+    api.post(path, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": {"n": "0"}})
+    out: dict[str, list[float]] = {"consistent (no resourceVersion)": [], "resourceVersion=0": []}
+    try:
+        for kind, params in zip(out, ({}, {"resourceVersion": "0"}), strict=True):
+            for i in range(samples):
+                api.merge_patch(f"{path}/{name}", {"data": {"n": f"{kind}-{i}"}})
+                began = time.perf_counter()
+                api.get(f"/api/v1/namespaces/{ns}/pods", labelSelector="rljob.io/job=none", **params)
+                out[kind].append(time.perf_counter() - began)
+    finally:
+        api.delete(f"{path}/{name}")
+    return out
+
+
+# -- one pod count -------------------------------------------------------------------------------
+def manifest(name: str, replicas: int, iterations: int) -> dict[str, Any]:
+    m = copy.deepcopy(yaml.safe_load((ROOT / "examples/rljob.yaml").read_text()))
+    m["metadata"] = {"name": name}
+    spec = m["spec"]
+    spec.update(replicas=replicas, iterations=iterations, podsAfterFinished="Keep")
+    spec["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] = f"{name}-weights"
+    sglang, trainer = spec["template"]["spec"]["containers"]
+    sglang["env"] = [*sglang.get("env", []), {"name": SIM_ARGS_ENV, "value": SIM_ARGS}]
+    trainer["args"] = list(TRAINER_ARGS)
+    return dict(m)
+
+
+class Bench:
+    def __init__(self, plane: LocalControlPlane, workdir: Path) -> None:
+        self.plane = plane
+        self.kubeconfig = plane.kubeconfig
+        self.api = KubeApi.from_kubeconfig(self.kubeconfig)
+        self.workdir = workdir
+        Kubectl(self.kubeconfig)("apply", "-f", str(ROOT / "crds"))
+        Kubectl(self.kubeconfig)(
+            "wait", "--for=condition=Established", "crd/rljobs.rljob.io", "--timeout=30s"
+        )
+        deadline = time.monotonic() + 30
+        while True:  # Established comes a moment before the storage serves (429 "(re)initializing")
+            try:
+                self.api.get(rljob_path("default"))
+                break
+            except ApiError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def run(self, pods: int, measured: int, timeout: float = 600) -> SizeResult:
+        ns = f"bench-{pods}-{uuid.uuid4().hex[:6]}"
+        work = self.workdir / f"pods-{pods}"
+        create_namespace(self.api, ns)
+        port = free_port()
+        shared = SharedPods(work / "shared-host.log").start()
+        kubelet = Kubelet(
+            self.kubeconfig, [ns], mapping=shared.mapping(), scratch_root=work / "pods",
+            probe_period=2.0, tick=0.2,  # the agent's readinessProbe period; a calm kubelet for 64 pods
+            ips=IpAllocator(pod_ip_base()),
+        )  # fmt: skip
+        shared.attach(kubelet)
+        kubelet.start()
+        operator = OperatorProcess(
+            self.kubeconfig, [ns], work / "operator.log",
+            ["--metrics-port", str(port), "--metrics-address", "127.0.0.1"],
+        ).start()  # fmt: skip
+        try:
+            return self._measure(ns, pods, measured, port, shared, operator, timeout)
+        except BaseException:
+            print(f"\n[{pods} pods] operator log tail:\n{operator.log_tail(40)}", file=sys.stderr)
+            raise
+        finally:
+            operator.stop()
+            kubelet.stop()
+            shared.stop()
+            delete_namespace(self.api, ns)
+
+    def _pids(self, shared: SharedPods, operator: OperatorProcess) -> dict[str, int]:
+        state = self.plane.state
+        assert state is not None and operator.proc is not None
+        return dict(
+            zip(
+                CPU_OF,
+                (operator.proc.pid, shared.pid, state.apiserver_pid, state.etcd_pid, os.getpid()),
+                strict=True,
+            )
+        )
+
+    def _snapshot(self, port: int, pids: dict[str, int]) -> Snapshot:
+        return Snapshot(time.monotonic(), scrape(port), {k: cpu_seconds(pid) for k, pid in pids.items()})
+
+    def _measure(
+        self, ns: str, pods: int, measured: int, port: int, shared: SharedPods, operator: OperatorProcess,
+        timeout: float,
+    ) -> SizeResult:  # fmt: skip
+        name = "bench"
+        total = measured + 1  # iteration 1 warms up (pods start, first refit)
+        pids = self._pids(shared, operator)
+        deadline = time.monotonic() + timeout
+        while True:  # the operator's metrics endpoint is up once kopf runs
+            try:
+                scrape(port)
+                break
+            except OSError:
+                if time.monotonic() > deadline or not operator.alive:
+                    raise RuntimeError(f"operator metrics never came up:\n{operator.log_tail()}") from None
+                time.sleep(0.1)
+        listing = self.api.get(rljob_path(ns))
+        created = time.monotonic()
+        self.api.post(rljob_path(ns), manifest(name, pods, total))
+        spans: dict[tuple[int, str], dict[str, Any]] = {}
+        reports: dict[int, float] = {}
+        start: Snapshot | None = None
+        first_rollout: float | None = None
+        rv = listing["metadata"]["resourceVersion"]
+        final: dict[str, Any] = {}
+        while not final:
+            if time.monotonic() > deadline:
+                status = self.api.get(rljob_path(ns, name)).get("status")
+                raise TimeoutError(f"{pods} pods: not Succeeded after {timeout}s: {status}")
+            try:
+                stream = self.api.watch(rljob_path(ns), rv, read_timeout=30)
+            except requests.ConnectionError:
+                continue
+            try:
+                for event in stream:
+                    obj = event.get("object") or {}
+                    rv = obj.get("metadata", {}).get("resourceVersion", rv)
+                    if event.get("type") not in ("ADDED", "MODIFIED"):
+                        continue
+                    status = obj.get("status") or {}
+                    phase, iteration = status.get("phase"), status.get("iteration", 0)
+                    if phase == "Rollout" and iteration == 1 and first_rollout is None:
+                        first_rollout = time.monotonic()
+                    if phase == "Rollout" and iteration == 2 and start is None:
+                        start = self._snapshot(port, pids)
+                    for span in status.get("timeline") or []:
+                        if span.get("seconds") is not None:
+                            spans[(span["iteration"], span["phase"])] = span
+                    last = status.get("lastIteration")
+                    if last:
+                        reports[last["iteration"]] = last.get("controlOverheadSeconds", 0.0)
+                    if phase == "Succeeded":
+                        end = self._snapshot(port, pids)
+                        final = obj
+                        break
+                    if phase in ("Failed", "Recovering"):
+                        raise RuntimeError(
+                            f"{pods} pods: {phase}: {status.get('reason')}: {status.get('message')}"
+                        )
+            except requests.ConnectionError:
+                continue  # an idle read timed out: resume from rv
+            finally:
+                stream.close()
+        assert start is not None and first_rollout is not None
+        status = final["status"]
+        assert status["weightVersion"] == str(total) and status["restarts"] == 0, status
+        assert not shared.errors, shared.errors
+        assert shared.alive, "the shared agent/emulator host died"
+        its = range(2, total + 1)
+        steps = defaultdict(list)
+        for driver in shared.drivers():
+            for version, seconds in driver.steps.items():
+                steps[int(version)].append(seconds)  # version k is published in iteration k
+        result = SizeResult(pods, measured, first_rollout - created, end.at - start.at)
+        for phase in TRANSITIONS:
+            got = [spans[(i, phase)] for i in its]
+            result.overhead[phase] = [s["seconds"] - (s.get("agentSeconds") or 0.0) for s in got]
+            result.in_agent[phase] = [s.get("agentSeconds") or 0.0 for s in got]
+        result.trainer_step = [max(steps[i]) for i in its]
+        result.iteration_overhead = [reports[i] for i in its if i in reports]
+        n = float(measured)
+        counters = {
+            "status writes": sum(delta(start, end, "rljob_status_writes_total").values()),
+            "API calls": sum(delta(start, end, "rljob_api_calls_total").values()),
+            "agent commands": sum(delta(start, end, "rljob_agent_commands_total").values()),
+        }
+        result.per_iteration = {k: v / n for k, v in counters.items()}
+        result.per_iteration |= {f"CPU {k}": (end.cpu[k] - start.cpu[k]) / n for k in CPU_OF}
+        result.commands = {
+            _labels(k): v / n for k, v in delta(start, end, "rljob_agent_commands_total").items()
+        }
+        result.api_verbs = {_labels(k): v / n for k, v in delta(start, end, "rljob_api_calls_total").items()}
+        return result
+
+
+def _labels(key: str) -> str:
+    """`name{a=x,b=y}` -> `x y`."""
+    return " ".join(kv.split("=", 1)[1] for kv in key.split("{", 1)[1].rstrip("}").split(","))
+
+
+# -- tables --------------------------------------------------------------------------------------
+def _ms(v: float) -> str:
+    return f"{v * 1000:.1f}"
+
+
+def tables(results: list[SizeResult], probe: dict[str, list[float]]) -> str:
+    out = [
+        "Control overhead per phase transition (wall - slowest pod's in-agent time), ms; median and p95 "
+        "(nearest rank) over the measured iterations",
+        "",
+        "| phase | pods | iterations | overhead p50 | overhead p95 | in-agent p50 | in-agent p95 |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for phase in TRANSITIONS:
+        for r in results:
+            o, a = r.overhead[phase], r.in_agent[phase]
+            label = "Training (grant)" if phase == "Training" else phase
+            out.append(
+                f"| {label} | {r.pods} | {r.iterations} | {_ms(statistics.median(o))} | {_ms(p95(o))} | "
+                f"{_ms(statistics.median(a))} | {_ms(p95(a))} |"
+            )
+    for r in results:
+        rest = [o - t for o, t in zip(r.overhead["Training"], r.trainer_step, strict=True)]
+        out.append(
+            f"| Training - trainer step | {r.pods} | {r.iterations} | {_ms(statistics.median(rest))} | "
+            f"{_ms(p95(rest))} | trainer step p50 {_ms(statistics.median(r.trainer_step))} | "
+            f"p95 {_ms(p95(r.trainer_step))} |"
+        )
+    for r in results:
+        cmd = r.iteration_overhead
+        out.append(
+            f"| sum of the 4 command phases (lastIteration.controlOverheadSeconds) | {r.pods} | "
+            f"{len(cmd)} | {_ms(statistics.median(cmd))} | {_ms(p95(cmd))} | | |"
+        )
+    keys = list(results[0].per_iteration)
+    out += [
+        "",
+        "Per iteration (counters scraped from the operator's metrics endpoint; CPU seconds from /proc)",
+        "",
+        "| pods | iterations | iteration wall s | startup s | " + " | ".join(keys) + " |",
+        "|---:|---:|---:|---:|" + "---:|" * len(keys),
+    ]
+    for r in results:
+        cells = [f"{r.per_iteration[k]:.1f}" if "CPU" not in k else f"{r.per_iteration[k]:.3f}" for k in keys]
+        wall = r.window_seconds / r.iterations
+        out.append(
+            f"| {r.pods} | {r.iterations} | {wall:.2f} | {r.startup_seconds:.1f} | {' | '.join(cells)} |"
+        )
+    verbs = sorted({v for r in results for v in r.api_verbs})
+    out += [
+        "",
+        "Operator API calls per iteration, by verb",
+        "",
+        "| verb | " + " | ".join(f"{r.pods} pods" for r in results) + " |",
+        "|---|" + "---:|" * len(results),
+    ]
+    for verb in verbs:
+        out.append(f"| {verb} | " + " | ".join(f"{r.api_verbs.get(verb, 0.0):.1f}" for r in results) + " |")
+    kinds = sorted({c for r in results for c in r.commands})
+    out += [
+        "",
+        "Agent commands sent per iteration, by action and outcome (rljob_agent_commands_total)",
+        "",
+        "| action outcome | " + " | ".join(f"{r.pods} pods" for r in results) + " |",
+        "|---|" + "---:|" * len(results),
+    ]
+    for kind in kinds:
+        out.append(f"| {kind} | " + " | ".join(f"{r.commands.get(kind, 0.0):.1f}" for r in results) + " |")
+    big, small = max(results, key=lambda r: r.pods), min(results, key=lambda r: r.pods)
+    if big is not small:
+        out += [
+            "",
+            f"Ratios {big.pods} pods vs {small.pods} (medians of the overheads; per-iteration figures)",
+            "",
+            "| figure | ratio |",
+            "|---|---:|",
+        ]
+
+        def ratio(a: float, b: float) -> str:
+            return f"{a / b:.2f}x" if b > 0 else "n/a"
+
+        for phase in TRANSITIONS:
+            out.append(
+                f"| overhead {phase} | "
+                f"{ratio(statistics.median(big.overhead[phase]), statistics.median(small.overhead[phase]))} |"
+            )
+        for k in keys:
+            out.append(f"| {k} / iteration | {ratio(big.per_iteration[k], small.per_iteration[k])} |")
+    out += [
+        "",
+        f"kube-apiserver: GET pods (label selector) right after a write to another object, ms, "
+        f"{len(next(iter(probe.values())))} samples",
+        "",
+        "| list | p50 | p95 |",
+        "|---|---:|---:|",
+    ]
+    for kind, values in probe.items():
+        out.append(f"| {kind} | {_ms(statistics.median(values))} | {_ms(p95(values))} |")
+    return "\n".join(out)
+
+
+def run(
+    sizes: Sequence[int], iterations: Sequence[int], json_path: Path | None = None
+) -> tuple[list[SizeResult], dict[str, list[float]]]:
+    work = Path(tempfile.mkdtemp(prefix="rljob-bench-overhead-"))
+    load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
+    print(f"[machine: {os.cpu_count()} cores; load average before the run {load}]", flush=True)
+    results = []
+    with LocalControlPlane(work / "cluster", ensure_binaries(build=True)) as plane:
+        bench = Bench(plane, work)
+        probe = list_after_write(bench.api)
+        for pods, n in zip(sizes, iterations, strict=True):
+            began = time.monotonic()
+            results.append(bench.run(pods, n))
+            print(f"[{pods} pods: {n} iterations measured in {time.monotonic() - began:.0f}s; logs {work}]",
+                  flush=True)  # fmt: skip
+    if json_path is not None:
+        json_path.write_text(json.dumps({"sizes": [asdict(r) for r in results], "probe": probe}, indent=2))
+    return results, probe
+
+
+@pytest.mark.bench
+def test_control_overhead(request: pytest.FixtureRequest) -> None:
+    if "bench" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("benchmark: run with -m bench")
+    print("\n" + tables(*run(DEFAULT_SIZES, DEFAULT_ITERATIONS)))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="pod counts")
+    p.add_argument("--iterations", default=",".join(map(str, DEFAULT_ITERATIONS)), help="measured, per size")
+    p.add_argument("--json", type=Path, default=None, help="also write the raw samples here")
+    args = p.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    its = [int(s) for s in args.iterations.split(",")]
+    if len(its) == 1:
+        its *= len(sizes)
+    print(tables(*run(sizes, its, args.json)))
+
+
+if __name__ == "__main__":
+    main()

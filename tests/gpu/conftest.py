@@ -1,0 +1,102 @@
+"""GPU tier: the real agent drives the SGLang emulator whose regions are real CUDA memory
+(torch_memory_saver), with a real torch trainer in between. Tests marked `gpu` are skipped unless torch
+with a CUDA device, torch_memory_saver and NVML are all there (CI has none of them)."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "agent"))  # agent_procs: shared helpers
+
+from agent_procs import Agent, Conductor, Emulator, Proc
+
+
+@functools.cache
+def gpu_missing() -> str | None:
+    """Why the GPU tier cannot run here, or None. Creates no CUDA context."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        import torch_memory_saver  # noqa: F401
+    except ImportError:
+        return "torch_memory_saver is not installed (pip install torch-memory-saver)"
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception as e:  # NVMLError or ImportError
+        return f"NVML unavailable: {e}"
+    return None
+
+
+@pytest.fixture(autouse=True)
+def _skip_without_gpu(request: pytest.FixtureRequest) -> None:
+    if request.node.get_closest_marker("gpu") is not None:
+        reason = gpu_missing()
+        if reason:
+            pytest.skip(f"GPU tier: {reason}")
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Proc]]:
+    """Every process a test starts; all are stopped at teardown (which frees their GPU memory)."""
+    started: list[Proc] = []
+    yield started
+    dead = [p for p in started if isinstance(p, Emulator) and not p.alive()]
+    for p in reversed(started):
+        p.stop()
+    if dead:
+        pytest.fail("SGLang emulator died during the test:\n" + dead[0].log_text()[-3000:])
+
+
+@pytest.fixture
+def results_dir(tmp_path: Path) -> Path:
+    """Where figures are written: $RLJOB_GPU_RESULTS_DIR if set (the device run points it at $OUT)."""
+    import os
+
+    d = Path(os.environ.get("RLJOB_GPU_RESULTS_DIR") or tmp_path / "results")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+@pytest.fixture
+def start_gpu_emulator(procs: list[Proc], tmp_path: Path) -> Callable[..., Emulator]:
+    """The emulator with `--memory-backend cuda`, LD_PRELOAD set for torch_memory_saver's hook (as SGLang's
+    launcher sets it), graphs in the memory saver (SGLANG_MEMORY_SAVER_CUDA_GRAPH=1)."""
+
+    def start(*flags: str, ready_timeout: float = 300, preload: bool = True, **kw: Any) -> Emulator:
+        """preload=False: no LD_PRELOAD given; the emulator must re-execute itself with it."""
+        from rljob.sim.sglang.gpu_memory import preload_env
+
+        env = preload_env({}) if preload else {}  # only variables to add: Proc merges them into os.environ
+        env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] = "1"
+        emu = Emulator(tmp_path, "0.5.23", "--memory-backend", "cuda", *flags, env=env, **kw)
+        procs.append(emu)
+        emu.wait_ready(ready_timeout)
+        return emu
+
+    return start
+
+
+@pytest.fixture
+def start_nvml_agent(procs: list[Proc], tmp_path: Path) -> Callable[..., Agent]:
+    """The real agent with `--gpu-probe nvml`, rollout opened (resume at the first epoch)."""
+
+    def start(emulator: Emulator) -> Agent:
+        agent = Agent(tmp_path, emulator.url, probe="nvml")
+        procs.append(agent)
+        agent.wait_stage("Ready", timeout=60)
+        Conductor(agent).ok("resume")
+        return agent
+
+    return start
