@@ -36,16 +36,32 @@ def _kubectl(kubeconfig: Path, *args: str) -> str:
     return out.stdout + out.stderr
 
 
-def _row(obj: dict) -> tuple[str, ...]:
+def _new_rows(obj: dict, printed: set[tuple[str, str]]) -> list[str]:
+    """One line per phase as it ends (from status.timeline), so even 30 ms phases show up."""
     st = obj.get("status", {})
-    return (
-        f"{time.strftime('%H:%M:%S')}",
-        str(st.get("phase", "-")),
-        str(st.get("iteration", "-")),
-        str(st.get("weightVersion", "-")),
-        str(st.get("ready", "-")),
-        str(st.get("message", ""))[:70],
-    )
+    rows = []
+    for span in st.get("timeline", []):
+        key = (span["phase"], span["startTime"])
+        if span.get("seconds") is None or key in printed:
+            continue
+        printed.add(key)
+        extra = ""
+        if span.get("freedBytes"):
+            extra = f"freed {span['freedBytes'] / 2**30:.0f} GiB, verified on every GPU"
+        if span.get("cacheHitRate") is not None:
+            extra = (
+                f"prefix-cache hit {span['cacheHitRate']:.0%}, {span.get('tokensPerSecond') or 0:.0f} tok/s"
+            )
+        if span["phase"] == "Resuming":  # the commit that ended this phase
+            done = [
+                w for w in st.get("weightHistory", []) if (w.get("committedAt") or "") >= span["startTime"]
+            ]
+            extra = f"serving weights {done[0]['version']} on every pod" if done else ""
+        agent = f"{span['agentSeconds'] * 1000:8.0f}" if span.get("agentSeconds") is not None else "       -"
+        rows.append(
+            f"{span['iteration']:>4}  {span['phase']:10}  {span['seconds'] * 1000:7.0f}  {agent}  {extra}"
+        )
+    return rows
 
 
 def run(timeout: float) -> int:
@@ -85,23 +101,21 @@ def run(timeout: float) -> int:
                     kubeconfig, "apply", "-n", NAMESPACE, "-f", str(ROOT / "examples/rljob.yaml")
                 ).strip()
             )
-            print(f"\n{'TIME':8}  {'PHASE':12}  {'ITER':4}  {'WEIGHTS':7}  {'READY':5}  MESSAGE", flush=True)
-            last: tuple[str, ...] | None = None
+            print("\nITER  PHASE       WALL-ms  AGENT-ms", flush=True)
+            printed: set[tuple[str, str]] = set()
             deadline = time.monotonic() + timeout
             phase = ""
             while time.monotonic() < deadline and phase not in ("Succeeded", "Failed"):
                 obj = get_rljob(api, NAMESPACE, JOB)
-                row = _row(obj)
-                phase = row[1]
-                if last is None or row[1:5] != last[1:5]:
-                    print(
-                        f"{row[0]:8}  {row[1]:12}  {row[2]:4}  {row[3]:7}  {row[4]:5}  {row[5]}", flush=True
-                    )
-                    last = row
+                phase = obj.get("status", {}).get("phase", "")
+                for row in _new_rows(obj, printed):
+                    print(row, flush=True)
                 if not operator.alive:
                     print("operator exited:\n" + operator.log_tail(), flush=True)
                     return 1
-                time.sleep(0.1)
+                time.sleep(0.2)
+            status = obj.get("status", {})
+            print(f"{phase}: {status.get('message', '')}", flush=True)
             print("\n$ kubectl get rljob -o wide")
             print(_kubectl(kubeconfig, "get", "rljob", "-n", NAMESPACE, "-o", "wide").rstrip())
             print(f"\n$ kubectl rljob status {JOB}")
