@@ -62,10 +62,18 @@ class Conductor:
         self._watches: dict[str, AgentWatch] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._uids: dict[str, str] = {}  # pod name -> uid, from the last list
+        self._parsed: tuple[int | None, RLJobSpec] | None = None
         self._accepted: set[tuple[str, str, int]] = set()  # (pod uid, action, epoch) an agent took
 
     def poke(self) -> None:
         self.wake.set()
+
+    def _spec(self) -> RLJobSpec:
+        """The validated spec, parsed again only when metadata.generation moves (every spec edit does)."""
+        generation = self.body.get("metadata", {}).get("generation")
+        if self._parsed is None or self._parsed[0] != generation:
+            self._parsed = (generation, parse_spec(self.body.get("spec")))
+        return self._parsed[1]
 
     async def run(self, stopped: Callable[[], bool]) -> None:
         status = parse_status(self.body.get("status"))
@@ -76,7 +84,7 @@ class Conductor:
                 while not stopped():
                     self.wake.clear()
                     try:
-                        spec = parse_spec(self.body.get("spec"))
+                        spec = self._spec()
                     except InvalidObject as err:
                         await self._invalid(writer, status, err)
                         return
@@ -201,8 +209,7 @@ class Conductor:
             await self.kube.create(self.namespace, token_secret(self.name, self.uid, new_token()))
             token = await self.kube.read_token(self.namespace, self.name)
             assert token is not None
-        spec = parse_spec(self.body.get("spec"))
-        await self.kube.create(self.namespace, headless_service(self.name, self.uid, spec))
+        await self.kube.create(self.namespace, headless_service(self.name, self.uid, self._spec()))
         return token
 
     async def _invalid(self, writer: StatusWriter, status: RLJobStatus, err: InvalidObject) -> None:
