@@ -16,8 +16,8 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-install: $(BIN)/python ## create .venv and install the package with sim + dev extras
-	$(BIN)/pip install -q -e '.[sim,dev]'
+install: $(BIN)/python ## create .venv and install the package with the testing + dev extras
+	$(BIN)/pip install -q -e '.[testing,dev]'
 
 test: install binaries ## unit, agent, e2e (real kube-apiserver); the GPU tier reports itself skipped without a GPU
 	$(BIN)/python -m pytest -q tests/unit tests/agent tests/e2e tests/gpu
@@ -53,16 +53,16 @@ binaries: ## build (once, cached under ~/.cache/rljob) kube-apiserver, etcd, hel
 	bash hack/build-binaries.sh
 
 cluster-up: install binaries ## start a local kube-apiserver + etcd; kubeconfig in .cluster/kubeconfig
-	$(BIN)/python -m rljob.sim.cluster up --dir $(CLUSTER_DIR)
+	$(BIN)/python -m rljob.testing.cluster up --dir $(CLUSTER_DIR)
 
 cluster-down: ## stop the local control plane
-	$(BIN)/python -m rljob.sim.cluster down --dir $(CLUSTER_DIR)
+	$(BIN)/python -m rljob.testing.cluster down --dir $(CLUSTER_DIR)
 
 cluster-status: ## is the local control plane running?
-	$(BIN)/python -m rljob.sim.cluster status --dir $(CLUSTER_DIR)
+	$(BIN)/python -m rljob.testing.cluster status --dir $(CLUSTER_DIR)
 
 demo: install binaries ## the whole loop on a real local API server with simulated GPUs
-	$(BIN)/python -m rljob.sim.demo
+	$(BIN)/python -m rljob.testing.demo
 
 bench: install binaries ## benchmarks: printed tables, not timed tests (agent overhead; control overhead 1/8/64 pods)
 	$(BIN)/python -m pytest -q -s -m bench tests/bench/bench_agent_overhead.py tests/bench/bench_control_overhead.py

@@ -2,7 +2,7 @@
 # Regenerates hack/k8s/go.mod (+ go.sum) for a k8s.io/kubernetes release: the release's go.mod
 # replaces its staging modules with ./staging/..., so every one of them is replaced here by its
 # published v0.Y.Z, and the release's `go` and `godebug` lines are copied.
-# Usage: hack/k8s/gen-gomod.sh v1.34.4   (then update K8S_VERSION in operator/rljob/sim/cluster.py)
+# Usage: hack/k8s/gen-gomod.sh v1.34.4   (then update K8S_VERSION in operator/rljob/testing/cluster.py)
 set -euo pipefail
 VERSION="${1:?usage: gen-gomod.sh v1.Y.Z}"
 cd "$(dirname "${BASH_SOURCE[0]}")"

@@ -135,7 +135,7 @@ class Emulator(Proc):
         argv = [
             PY,
             "-m",
-            "rljob.sim.sglang",
+            "rljob.emulator",
             "--port",
             str(self.port),
             "--sglang-version",
@@ -191,7 +191,7 @@ class Agent(Proc):
         tmp: Path,
         sglang_url: str,
         *extra: str,
-        probe: str = "emulator",
+        probe: str = "rljob.emulator.probe:EmulatorProbe",
         env: dict[str, str] | None = None,
     ) -> None:
         self.port, self.trainer_port = free_port(), free_port()
@@ -333,7 +333,7 @@ class Pod:
 
 
 def write_weights(directory: Path, version: str, size: int = 16 << 10) -> Path:
-    from rljob.sim.trainer import make_tensors, write_checkpoint
+    from rljob.testing.trainer import make_tensors, write_checkpoint
 
     return write_checkpoint(directory, version, make_tensors(version, size))
 

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
 from rljob.agent.openapi import ROUTES, build_document
+from rljob.emulator.probe import PROBE as EMULATOR_PROBE
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "agent-openapi.json"
 
@@ -40,7 +41,7 @@ def test_document_covers_every_route(
     documented = {(r.method.upper(), r.path) for r in ROUTES}
     token = tmp_path / "token"
     token.write_text("t")
-    app = AgentApp(parse_config(["--token-file", str(token), "--gpu-probe", "emulator"]))
+    app = AgentApp(parse_config(["--token-file", str(token), "--gpu-probe", EMULATOR_PROBE]))
     routes: set[tuple[str, str]] = set()
     for web_app in (
         build_operator_app(app.store, app.desk, app.metrics, "t"),

@@ -13,7 +13,7 @@ import pytest
 from agent_procs import ALL_TAGS, PY, Agent, Conductor, Emulator, Proc, sha256_file
 from safetensors.numpy import save
 
-from rljob.sim.trainer import make_tensors
+from rljob.testing.trainer import make_tensors
 
 TRAINER_ARGS = [
     "--prompts",
@@ -48,7 +48,7 @@ def start_trainer(
     }
     p = Proc(
         name,
-        [PY, "-m", "rljob.sim.trainer", "--iterations", str(iterations), *TRAINER_ARGS],
+        [PY, "-m", "rljob.testing.trainer", "--iterations", str(iterations), *TRAINER_ARGS],
         tmp / f"{name}.log",
         env,
     )

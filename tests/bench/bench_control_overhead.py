@@ -7,7 +7,7 @@ iteration, for 1, 8 and 64 pods.
 What runs: a real kube-apiserver + etcd (`LocalControlPlane`, cached binaries), the real operator process
 (`rljob.controller.main`, its metrics endpoint bound to 127.0.0.1), the fake kubelet, and for every pod a
 real agent and SGLang emulator, each a real HTTP server on the pod's loopback IP. Pods share processes
-(`rljob.sim.shared_pods`: all agents and emulators on one event loop in one host process, the trainers as
+(`rljob.testing.shared_pods`: all agents and emulators on one event loop in one host process, the trainers as
 threads driving the trainer SDK over HTTP), so that 64 pods fit a 2-core machine. Zero-cost operations:
 emulator `--tokens-per-second 0 --scheduler-lag-seconds 0`, no faults; trainer `--train-seconds 0`, one
 prompt, one sample, 4 tokens, a 4 KiB checkpoint.
@@ -51,12 +51,12 @@ import requests
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from rljob.sim.cluster import LocalControlPlane, ensure_binaries, free_port
-from rljob.sim.harness import ROOT, OperatorProcess, rljob_path
-from rljob.sim.kubeaccess import ApiError, KubeApi, Kubectl, create_namespace, delete_namespace
-from rljob.sim.kubelet import IpAllocator, Kubelet
-from rljob.sim.pods import SIM_ARGS_ENV
-from rljob.sim.shared_pods import SharedPods
+from rljob.testing.cluster import LocalControlPlane, ensure_binaries, free_port
+from rljob.testing.harness import ROOT, OperatorProcess, rljob_path
+from rljob.testing.kubeaccess import ApiError, KubeApi, Kubectl, create_namespace, delete_namespace
+from rljob.testing.kubelet import IpAllocator, Kubelet
+from rljob.testing.pods import SIM_ARGS_ENV
+from rljob.testing.shared_pods import SharedPods
 
 TRANSITIONS = ("Draining", "Releasing", "Training", "Refitting", "Resuming")
 CPU_OF = ("operator", "agents+emulators", "kube-apiserver", "etcd", "kubelet+trainers")

@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from rljob.sim.cluster import ControlPlaneError, LocalControlPlane, ensure_binaries
-from rljob.sim.kubeaccess import KubeApi, Kubectl, create_namespace, delete_namespace
-from rljob.sim.kubelet import Kubelet, Mapping, default_mapping
+from rljob.testing.cluster import ControlPlaneError, LocalControlPlane, ensure_binaries
+from rljob.testing.kubeaccess import KubeApi, Kubectl, create_namespace, delete_namespace
+from rljob.testing.kubelet import Kubelet, Mapping, default_mapping
 
 SKIP_E2E = os.environ.get("RLJOB_SKIP_E2E") == "1"
 
@@ -69,7 +69,7 @@ def admin_kubeconfig(control_plane: ControlPlane) -> Path:
 
 @pytest.fixture(scope="session")
 def kube_api(control_plane: ControlPlane) -> KubeApi:
-    """Admin JSON REST access (rljob.sim.kubeaccess.KubeApi)."""
+    """Admin JSON REST access (rljob.testing.kubeaccess.KubeApi)."""
     return control_plane.api
 
 

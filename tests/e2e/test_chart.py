@@ -23,9 +23,10 @@ from typing import Any
 import pytest
 import yaml
 
-from rljob.sim.cluster import ControlPlaneError, ensure_binaries
-from rljob.sim.harness import ROOT, OperatorProcess
-from rljob.sim.install import (
+from rljob.emulator.probe import PROBE as EMULATOR_PROBE
+from rljob.testing.cluster import ControlPlaneError, ensure_binaries
+from rljob.testing.harness import ROOT, OperatorProcess
+from rljob.testing.install import (
     CHART,
     HelmError,
     install_chart,
@@ -33,7 +34,7 @@ from rljob.sim.install import (
     run_helm,
     uninstall_chart,
 )
-from rljob.sim.kubeaccess import ApiError, KubeApi, Kubectl, create_namespace, delete_namespace, wait_for
+from rljob.testing.kubeaccess import ApiError, KubeApi, Kubectl, create_namespace, delete_namespace, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -202,7 +203,7 @@ def test_rendering_follows_values(helm: Path) -> None:
                         "networkPolicy.enabled=true",
                         "metrics.serviceMonitor.enabled=true",
                         "agent.image.tag=dev",
-                        "agent.gpuProbe=emulator",
+                        "agent.gpuProbe=" + EMULATOR_PROBE,
                     ]
                 ),
             )
@@ -228,7 +229,7 @@ def test_rendering_follows_values(helm: Path) -> None:
         "--namespace=team-b",
         "--agent-image=ghcr.io/rljob/rljob-agent:dev",
     ]
-    assert "--agent-gpu-probe=emulator" in args
+    assert f"--agent-gpu-probe={EMULATOR_PROBE}" in args
     (monitor,) = by_kind["ServiceMonitor"]
     (service,) = by_kind["Service"]
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
@@ -360,7 +361,7 @@ def test_install_creates_crd_account_and_namespaced_rbac(
     )["items"]
     assert len(deploy) == 1
     args = deploy[0]["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert f"--namespace={rel.watched}" in args and "--agent-gpu-probe=emulator" in args
+    assert f"--namespace={rel.watched}" in args and f"--agent-gpu-probe={EMULATOR_PROBE}" in args
     roles = kubectl.json("get", "role", "-l", f"app.kubernetes.io/instance={rel.name}", namespace=rel.watched)
     assert len(roles["items"]) == 1 and rules_of(roles["items"][0]) == OPERATOR_RIGHTS
     scanning = kubectl.json("get", "clusterrole", "-l", f"app.kubernetes.io/instance={rel.name}")["items"]

@@ -1,5 +1,5 @@
 """Smoke tests of the e2e harness itself: the real control plane, RBAC, schema validation, the fake
-kubelet and the `python -m rljob.sim.cluster` CLI."""
+kubelet and the `python -m rljob.testing.cluster` CLI."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from rljob.sim import cluster
-from rljob.sim.kubeaccess import ApiError, KubeApi, Kubectl, service_account_kubeconfig, wait_for
-from rljob.sim.kubelet import ContainerContext, Kubelet, Launch, remap_paths, table_mapping
+from rljob.testing import cluster
+from rljob.testing.kubeaccess import ApiError, KubeApi, Kubectl, service_account_kubeconfig, wait_for
+from rljob.testing.kubelet import ContainerContext, Kubelet, Launch, remap_paths, table_mapping
 
 KubeletFactory = Callable[..., Kubelet]
 
@@ -372,7 +372,7 @@ def test_kubelet_custom_mapping_sees_env_secrets_and_remapped_mounts(
 
 def run_cluster_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "rljob.sim.cluster", *args], capture_output=True, text=True, timeout=180
+        [sys.executable, "-m", "rljob.testing.cluster", *args], capture_output=True, text=True, timeout=180
     )
 
 

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import yaml
 
-from rljob.sim.harness import ROOT, OperatorProcess, get_rljob, phase_is, rljob_path, wait_rljob
-from rljob.sim.kubeaccess import KubeApi, Kubectl
-from rljob.sim.kubelet import Kubelet
-from rljob.sim.pods import SIM_ARGS_ENV, rljob_mapping
+from rljob.testing.harness import ROOT, OperatorProcess, get_rljob, phase_is, rljob_path, wait_rljob
+from rljob.testing.kubeaccess import KubeApi, Kubectl
+from rljob.testing.kubelet import Kubelet
+from rljob.testing.pods import SIM_ARGS_ENV, rljob_mapping
 
 pytestmark = pytest.mark.e2e
 

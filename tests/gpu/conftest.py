@@ -76,7 +76,7 @@ def start_gpu_emulator(procs: list[Proc], tmp_path: Path) -> Callable[..., Emula
 
     def start(*flags: str, ready_timeout: float = 300, preload: bool = True, **kw: Any) -> Emulator:
         """preload=False: no LD_PRELOAD given; the emulator must re-execute itself with it."""
-        from rljob.sim.sglang.gpu_memory import preload_env
+        from rljob.emulator.gpu_memory import preload_env
 
         env = preload_env({}) if preload else {}  # only variables to add: Proc merges them into os.environ
         env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] = "1"

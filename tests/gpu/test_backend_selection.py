@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from rljob.sim.sglang import memory, weights
-from rljob.sim.sglang.config import parse_config
-from rljob.sim.sglang.memory import AccountingBackend, make_backend
+from rljob.emulator import memory, weights
+from rljob.emulator.config import parse_config
+from rljob.emulator.memory import AccountingBackend, make_backend
 
 
 @pytest.fixture(autouse=True)

@@ -40,7 +40,7 @@ def test_delayed_unmap_is_not_granted_early(
         str(DELAY_S),
         preload=False,
     )
-    assert "re-executing with LD_PRELOAD=" in emu.log_text()  # `python -m rljob.sim.sglang` sets the hook
+    assert "re-executing with LD_PRELOAD=" in emu.log_text()  # `python -m rljob.emulator` sets the hook
     agent = start_nvml_agent(emu)
     c = Conductor(agent)
     c.ok("drain")

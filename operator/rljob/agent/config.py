@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from rljob.agent.gpu_probe import check_probe_name
+
 
 @dataclass(frozen=True)
 class AgentConfig:
@@ -74,9 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--gpu-probe",
-        choices=["nvml", "emulator"],
         default=_env("RLJOB_GPU_PROBE", "nvml"),
-        help="how freed GPU memory is verified (env RLJOB_GPU_PROBE)",
+        help="how freed GPU memory is verified: `nvml`, or a plugin `package.module:factory` called with "
+        "the agent's SGLang client (env RLJOB_GPU_PROBE)",
     )
     p.add_argument(
         "--log-json",
@@ -118,6 +120,10 @@ def parse_config(argv: list[str] | None = None) -> AgentConfig:
     for name in ("listen", "trainer_listen"):
         if isinstance(getattr(args, name), str):  # env defaults are not run through `type`
             setattr(args, name, parse_hostport(getattr(args, name)))
+    try:
+        check_probe_name(args.gpu_probe)
+    except ValueError as e:
+        p.error(str(e))
     if not args.token_file:
         p.error("--token-file (or RLJOB_AGENT_TOKEN_FILE) is required: the operator API is never open")
     return AgentConfig(

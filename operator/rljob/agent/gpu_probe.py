@@ -1,10 +1,14 @@
-"""How the agent sees GPU memory: NVML on a real node (every GPU visible to the pod), or the emulator's
-accounting route. Release verification compares samples taken before and after the release."""
+"""How the agent sees GPU memory: NVML on a real node (every GPU visible to the pod), or a probe plugin
+named by import path (`--gpu-probe module:factory`, the factory called with the agent's SGLang client).
+Release verification compares samples taken before and after the release."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib
+import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -54,20 +58,19 @@ class NvmlProbe:
             add_external(time.monotonic() - started)
 
 
-class EmulatorProbe:
-    """Reads `/_emulator/memory` on the SGLang URL (the emulator's per-GPU accounting)."""
-
-    def __init__(self, client: SGLangClient) -> None:
-        self._client = client
-
-    async def sample(self) -> list[GpuMemory]:
-        gpus = await self._client.emulator_memory()
-        return [GpuMemory(g["index"], g["used_bytes"], g["total_bytes"]) for g in gpus]
+ProbeFactory = Callable[[SGLangClient], GpuProbe]
 
 
-def make_probe(kind: str, client: SGLangClient) -> GpuProbe:
-    if kind == "nvml":
+def check_probe_name(name: str) -> str:
+    """`nvml`, or `package.module:factory`; argparse type for `--gpu-probe`."""
+    if name != "nvml" and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", name):
+        raise ValueError(f"--gpu-probe takes 'nvml' or 'package.module:factory', not {name!r}")
+    return name
+
+
+def make_probe(name: str, client: SGLangClient) -> GpuProbe:
+    if check_probe_name(name) == "nvml":
         return NvmlProbe()
-    if kind == "emulator":
-        return EmulatorProbe(client)
-    raise ValueError(f"unknown GPU probe {kind!r}")
+    module, _, attr = name.partition(":")
+    factory: ProbeFactory = getattr(importlib.import_module(module), attr)
+    return factory(client)

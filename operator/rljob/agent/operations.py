@@ -150,7 +150,7 @@ class Operations:
         try:
             gpus = await self.probe.sample()
         except SGLangUnreachable:
-            raise  # the emulator probe lives on SGLang's port: its death is SGLang's death
+            raise  # a probe that reads through SGLang's port: its loss is SGLang's death
         except Exception as e:  # NVML errors have no common base class worth naming
             raise CommandFailed(f"GPU probe failed: {e.__class__.__name__}: {e}") from e
         if not gpus:

@@ -278,16 +278,9 @@ class SGLangClient:
             "utilization": mean("utilization"),
         }
 
-    # --- emulator only ---------------------------------------------------------------------------
+    # --- for plugins ---------------------------------------------------------------------------
 
-    async def emulator_memory(self, timeout: float = 5.0) -> list[dict[str, int]]:
-        """`/_emulator/memory`: the emulator's per-GPU accounting (not an SGLang route)."""
-        body = await self._ok("emulator_memory", "GET", "/_emulator/memory", timeout=timeout)
-        return [
-            {
-                "index": int(g["index"]),
-                "used_bytes": int(g["used_bytes"]),
-                "total_bytes": int(g["total_bytes"]),
-            }
-            for g in body["gpus"]
-        ]
+    async def get_json(self, operation: str, path: str, timeout: float = 5.0) -> Any:
+        """A GET on SGLang's port for a plugin of the agent (e.g. a GPU probe that reads through SGLang);
+        timed and authenticated like every other call, SGLangUnreachable if the port is gone."""
+        return await self._ok(operation, "GET", path, timeout=timeout)

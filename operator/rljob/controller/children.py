@@ -29,7 +29,7 @@ class AgentOptions:
 
     image: str = "ghcr.io/rljob/rljob-agent:0.1.0"
     image_pull_policy: str = "IfNotPresent"
-    gpu_probe: str = "nvml"  # `emulator` when pods run on the simulator
+    gpu_probe: str = "nvml"  # the agent's --gpu-probe: a plugin import path for simulated pods
     cpu_request: str = "50m"
     memory_request: str = "64Mi"
     memory_limit: str = "256Mi"

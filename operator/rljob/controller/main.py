@@ -31,8 +31,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--agent-gpu-probe",
         default=env("RLJOB_AGENT_GPU_PROBE", "nvml"),
-        choices=["nvml", "emulator"],
-        help="`emulator` only for simulated pods (tests, demo)",
+        help="the agents' --gpu-probe: `nvml`, or a plugin `package.module:factory` (simulated pods)",
     )
     p.add_argument("--metrics-port", type=int, default=int(env("RLJOB_METRICS_PORT", "9090")), help="0: off")
     p.add_argument(

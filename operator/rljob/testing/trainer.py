@@ -6,7 +6,7 @@ equals the served version and that the text is not garbage; then take the GPU le
 safetensors checkpoint for version int(served)+1, publish it, and for tensor/distributed refits push it
 through the agent's refit window. Exits 2 with a message when a check fails.
 
-    python -m rljob.sim.trainer [--iterations N] [--prompts P] [--samples-per-prompt K] ...
+    python -m rljob.testing.trainer [--iterations N] [--prompts P] [--samples-per-prompt K] ...
     env: RLJOB_AGENT_URL, RLJOB_SGLANG_URL, RLJOB_REFIT_SOURCE (disk|tensor|distributed), RLJOB_WEIGHTS_DIR
 """
 
@@ -19,6 +19,7 @@ import os
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save, save_file
 
-from rljob.sim.sglang.tokens import GARBAGE_MARKER
+from rljob.emulator.tokens import GARBAGE_MARKER
 from rljob.trainer import Handoff
 
 
@@ -136,9 +137,9 @@ def push_refit(
                 window.push_distributed([name], [str(t.dtype)], [list(t.shape)])
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m rljob.sim.trainer",
+        prog="python -m rljob.testing.trainer",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -156,44 +157,63 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def train_loop(
+    args: argparse.Namespace,
+    handoff: Handoff,
+    rollout: Rollout,
+    weights_dir: Path,
+    source: str,
+    *,
+    stopping: Callable[[], bool] = lambda: False,
+    on_step: Callable[[str, float], None] = lambda _version, _seconds: None,
+    log: Callable[..., None] = _log,
+) -> None:
+    """The simulated trainer: rollout at the served version, lease, checkpoint, publish, refit push; then
+    the final served version checked. `on_step(version, s)`: seconds from lease granted to publish
+    answered. Raises StaleServing when SGLang serves anything but what this trainer published."""
+    expected: str | None = None  # unknown after a (re)start: resume from what the agent serves
+    iteration = 0
+    while not stopping() and (args.iterations == 0 or iteration < args.iterations):
+        iteration += 1
+        served = handoff.wait_for_stage("Serving", timeout=args.timeout)["sglang"]["servedVersion"]
+        if expected is not None and served != expected:
+            raise StaleServing(f"agent serves {served!r} after this trainer published {expected!r}")
+        stats = rollout.run(iteration, served)
+        log("rollout", iteration=iteration, served=served, **stats)
+        version = next_version(served)
+        tensors = make_tensors(version, args.weights_bytes)
+        with handoff.train(timeout=args.timeout) as lease:
+            granted = time.perf_counter()
+            time.sleep(args.train_seconds)
+            path = write_checkpoint(weights_dir, version, tensors)
+            lease.publish(version, str(path))
+            on_step(version, time.perf_counter() - granted)
+        log("published", iteration=iteration, version=version, path=str(path), source=source)
+        if source != "disk":
+            push_refit(handoff, source, version, tensors, args.timeout)
+        expected = version
+    if stopping():
+        return
+    final = handoff.wait_for_stage("Serving", timeout=args.timeout)["sglang"]["servedVersion"]
+    if expected is not None and final != expected:
+        raise StaleServing(f"agent serves {final!r} after this trainer published {expected!r}")
+    log("done", iterations=iteration, served=final)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     source = os.environ.get("RLJOB_REFIT_SOURCE", "disk")
     if source not in ("disk", "tensor", "distributed"):
         print(f"RLJOB_REFIT_SOURCE must be disk, tensor or distributed, not {source!r}", file=sys.stderr)
         return 1
-    weights_dir = Path(os.environ.get("RLJOB_WEIGHTS_DIR", "/tmp/rljob-weights"))
     rollout = Rollout(
         os.environ.get("RLJOB_SGLANG_URL", "http://127.0.0.1:30000"),
         os.environ.get("RLJOB_SGLANG_API_KEY"),
         args,
     )
-    handoff = Handoff()
-    expected: str | None = None  # unknown after a (re)start: resume from what the agent serves
-    iteration = 0
+    weights_dir = Path(os.environ.get("RLJOB_WEIGHTS_DIR", "/tmp/rljob-weights"))
     try:
-        while args.iterations == 0 or iteration < args.iterations:
-            iteration += 1
-            st = handoff.wait_for_stage("Serving", timeout=args.timeout)
-            served = st["sglang"]["servedVersion"]
-            if expected is not None and served != expected:
-                raise StaleServing(f"agent serves {served!r} after this trainer published {expected!r}")
-            stats = rollout.run(iteration, served)
-            _log("rollout", iteration=iteration, served=served, **stats)
-            version = next_version(served)
-            tensors = make_tensors(version, args.weights_bytes)
-            with handoff.train(timeout=args.timeout) as lease:
-                time.sleep(args.train_seconds)
-                path = write_checkpoint(weights_dir, version, tensors)
-                lease.publish(version, str(path))
-            _log("published", iteration=iteration, version=version, path=str(path), source=source)
-            if source != "disk":
-                push_refit(handoff, source, version, tensors, args.timeout)
-            expected = version
-        final = handoff.wait_for_stage("Serving", timeout=args.timeout)["sglang"]["servedVersion"]
-        if expected is not None and final != expected:
-            raise StaleServing(f"agent serves {final!r} after this trainer published {expected!r}")
-        _log("done", iterations=iteration, served=final)
+        train_loop(args, Handoff(), rollout, weights_dir, source)
         return 0
     except StaleServing as e:
         print(f"STALE SERVING: {e}", file=sys.stderr, flush=True)

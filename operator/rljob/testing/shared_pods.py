@@ -5,11 +5,11 @@ every SGLang emulator is still a real HTTP server on its pod's loopback IP.
 2-core machine. `SharedPods` instead runs
 
 - every pod's agent (`rljob.agent.app.Agent`, configured from the args, env and mounted token file the
-  operator put in the pod spec) and SGLang emulator (`rljob.sim.sglang.server.build_app`, configured from
+  operator put in the pod spec) and SGLang emulator (`rljob.emulator.server.build_app`, configured from
   the container's launch flags) in ONE host process, on one event loop: real aiohttp servers bound to the
   pod's IP and the ports of the pod spec;
 - every pod's trainer as a `TrainerDriver` thread in the calling process: the simulated trainer's loop
-  (`rljob.sim.trainer`) through the trainer SDK over HTTP, with the pod's URLs passed explicitly;
+  (`rljob.testing.trainer`) through the trainer SDK over HTTP, with the pod's URLs passed explicitly;
 
 and gives the kubelet a cheap placeholder process per container, so that it reports the containers
 Running and their exits: a placeholder exits with the trainer's exit code when the driver ends, and with
@@ -23,10 +23,10 @@ deleted), the pod's components are stopped too (`attach` the kubelet for that).
     ...
     kubelet.stop(); shared.stop()
 
-Limits: an emulator fault that kills SGLang (`rljob.sim.sglang.fatal`) kills the whole host, i.e. every
+Limits: an emulator fault that kills SGLang (`rljob.emulator.fatal`) kills the whole host, i.e. every
 pod; containers other than agent/SGLang/trainer run as their own processes (`default_mapping`).
 
-Host process: `python -m rljob.sim.shared_pods` reads one JSON request a line on stdin
+Host process: `python -m rljob.testing.shared_pods` reads one JSON request a line on stdin
 ({"id", "op": "agent"|"sglang"|"stop", "key", "argv", "env"}), answers one JSON line on stdout once the
 component listens ({"id", "ok", "error"}), and stops everything at EOF.
 """
@@ -42,7 +42,6 @@ import itertools
 import json
 import logging
 import os
-import shlex
 import subprocess
 import sys
 import threading
@@ -55,22 +54,16 @@ from typing import IO, Any
 
 from aiohttp import web
 
-from rljob.controller.children import AGENT_CONTAINER
-from rljob.sim import trainer as sim_trainer
-from rljob.sim.kubelet import ContainerContext, Kubelet, Launch, Mapping, default_mapping
-from rljob.sim.pods import SGLANG_ENTRY, SIM_ARGS_ENV, TRAINER_ENTRY
+from rljob.testing import trainer as sim_trainer
+from rljob.testing.kubelet import ContainerContext, Kubelet, Launch, Mapping
+from rljob.testing.pods import classify
 from rljob.trainer import Handoff
 
-log = logging.getLogger("rljob.sim.shared_pods")
+log = logging.getLogger("rljob.testing.shared_pods")
 
 EXIT_HOST_DIED = 137  # what a container of a SIGKILLed process reports
 # Waits until a trainer driver (or the host's death) writes an exit code into the FIFO, then exits with it.
 PLACEHOLDER_SCRIPT = 'read -r code < "$0"; exit "${code:-0}"'
-
-
-def pod_loopback(text: str, pod_ip: str) -> str:
-    """A pod's 127.0.0.1 (and 0.0.0.0) is its own loopback IP here, as in `rljob.sim.pods`."""
-    return text.replace("127.0.0.1", pod_ip).replace("0.0.0.0", pod_ip)
 
 
 # -- the trainer, as a thread ----------------------------------------------------------------------
@@ -123,30 +116,18 @@ class TrainerDriver:
             self.on_exit(code)
 
     def _loop(self) -> int:
-        args = sim_trainer._parser().parse_args(list(self.argv))
+        args = sim_trainer.parser().parse_args(list(self.argv))
         rollout = sim_trainer.Rollout(self.sglang_url, self.sglang_api_key, args)
-        handoff = Handoff(self.agent_url)
-        expected: str | None = None
-        iteration = 0
-        while not self._stopping.is_set() and (args.iterations == 0 or iteration < args.iterations):
-            iteration += 1
-            served = handoff.wait_for_stage("Serving", timeout=args.timeout)["sglang"]["servedVersion"]
-            if expected is not None and served != expected:
-                raise sim_trainer.StaleServing(
-                    f"agent serves {served!r} after this trainer published {expected!r}"
-                )
-            rollout.run(iteration, served)
-            version = sim_trainer.next_version(served)
-            tensors = sim_trainer.make_tensors(version, args.weights_bytes)
-            with handoff.train(timeout=args.timeout) as lease:
-                granted = time.perf_counter()
-                time.sleep(args.train_seconds)
-                path = sim_trainer.write_checkpoint(self.weights_dir, version, tensors)
-                lease.publish(version, str(path))
-                self.steps[version] = time.perf_counter() - granted
-            if self.refit_source != "disk":
-                sim_trainer.push_refit(handoff, self.refit_source, version, tensors, args.timeout)
-            expected = version
+        sim_trainer.train_loop(
+            args,
+            Handoff(self.agent_url),
+            rollout,
+            self.weights_dir,
+            self.refit_source,
+            stopping=self._stopping.is_set,
+            on_step=self.steps.__setitem__,
+            log=lambda _event, **_fields: None,  # threads of the calling process: keep its stdout clean
+        )
         return 0
 
 
@@ -186,7 +167,7 @@ class SharedPods:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as logf:
             self.proc = subprocess.Popen(
-                [sys.executable, "-u", "-m", "rljob.sim.shared_pods"],
+                [sys.executable, "-u", "-m", "rljob.testing.shared_pods"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf, start_new_session=True,
             )  # fmt: skip
         self._spawn(self._read_replies, "shared-pods replies")
@@ -241,18 +222,10 @@ class SharedPods:
     # -- the mapping -------------------------------------------------------------------------------
     def mapping(self, extra_sglang_args: Sequence[str] = ()) -> Mapping:
         def mapping(ctx: ContainerContext) -> Launch:
-            argv = [pod_loopback(a, ctx.pod_ip) for a in ctx.argv()]
-            env = {k: pod_loopback(v, ctx.pod_ip) for k, v in ctx.env.items()}
-            sim_args = shlex.split(ctx.env.get(SIM_ARGS_ENV, ""))
-            if ctx.name == AGENT_CONTAINER:
-                return self._start(ctx, "agent", argv[1:], env)
-            if SGLANG_ENTRY in argv:
-                launch_args = [*argv[argv.index(SGLANG_ENTRY) + 1 :], *extra_sglang_args, *sim_args]
-                return self._start(ctx, "sglang", launch_args, env)
-            if TRAINER_ENTRY in argv:
-                return self._start(ctx, "trainer", [*argv[argv.index(TRAINER_ENTRY) + 1 :], *sim_args], env)
-            launch = default_mapping(ctx)  # anything else: its own process, as rljob_mapping does
-            return Launch([pod_loopback(a, ctx.pod_ip) for a in launch.argv], env=env)
+            c = classify(ctx, extra_sglang_args)
+            if c.kind == "other":  # its own process, as rljob_mapping does
+                return Launch(c.args, env=c.env)
+            return self._start(ctx, c.kind, c.args, c.env)
 
         return mapping
 
@@ -464,8 +437,8 @@ class _Host:
         return agent.stop
 
     async def start_sglang(self, argv: list[str], env: dict[str, str]) -> Callable[[], Awaitable[None]]:
-        from rljob.sim.sglang.config import parse_config
-        from rljob.sim.sglang.server import build_app
+        from rljob.emulator.config import parse_config
+        from rljob.emulator.server import build_app
 
         with _environ(env):
             cfg = parse_config(argv)
@@ -504,7 +477,7 @@ class _Host:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m rljob.sim.shared_pods", description=__doc__.split("\n")[0]
+        prog="python -m rljob.testing.shared_pods", description=__doc__.split("\n")[0]
     )
     parser.parse_args(argv)
     # As the agent and the emulator log as processes (INFO; no access log).

@@ -7,7 +7,7 @@ optimizer state, activations) is `--memory-fraction` of the memory free at the g
 writes the model to a safetensors file, gives every byte back (`empty_cache`) and publishes the version
 and path. The figures go to `--result` as JSON.
 
-    python -m rljob.sim.gpu_trainer --version 2 --weights-dir DIR --result FILE [--memory-fraction 0.8]
+    python -m rljob.testing.gpu_trainer --version 2 --weights-dir DIR --result FILE [--memory-fraction 0.8]
         [--d-model 4096] [--layers 8] [--heads 32] [--seq 2048] [--vocab 32768] [--steps 3]
     env: RLJOB_AGENT_URL (default http://127.0.0.1:8472)
 
@@ -33,7 +33,7 @@ CALIBRATION_BATCHES = (4, 8)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m rljob.sim.gpu_trainer", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m rljob.testing.gpu_trainer", description=__doc__)
     p.add_argument("--version", required=True, help="weight version to publish")
     p.add_argument("--weights-dir", type=Path, required=True)
     p.add_argument("--result", type=Path, required=True, help="JSON figures are written here")

@@ -7,12 +7,12 @@ from typing import Any
 
 from aiohttp import web
 
-from rljob.sim.sglang import metrics_text
-from rljob.sim.sglang.bodies import GenerateBody
-from rljob.sim.sglang.engine import Engine
-from rljob.sim.sglang.generation import GenerateError, generate
-from rljob.sim.sglang.http_common import bad_request, engine_of, parse_body
-from rljob.sim.sglang.versions import VersionProfile
+from rljob.emulator import metrics_text
+from rljob.emulator.bodies import GenerateBody
+from rljob.emulator.engine import Engine
+from rljob.emulator.generation import GenerateError, generate
+from rljob.emulator.http_common import bad_request, engine_of, parse_body
+from rljob.emulator.versions import VersionProfile
 
 LOAD_INCLUDES = {"core", "memory", "spec", "lora", "disagg", "queues", "all"}
 

@@ -1,4 +1,4 @@
-"""Wiring and entry point: `python -m rljob.sim.sglang [launch_server flags] [emulator flags]`."""
+"""Wiring and entry point: `python -m rljob.emulator [launch_server flags] [emulator flags]`."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import sys
 
 from aiohttp import web
 
-from rljob.sim.sglang import routes_control, routes_debug, routes_serving
-from rljob.sim.sglang.config import EmulatorConfig, parse_config
-from rljob.sim.sglang.engine import Engine
-from rljob.sim.sglang.http_common import ENGINE_KEY, sglang_middleware
-from rljob.sim.sglang.memory import make_backend
-from rljob.sim.sglang.weight_updater import WeightUpdater
+from rljob.emulator import routes_control, routes_debug, routes_serving
+from rljob.emulator.config import EmulatorConfig, parse_config
+from rljob.emulator.engine import Engine
+from rljob.emulator.http_common import ENGINE_KEY, sglang_middleware
+from rljob.emulator.memory import make_backend
+from rljob.emulator.weight_updater import WeightUpdater
 
 log = logging.getLogger("sglang.emulator")
 

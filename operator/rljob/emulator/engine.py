@@ -8,12 +8,12 @@ import logging
 import time
 from collections import Counter
 
-from rljob.sim.sglang import fatal
-from rljob.sim.sglang.config import EmulatorConfig
-from rljob.sim.sglang.memory import REGIONS, RegionBackend
-from rljob.sim.sglang.radix import PrefixCache
-from rljob.sim.sglang.scheduler import Scheduler
-from rljob.sim.sglang.weights import LoadedWeights, launch_weights
+from rljob.emulator import fatal
+from rljob.emulator.config import EmulatorConfig
+from rljob.emulator.memory import REGIONS, RegionBackend
+from rljob.emulator.radix import PrefixCache
+from rljob.emulator.scheduler import Scheduler
+from rljob.emulator.weights import LoadedWeights, launch_weights
 
 log = logging.getLogger("sglang.emulator")
 

@@ -1,6 +1,6 @@
 """Install the Helm chart the way a user would, and run the operator with exactly the chart's rights.
 
-Used by `make demo` and the e2e tests against the local control plane (`rljob.sim.cluster`):
+Used by `make demo` and the e2e tests against the local control plane (`rljob.testing.cluster`):
 
 - `install_chart` runs the real `helm upgrade --install` with charts/rljob-operator, pointing the
   operator at the watch namespaces (namespaced RBAC by default) and, for simulated pods, the agent's
@@ -20,8 +20,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rljob.sim.cluster import LocalControlPlane
-from rljob.sim.kubeaccess import KubeApi, mint_token, write_kubeconfig
+from rljob.testing.cluster import LocalControlPlane
+from rljob.testing.kubeaccess import KubeApi, mint_token, write_kubeconfig
 
 ROOT = Path(__file__).resolve().parents[3]
 CHART = ROOT / "charts" / "rljob-operator"
@@ -65,7 +65,7 @@ def simulator_values(watch_namespaces: Sequence[str]) -> dict[str, Any]:
     return {
         "watchNamespaces": namespaces,
         "rbac": {"scope": "namespaced" if namespaces else "cluster"},
-        "agent": {"gpuProbe": "emulator"},
+        "agent": {"gpuProbe": "rljob.emulator.probe:EmulatorProbe"},
     }
 
 

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from rljob.sim.sglang.server import main
+from rljob.emulator.server import main
 
 if __name__ == "__main__":
     main()

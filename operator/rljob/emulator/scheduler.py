@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rljob.sim.sglang import tokens
-from rljob.sim.sglang.radix import PrefixCache
+from rljob.emulator import tokens
+from rljob.emulator.radix import PrefixCache
 
 
 @dataclass

@@ -6,7 +6,7 @@ a ServiceAccount issuer and signing key, and an admin token (group system:master
 kubeconfig. Processes run in their own sessions so they can outlive the CLI (`up`) and be stopped
 as whole process groups (`down`).
 
-CLI:  python -m rljob.sim.cluster up|down|status [--dir .cluster]
+CLI:  python -m rljob.testing.cluster up|down|status [--dir .cluster]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rljob.sim.kubeaccess import write_kubeconfig
+from rljob.testing.kubeaccess import write_kubeconfig
 
 # Pinned versions; hack/k8s/go.mod and hack/etcd/go.mod must agree (a unit test checks it).
 K8S_VERSION = "v1.34.4"
@@ -83,7 +83,7 @@ def ensure_binaries(build: bool = True) -> Binaries:
             f"missing binaries {[str(p) for p in missing]}; build them with hack/build-binaries.sh "
             "(needs Go and the Go module proxy)"
         )
-    print(f"rljob.sim.cluster: building missing binaries with {script}", file=sys.stderr, flush=True)
+    print(f"rljob.testing.cluster: building missing binaries with {script}", file=sys.stderr, flush=True)
     result = subprocess.run(["bash", str(script)], check=False)
     still = [p for p in asdict(found).values() if not os.access(p, os.X_OK)]
     if result.returncode != 0 or still:
@@ -439,7 +439,9 @@ def cmd_status(workdir: Path) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rljob.sim.cluster", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m rljob.testing.cluster", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("command", choices=["up", "down", "status"])
     parser.add_argument("--dir", default=".cluster", type=Path, help="state directory (default .cluster)")
     args = parser.parse_args(argv)

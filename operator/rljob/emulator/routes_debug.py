@@ -8,8 +8,8 @@ from typing import Any
 
 from aiohttp import web
 
-from rljob.sim.sglang.engine import Engine
-from rljob.sim.sglang.http_common import LIFECYCLE_ROUTES, engine_of
+from rljob.emulator.engine import Engine
+from rljob.emulator.http_common import LIFECYCLE_ROUTES, engine_of
 
 
 def memory_report(eng: Engine) -> dict[str, Any]:

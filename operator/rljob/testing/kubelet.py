@@ -13,7 +13,7 @@ conditions, podIP, containerStatuses), applies restartPolicy with a short backof
 readinessProbes (httpGet, tcpSocket, exec) against the pod IP, and on deletion stops the
 processes (SIGTERM, SIGKILL after a bounded grace period) and finalizes the pod (grace 0).
 
-CLI:  python -m rljob.sim.kubelet --kubeconfig KUBECONFIG [--namespace NS ...]
+CLI:  python -m rljob.testing.kubelet --kubeconfig KUBECONFIG [--namespace NS ...]
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ from urllib.parse import urlparse
 
 import requests
 
-from rljob.sim.cluster import die_with_parent
-from rljob.sim.kubeaccess import ApiError, JsonObj, KubeApi, WatchStream, pod_path
+from rljob.testing.cluster import die_with_parent
+from rljob.testing.kubeaccess import ApiError, JsonObj, KubeApi, WatchStream, pod_path
 
-log = logging.getLogger("rljob.sim.kubelet")
+log = logging.getLogger("rljob.testing.kubelet")
 
 NODE_NAME = "rljob-sim-node"
 HOST_IP = "127.0.0.1"
@@ -873,7 +873,9 @@ class Kubelet:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rljob.sim.kubelet", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m rljob.testing.kubelet", description=__doc__.split("\n")[0]
+    )
     parser.add_argument(
         "--kubeconfig", default=os.environ.get("KUBECONFIG"), required=not os.environ.get("KUBECONFIG")
     )

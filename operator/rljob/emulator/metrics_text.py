@@ -3,7 +3,7 @@ by version, which is simpler to spell out than to bend prometheus_client into.""
 
 from __future__ import annotations
 
-from rljob.sim.sglang.engine import Engine
+from rljob.emulator.engine import Engine
 
 GiB = 1 << 30
 

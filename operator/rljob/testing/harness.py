@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rljob.api.crd import GROUP, PLURAL, VERSION
-from rljob.sim.kubeaccess import KubeApi
+from rljob.testing.kubeaccess import KubeApi
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -43,7 +43,7 @@ class OperatorProcess:
             "-m",
             "rljob.controller.main",
             "--agent-gpu-probe",
-            "emulator",
+            "rljob.emulator.probe:EmulatorProbe",
             "--metrics-port",
             "0",
             "--health-endpoint",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from rljob.sim.sglang.bodies import (
+from rljob.emulator.bodies import (
     AbortBody,
     BeginBody,
     CheckerBody,
@@ -19,10 +19,10 @@ from rljob.sim.sglang.bodies import (
     TensorBody,
     WeightVersionBody,
 )
-from rljob.sim.sglang.http_common import bad_request, engine_of, parse_body, reply
-from rljob.sim.sglang.memory import REGIONS
-from rljob.sim.sglang.versions import VersionProfile
-from rljob.sim.sglang.weight_updater import WeightUpdater
+from rljob.emulator.http_common import bad_request, engine_of, parse_body, reply
+from rljob.emulator.memory import REGIONS
+from rljob.emulator.versions import VersionProfile
+from rljob.emulator.weight_updater import WeightUpdater
 
 UPDATER_KEY = web.AppKey("updater", WeightUpdater)
 

@@ -7,10 +7,10 @@ import asyncio
 import time
 from typing import Any
 
-from rljob.sim.sglang import tokens
-from rljob.sim.sglang.bodies import GenerateBody
-from rljob.sim.sglang.engine import Engine
-from rljob.sim.sglang.scheduler import GenRequest
+from rljob.emulator import tokens
+from rljob.emulator.bodies import GenerateBody
+from rljob.emulator.engine import Engine
+from rljob.emulator.scheduler import GenRequest
 
 
 class GenerateError(ValueError):

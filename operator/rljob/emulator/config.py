@@ -10,9 +10,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from rljob.sim.sglang.faults import Faults, parse_route_seconds
-from rljob.sim.sglang.memory import BACKENDS
-from rljob.sim.sglang.versions import DEFAULT_VERSION, SUPPORTED_VERSIONS, VersionProfile, version_key
+from rljob.emulator.faults import Faults, parse_route_seconds
+from rljob.emulator.memory import BACKENDS
+from rljob.emulator.versions import DEFAULT_VERSION, SUPPORTED_VERSIONS, VersionProfile, version_key
 
 log = logging.getLogger("sglang.emulator")
 
@@ -54,7 +54,7 @@ class EmulatorConfig:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m rljob.sim.sglang", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m rljob.emulator", description=__doc__)
     s = p.add_argument_group("SGLang launch_server flags")
     s.add_argument("--model-path", default="emulated/model")
     s.add_argument("--served-model-name", default=None)

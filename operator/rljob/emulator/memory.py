@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from rljob.sim.sglang.config import EmulatorConfig
+    from rljob.emulator.config import EmulatorConfig
 
 REGIONS = ("kv_cache", "weights", "cuda_graph")
 BACKENDS = ("accounting", "cuda")
@@ -37,7 +37,7 @@ def _cuda_backend(
     sizes: dict[str, int], *, gpus: int, total: int = 0, baseline: int = 0, **options: Any
 ) -> RegionBackend:
     """`total` and `baseline` are ignored: a real GPU has its own size and context."""
-    from rljob.sim.sglang.gpu_memory import CudaRegionBackend  # lazy: imports torch
+    from rljob.emulator.gpu_memory import CudaRegionBackend  # lazy: imports torch
 
     return CudaRegionBackend(gpus=gpus, sizes=sizes, **options)
 

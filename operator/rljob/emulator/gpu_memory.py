@@ -29,8 +29,8 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from rljob.sim.sglang.memory import REGIONS
-from rljob.sim.sglang.weights import WeightsLoadError, set_weights_sink
+from rljob.emulator.memory import REGIONS
+from rljob.emulator.weights import WeightsLoadError, set_weights_sink
 
 log = logging.getLogger("sglang.emulator")
 
@@ -63,7 +63,7 @@ def _ensure_preload() -> None:
     if "torch_memory_saver" in os.environ.get("LD_PRELOAD", ""):
         return
     program = sys.argv[0].replace(os.sep, "/") if sys.argv else ""
-    if not program.endswith("rljob/sim/sglang/__main__.py") or os.environ.get(REEXEC_ENV):
+    if not program.endswith("rljob/emulator/__main__.py") or os.environ.get(REEXEC_ENV):
         raise RuntimeError(
             "torch_memory_saver hook mode 'preload' needs LD_PRELOAD="
             f"{preload_library()} at process start (or --memory-saver-hook-mode torch)"

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from rljob.sim.sglang.engine import Engine
+from rljob.emulator.engine import Engine
 
 ENGINE_KEY = web.AppKey("engine", Engine)
 B = TypeVar("B", bound=BaseModel)

@@ -11,9 +11,9 @@ import json
 import time
 from typing import Any
 
-from rljob.sim.sglang import fatal
-from rljob.sim.sglang.engine import Engine
-from rljob.sim.sglang.weights import LoadedWeights, WeightsLoadError, read_safetensors
+from rljob.emulator import fatal
+from rljob.emulator.engine import Engine
+from rljob.emulator.weights import LoadedWeights, WeightsLoadError, read_safetensors
 
 Reply = tuple[int, dict[str, Any]]
 

@@ -15,12 +15,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from rljob.sim.cluster import LocalControlPlane, ensure_binaries
-from rljob.sim.harness import ROOT, OperatorProcess, get_rljob
-from rljob.sim.install import install_chart, operator_kubeconfig
-from rljob.sim.kubeaccess import KubeApi, create_namespace
-from rljob.sim.kubelet import Kubelet
-from rljob.sim.pods import rljob_mapping
+from rljob.testing.cluster import LocalControlPlane, ensure_binaries
+from rljob.testing.harness import ROOT, OperatorProcess, get_rljob
+from rljob.testing.install import install_chart, operator_kubeconfig
+from rljob.testing.kubeaccess import KubeApi, create_namespace
+from rljob.testing.kubelet import Kubelet
+from rljob.testing.pods import rljob_mapping
 
 NAMESPACE = "rljob-demo"
 JOB = "demo"

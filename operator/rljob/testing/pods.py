@@ -1,0 +1,80 @@
+"""How the fake kubelet runs an RLJob's pods on this machine: from the pod spec the operator generated.
+
+- the agent container runs the real `rljob-agent` with the args/env/token the operator injected;
+- a container whose command launches SGLang (`sglang.launch_server`) runs the SGLang emulator with
+  the same launch flags;
+- a container whose command runs `rljob.testing.trainer` runs the simulated trainer.
+
+Inside a pod, 127.0.0.1 is the pod's own loopback. Here all pods share one host, so each pod gets its
+own loopback address (127.0.0.2, ...) and `127.0.0.1` in the containers' args and env is rewritten to
+it: the same isolation, one level up.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from rljob.controller.children import AGENT_CONTAINER
+from rljob.testing.kubelet import ContainerContext, Launch, Mapping, default_mapping
+
+SGLANG_ENTRY = "sglang.launch_server"
+TRAINER_ENTRY = "rljob.testing.trainer"
+SIM_ARGS_ENV = "RLJOB_SIM_ARGS"  # extra emulator-only flags (sizes, version, faults) set per container
+
+
+def pod_loopback(text: str, pod_ip: str) -> str:
+    return text.replace("127.0.0.1", pod_ip).replace("0.0.0.0", pod_ip)
+
+
+@dataclass(frozen=True)
+class PodContainer:
+    """What a container of an RLJob pod is here: `kind` agent, sglang, trainer or other; `args` the
+    arguments for its stand-in (after the entry point; for `other`, the whole command), loopback rewritten."""
+
+    kind: str
+    args: list[str]
+    env: dict[str, str]
+
+
+def classify(ctx: ContainerContext, extra_sglang_args: Sequence[str] = ()) -> PodContainer:
+    argv = [pod_loopback(a, ctx.pod_ip) for a in ctx.argv()]
+    env = {k: pod_loopback(v, ctx.pod_ip) for k, v in ctx.env.items()}
+    sim_args = shlex.split(ctx.env.get(SIM_ARGS_ENV, ""))
+    if ctx.name == AGENT_CONTAINER:
+        return PodContainer("agent", argv[1:], env)
+    if SGLANG_ENTRY in argv:
+        return PodContainer(
+            "sglang", [*argv[argv.index(SGLANG_ENTRY) + 1 :], *extra_sglang_args, *sim_args], env
+        )
+    if TRAINER_ENTRY in argv:
+        return PodContainer("trainer", [*argv[argv.index(TRAINER_ENTRY) + 1 :], *sim_args], env)
+    return PodContainer("other", [pod_loopback(a, ctx.pod_ip) for a in default_mapping(ctx).argv], env)
+
+
+def _python() -> list[str]:
+    return [sys.executable, "-u"]
+
+
+def _console_script(name: str, module: str) -> list[str]:
+    script = Path(sys.executable).parent / name
+    return [str(script)] if script.exists() else [*_python(), "-m", module]
+
+
+def rljob_mapping(extra_sglang_args: Sequence[str] = ()) -> Mapping:
+    """One OS process per container."""
+
+    def mapping(ctx: ContainerContext) -> Launch:
+        c = classify(ctx, extra_sglang_args)
+        if c.kind == "agent":
+            return Launch([*_console_script("rljob-agent", "rljob.agent.main"), *c.args], env=c.env)
+        if c.kind == "sglang":
+            return Launch([*_python(), "-m", "rljob.emulator", *c.args], env=c.env)
+        if c.kind == "trainer":
+            return Launch([*_python(), "-m", TRAINER_ENTRY, *c.args], env=c.env)
+        return Launch(c.args, env=c.env)
+
+    return mapping
