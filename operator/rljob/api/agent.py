@@ -95,6 +95,14 @@ class CommandStatus(WireModel):
     action: Action
     state: CommandState
     error: str | None = Field(default=None, max_length=1024)
+    permanent: bool = Field(
+        default=False,
+        description="The failure would repeat on any retry (e.g. the released tags cannot free what "
+        "`verify` asks): the job fails instead of restarting the gang.",
+    )
+    failure_reason: str | None = Field(
+        default=None, max_length=64, description="A typed reason for a permanent failure, e.g. ReleaseShortfall."
+    )
     started_at: float | None = Field(default=None, description="Agent clock, unix seconds.")
     seconds: float | None = Field(
         default=None, ge=0, description="Time spent executing, SGLang calls included."

@@ -37,6 +37,9 @@ class Observation:
     pods: tuple[PodObservation, ...] = ()
     agents: Mapping[str, AgentState | None] = field(default_factory=dict)
     generation: int | None = None  # metadata.generation of the RLJob
+    # The spec the API server accepted but the models refuse, or a child object the API server refused:
+    # "field.path: message". decide() then fails the job (reason InvalidSpec); spec may be None.
+    spec_error: str | None = None
 
 
 class EventType(StrEnum):
