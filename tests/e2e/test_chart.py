@@ -55,6 +55,17 @@ OPERATOR_RIGHTS = frozenset(
 # operator is given namespaces. Without them kopf retries each forbidden call for ~1 min at start.
 SCAN_CRDS = frozenset([("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")])
 SCAN_NAMESPACES = frozenset([("", "namespaces", v) for v in ("list", "watch")])
+# Leader election (controller/leader.py): create any Lease, get/update only the operator's own.
+LEADER_RULES = [
+    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+    {
+        "apiGroups": ["coordination.k8s.io"],
+        "resources": ["leases"],
+        "resourceNames": ["rljob-operator"],
+        "verbs": ["get", "update"],
+    },
+]
+LEADER_ROLE = "rljob-operator-leader-election"
 
 
 @pytest.fixture(scope="session")
@@ -163,11 +174,30 @@ def test_rendering_follows_values(helm: Path) -> None:
     """Args, images, scope and the optional objects come from values; the security settings are fixed."""
     docs = [d for d in yaml.safe_load_all(helm_template(helm)) if d]
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount"]
+    assert kinds == [
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Deployment",
+        "Role",
+        "RoleBinding",
+        "Service",
+        "ServiceAccount",
+    ]
     deploy = next(d for d in docs if d["kind"] == "Deployment")
     pod = deploy["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"]["type"] == "Recreate"
+    # Two replicas, one acting: the other waits for the Lease.
+    assert deploy["spec"]["replicas"] == 2 and deploy["spec"]["strategy"]["type"] == "RollingUpdate"
+    (leader_role,) = [d for d in docs if d["kind"] == "Role"]
+    assert leader_role["metadata"] == {
+        **leader_role["metadata"],
+        "name": LEADER_ROLE,
+        "namespace": "rljob-system",
+    }
+    assert leader_role["rules"] == LEADER_RULES
+    assert "--leader-elect" in container["args"] and "--leader-elect-name=rljob-operator" in container["args"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
     assert container["image"] == "ghcr.io/rljob/rljob-operator:0.1.0"
     assert container["args"][:4] == [
         "--all-namespaces",
@@ -219,6 +249,8 @@ def test_rendering_follows_values(helm: Path) -> None:
     assert scanning["metadata"]["name"] == "rljob-operator-rljob-system-scanning"
     assert rules_of(scanning) == SCAN_CRDS | SCAN_NAMESPACES
     assert by_kind["ClusterRoleBinding"][0]["roleRef"]["name"] == scanning["metadata"]["name"]
+    by_kind["Role"] = [r for r in by_kind["Role"] if r["metadata"]["name"] != LEADER_ROLE]
+    by_kind["RoleBinding"] = [r for r in by_kind["RoleBinding"] if r["metadata"]["name"] != LEADER_ROLE]
     assert sorted(r["metadata"]["namespace"] for r in by_kind["Role"]) == ["team-a", "team-b"]
     assert sorted(r["metadata"]["namespace"] for r in by_kind["RoleBinding"]) == ["team-a", "team-b"]
     for role in by_kind["Role"]:
@@ -314,6 +346,7 @@ def test_rendered_chart_passes_server_side_dry_run(
         delete_namespace(kube_api, second)
     applied = sorted(line.split()[0].split("/")[0] for line in done.stdout.splitlines())
     cluster_rbac = ["clusterrole.rbac.authorization.k8s.io", "clusterrolebinding.rbac.authorization.k8s.io"]
+    cluster_rbac += ["role.rbac.authorization.k8s.io", "rolebinding.rbac.authorization.k8s.io"]  # the Lease
     expected = {
         "cluster": cluster_rbac,  # the operator's ClusterRole (with kopf's scan)
         "namespaced": cluster_rbac  # kopf's scan only
@@ -366,13 +399,12 @@ def test_install_creates_crd_account_and_namespaced_rbac(
     assert len(roles["items"]) == 1 and rules_of(roles["items"][0]) == OPERATOR_RIGHTS
     scanning = kubectl.json("get", "clusterrole", "-l", f"app.kubernetes.io/instance={rel.name}")["items"]
     assert len(scanning) == 1 and rules_of(scanning[0]) == SCAN_CRDS | SCAN_NAMESPACES
-    for ns in (rel.unwatched, rel.namespace):
-        assert (
-            kubectl.json(
-                "get", "role,rolebinding", "-l", f"app.kubernetes.io/instance={rel.name}", namespace=ns
-            )["items"]
-            == []
-        )
+    leader = f"{deploy[0]['metadata']['name']}-leader-election"  # the Lease's rights, nothing else
+    for ns, allowed in ((rel.unwatched, []), (rel.namespace, [leader, leader])):
+        got = kubectl.json(
+            "get", "role,rolebinding", "-l", f"app.kubernetes.io/instance={rel.name}", namespace=ns
+        )["items"]
+        assert sorted(r["metadata"]["name"] for r in got) == allowed, ns
 
 
 NEEDED = [

@@ -12,6 +12,7 @@ from prometheus_client import start_http_server
 from rljob.controller.children import AgentOptions
 from rljob.controller.conductor import ConductorOptions
 from rljob.controller.kube import Kube, load_config
+from rljob.controller.leader import ElectionOptions, LeaderElector
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,6 +41,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="listen address of the metrics endpoint",
     )
     p.add_argument("--health-endpoint", default=env("RLJOB_HEALTH_ENDPOINT", "http://0.0.0.0:8080/healthz"))
+    p.add_argument(
+        "--leader-elect",
+        action=argparse.BooleanOptionalAction,
+        default=env("RLJOB_LEADER_ELECT", "0") == "1",
+        help="run as one of several replicas: act only while holding the Lease (controller/leader.py)",
+    )
+    p.add_argument(
+        "--leader-elect-namespace",
+        default=env("POD_NAMESPACE", "default"),
+        help="namespace of the Lease (env POD_NAMESPACE)",
+    )
+    p.add_argument("--leader-elect-name", default="rljob-operator", help="name of the Lease")
+    p.add_argument(
+        "--leader-elect-identity", default=env("POD_NAME", ""), help="this replica's name (env POD_NAME)"
+    )
+    p.add_argument("--leader-elect-lease-seconds", type=float, default=15.0)
+    p.add_argument("--leader-elect-renew-deadline-seconds", type=float, default=10.0)
+    p.add_argument("--leader-elect-retry-seconds", type=float, default=2.0)
     p.add_argument("--tick-seconds", type=float, default=2.0, help="heartbeat for time-based decisions")
     p.add_argument("--log-json", action="store_true", default=env("RLJOB_LOG_JSON") == "1")
     p.add_argument("--verbose", "-v", action="store_true")
@@ -68,13 +87,31 @@ def main(argv: list[str] | None = None) -> None:
         ),
         tick_seconds=args.tick_seconds,
     )
-    kopf.run(
-        clusterwide=args.all_namespaces or not args.namespace,
-        namespaces=args.namespace,
-        standalone=True,  # one replica; see the chart's README for HA
-        liveness_endpoint=args.health_endpoint or None,
-        memo=kopf.Memo(kube=Kube(), options=options),
-    )
+    elector = None
+    if args.leader_elect:
+        elector = LeaderElector(
+            ElectionOptions(
+                namespace=args.leader_elect_namespace,
+                name=args.leader_elect_name,
+                identity=args.leader_elect_identity,
+                lease_seconds=args.leader_elect_lease_seconds,
+                renew_deadline_seconds=args.leader_elect_renew_deadline_seconds,
+                retry_seconds=args.leader_elect_retry_seconds,
+            )
+        )
+        logging.getLogger("rljob").info("standby: waiting for the lease %s", args.leader_elect_name)
+        elector.acquire()
+    try:
+        kopf.run(
+            clusterwide=args.all_namespaces or not args.namespace,
+            namespaces=args.namespace,
+            standalone=True,  # no kopf peering: the Lease above decides which replica acts
+            liveness_endpoint=args.health_endpoint or None,
+            memo=kopf.Memo(kube=Kube(), options=options),
+        )
+    finally:
+        if elector is not None:
+            elector.release()
 
 
 if __name__ == "__main__":
