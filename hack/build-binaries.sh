@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds the e2e control plane's binaries (kube-apiserver, etcd) and helm from Go modules into
+# Builds the e2e control plane's binaries (etcd, kube-apiserver, kube-scheduler,
+# kube-controller-manager), the matching kubectl and helm from Go modules into
 # ${RLJOB_CACHE:-$HOME/.cache/rljob}/bin/<name>-<version>/<name>, skipping what is already there.
 # Versions are pinned by hack/k8s/go.mod, hack/etcd/go.mod and HELM_VERSION below.
 # Unattended: needs only `go` and the Go module proxy. Usage: hack/build-binaries.sh [--print]
@@ -18,9 +19,11 @@ K8S_VERSION="$(gomod_version "$HACK/k8s/go.mod" k8s.io/kubernetes)"
 ETCD_VERSION="$(gomod_version "$HACK/etcd/go.mod" go.etcd.io/etcd/server/v3)"
 
 bin_path() { echo "$CACHE/bin/$1-$2/$1"; }
+# Built from hack/k8s (one consumer module, one GOCACHE: the later ones reuse most compiled packages).
+K8S_COMMANDS="kube-apiserver kube-scheduler kube-controller-manager kubectl"
 
 if [[ "${1:-}" == "--print" ]]; then
-  echo "kube-apiserver $(bin_path kube-apiserver "$K8S_VERSION")"
+  for cmd in $K8S_COMMANDS; do echo "$cmd $(bin_path "$cmd" "$K8S_VERSION")"; done
   echo "etcd $(bin_path etcd "$ETCD_VERSION")"
   echo "helm $(bin_path helm "$HELM_VERSION")"
   exit 0
@@ -42,7 +45,7 @@ build() {
   mkdir -p "$CACHE/bin"
   OUTDIR="$(mktemp -d "$CACHE/bin/.$name-$version.XXXXXX")" && chmod 755 "$OUTDIR"
   trap 'rm -rf "$OUTDIR"' EXIT
-  echo "build-binaries: building $name $version (cold, all three: ~4-7 min on 2 busy cores)"
+  echo "build-binaries: building $name $version (cold, all six: ~10-15 min on 2 busy cores)"
   local start=$SECONDS
   "$@"
   rm -rf "$final"
@@ -61,9 +64,9 @@ k8s_ldflags() {
   echo "$flags"
 }
 
-build_apiserver() {
+build_k8s() { # <command>: one of $K8S_COMMANDS, from k8s.io/kubernetes/cmd/<command>
   (cd "$HACK/k8s" && nice -n 10 go build -trimpath -pgo=off -ldflags "$(k8s_ldflags)" \
-    -o "$OUTDIR/kube-apiserver" k8s.io/kubernetes/cmd/kube-apiserver)
+    -o "$OUTDIR/$1" "k8s.io/kubernetes/cmd/$1")
 }
 
 build_etcd() {
@@ -86,6 +89,9 @@ build_helm() {
 
 total=$SECONDS
 build etcd "$ETCD_VERSION" build_etcd
-build kube-apiserver "$K8S_VERSION" build_apiserver
+build kube-apiserver "$K8S_VERSION" build_k8s kube-apiserver
 build helm "$HELM_VERSION" build_helm
+for cmd in kube-scheduler kube-controller-manager kubectl; do
+  build "$cmd" "$K8S_VERSION" build_k8s "$cmd"
+done
 echo "build-binaries: done in $((SECONDS - total))s; cache $(du -sh "$CACHE/bin" | cut -f1) in $CACHE/bin"
