@@ -11,6 +11,9 @@ import copy
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
+from rljob.agent import transitions
+from rljob.agent.errors import Refused
+from rljob.agent.state import ServerFacts
 from rljob.api.agent import (
     Action,
     AgentState,
@@ -94,6 +97,17 @@ class FakeAgent:
             fatal=self.fatal,
         )
 
+    def facts(self) -> ServerFacts:
+        """What the agent reads from /server_info at start: SGLang's defaults plus the memory saver the
+        job needs (weights have no CPU backup, so a resume of released weights is refused)."""
+        return ServerFacts(
+            version="0.5.23",
+            weight_cache_mode=self.weight_cache_mode,
+            memory_saver=True,
+            weights_cpu_backup=False,
+            dp_size=1,
+        )
+
     def _refuse(self, why: str) -> None:
         self.refusals.append(why)
 
@@ -111,34 +125,23 @@ class FakeAgent:
         if self.last is not None and self.last.state == CommandState.RUNNING:
             self._refuse("busy")
             return
-        legal = {
-            Action.DRAIN: (Stage.READY, Stage.SERVING, Stage.DRAINED),
-            Action.RELEASE: (Stage.DRAINED,),
-            Action.GRANT: (Stage.RELEASED,),
-            Action.REFIT: (Stage.TRAINED, Stage.READY, Stage.SERVING, Stage.DRAINED),
-            Action.RESUME: (Stage.REFITTED, Stage.DRAINED, Stage.READY),
-        }[action]
-        if self.stage not in legal:
-            self._refuse(f"{action} from {self.stage}")
-            return
-        if action == Action.RELEASE:
-            tags = [t.value for t in cmd.tags]  # type: ignore[attr-defined]
-            if set(tags) & set(self.released):
-                self._refuse(f"release of already released {tags}")
-                return
-        if action in (Action.RELEASE, Action.REFIT) and self.weight_cache_mode != "off":
-            self._refuse("weight cache")
-            return
-        if action == Action.GRANT and not self.verified:
-            self._refuse("grant before verified")
+        # The agent's own guards (legal stage, double release, weight cache, grant before verification,
+        # ...): the world refuses exactly what the real agent refuses.
+        try:
+            transitions.check(cmd, self.report(), self.facts())  # type: ignore[arg-type]
+        except Refused as refused:
+            self._refuse(f"{refused.error}: {refused.reason}")
             return
         self.epoch = epoch
         self.pending = cmd
         self.last = CommandStatus(epoch=epoch, action=action, state=CommandState.RUNNING)
         self.revision += 1
 
-    def finish(self, ok: bool = True) -> None:
-        """The running command completes (the real agent does this in the background)."""
+    def finish(
+        self, ok: bool = True, permanent: bool = False, reason: str | None = None, error: str | None = None
+    ) -> None:
+        """The running command completes (the real agent does this in the background); a failure the
+        agent knows would repeat on any retry is `permanent`, with a typed `reason`."""
         if self.last is None or self.last.state != CommandState.RUNNING:
             return
         cmd = self.pending
@@ -147,7 +150,8 @@ class FakeAgent:
         self.revision += 1
         if not ok:
             self.last.state = CommandState.FAILED
-            self.last.error = "injected failure"
+            self.last.error = error or "injected failure"
+            self.last.permanent, self.last.failure_reason = permanent, reason
             return
         self.last.state = CommandState.SUCCEEDED
         if action == Action.DRAIN:
@@ -189,6 +193,7 @@ class FakePod:
     gang: int
     phase: str = "Pending"
     broken: str | None = None
+    deleting: bool = False  # deletionTimestamp set, still terminating
 
 
 class World:
@@ -204,6 +209,8 @@ class World:
         self.decisions: list[Decision] = []
         self.stale: dict[str, AgentState] = {}  # reports to replay instead of the fresh one, once
         self.last_committed: list[str] = []
+        # False: a deleted pod is gone at once. True: it terminates (deleting) until `pods_terminate`.
+        self.graceful_delete = False
 
     # --- observing and deciding --------------------------------------------------------------
 
@@ -222,6 +229,7 @@ class World:
                 gang=p.gang,
                 phase=p.phase,
                 ready=p.phase == "Running",
+                deleting=p.deleting,
                 broken=p.broken,
             )
             for p in self.pods.values()
@@ -237,6 +245,9 @@ class World:
         self.decisions.append(decision)
         self.status = decision.status
         for name in decision.delete_pods:
+            if self.graceful_delete and name in self.pods:
+                self.pods[name].deleting = True
+                continue
             self.pods.pop(name, None)
             self.agents.pop(name, None)
         for index in decision.create_pods:
@@ -258,6 +269,12 @@ class World:
                 self.agents[name] = FakeAgent(
                     served_version=committed, weight_cache_mode=self.weight_cache_mode
                 )
+
+    def pods_terminate(self) -> None:
+        """Pods being deleted are gone (their grace period ended)."""
+        for name in [n for n, p in self.pods.items() if p.deleting]:
+            del self.pods[name]
+            self.agents.pop(name, None)
 
     def finish_all(self, ok: bool = True) -> None:
         for agent in self.agents.values():

@@ -14,6 +14,7 @@ from lifecycle_world import FakeAgent, World, make_spec
 
 from rljob.api.agent import GrantCommand, RefitCommand, ReleaseCommand, Stage
 from rljob.api.status import Phase
+from rljob.lifecycle.machine import LOCK_STEPS
 from rljob.lifecycle.model import Decision, Observation
 
 PODS = st.integers(min_value=0, max_value=2)
@@ -84,6 +85,10 @@ class LifecycleMachine(RuleBasedStateMachine):
         # 2/7. the machine never asked an agent for something it refuses (double release, stale epoch,
         # resume of an unreleased tag, grant before verification, ...)
         assert w.refusals() == [], w.refusals()
+        # a lock-step phase sends its row's command, stamped with the status epoch
+        row = LOCK_STEPS.get(st_.phase)
+        if row is not None:
+            assert all(c.action == row.action and c.epoch == st_.epoch for c in commands), commands
         # terminal phases are sticky
         if self.terminal is not None:
             assert st_.phase == self.terminal
@@ -95,7 +100,10 @@ class LifecycleMachine(RuleBasedStateMachine):
         before = self.world.status.weight_version
         from rljob.lifecycle.machine import decide
 
-        decision = decide(self.world.spec, self.world.status, obs or self.world.observe())
+        given = self.world.status
+        before_dump = given.model_dump()
+        decision = decide(self.world.spec, given, obs or self.world.observe())
+        assert given.model_dump() == before_dump, "decide changed its input status"
         if drop_commands:  # operator killed after the status write, before acting
             decision = Decision(status=decision.status)
         self.world.apply(decision)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from rljob.api.base import WireModel
 from rljob.api.spec import ReleaseTag, WeightVersion
@@ -57,7 +57,16 @@ class Verdict(StrEnum):
     BALANCED = "Balanced"
 
 
-class Condition(WireModel):
+class StatusModel(WireModel):
+    """Base of every status model. Unknown fields are ignored, not refused (the spec models stay
+    strict, so a typo in a manifest is still an error): status is written by the operator itself, and
+    an operator rolled back one version must still read the status a newer one wrote. Helm installs
+    the chart's crds/ once and never downgrades them, so the newer fields stay in the schema."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class Condition(StatusModel):
     type: ConditionType
     status: ConditionStatus
     reason: str = Field(default="", max_length=128)
@@ -65,18 +74,17 @@ class Condition(WireModel):
     last_transition_time: str | None = Field(default=None, max_length=64)
 
 
-class CommittedWeights(WireModel):
+class CommittedWeights(StatusModel):
     version: WeightVersion
     path: str | None = Field(default=None, max_length=1024)
     iteration: int = Field(ge=0)
     committed_at: str | None = Field(default=None, max_length=64)
 
 
-class PodStatus(WireModel):
+class PodStatus(StatusModel):
     """One gang member as the agent last reported it."""
 
     name: str = Field(max_length=253)
-    uid: str | None = Field(default=None, max_length=64)
     stage: str = Field(default="Unknown", max_length=32)
     weight_version: str | None = Field(default=None, max_length=64)
     released_tags: list[ReleaseTag] = Field(default_factory=list, max_length=3)
@@ -84,7 +92,7 @@ class PodStatus(WireModel):
     last_error: str | None = Field(default=None, max_length=MAX_MESSAGE)
 
 
-class PhaseSpan(WireModel):
+class PhaseSpan(StatusModel):
     """One phase of one iteration: the timeline `kubectl rljob status` prints."""
 
     phase: Phase
@@ -99,7 +107,7 @@ class PhaseSpan(WireModel):
     tokens_per_second: float | None = Field(default=None, ge=0, description="Rollout: sum over pods.")
 
 
-class PhaseSeconds(WireModel):
+class PhaseSeconds(StatusModel):
     rollout: float = 0.0
     draining: float = 0.0
     releasing: float = 0.0
@@ -108,7 +116,7 @@ class PhaseSeconds(WireModel):
     resuming: float = 0.0
 
 
-class IterationReport(WireModel):
+class IterationReport(StatusModel):
     """Where the wall-clock of the last completed iteration went."""
 
     iteration: int = Field(ge=0)
@@ -121,13 +129,13 @@ class IterationReport(WireModel):
     generation_tokens_per_second: float | None = Field(default=None, ge=0, description="Sum over pods.")
 
 
-class Profile(WireModel):
+class Profile(StatusModel):
     rollout_share: float = Field(ge=0, le=1, description="Rollout / (rollout + training) wall time.")
     rollout_percent: int = Field(ge=0, le=100, description="rolloutShare as a percentage, for kubectl.")
     verdict: Verdict
 
 
-class RLJobStatus(WireModel):
+class RLJobStatus(StatusModel):
     phase: Phase = Phase.PENDING
     reason: str | None = Field(default=None, max_length=128)
     message: str | None = Field(default=None, max_length=MAX_MESSAGE)

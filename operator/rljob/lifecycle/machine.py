@@ -1,14 +1,16 @@
 """The lifecycle decision: (spec, status, observation) -> Decision. Pure: no I/O, no clock, no kopf.
 
-One switch over the phase. Each lock-step phase sends one command per pod, stamped with the epoch,
-and advances only when every pod's agent reports that epoch's command Succeeded. A stale, duplicated
-or reordered report can only make the machine resend the same epoch (a no-op at the agent), never
-advance: advancing needs a truthful report of that very epoch.
+One switch over the phase. The lock-step phases are rows of LOCK_STEPS, one row each: the command it
+sends to every pod, stamped with the epoch, how long it may take, the evidence each pod must show, and
+where the job goes once every pod showed it. A stale, duplicated or reordered report can only make the
+machine resend the same epoch (a no-op at the agent), never advance: advancing needs a truthful report
+of that very epoch. The other phases (Pending, Initializing, Rollout, Recovering, Suspended and the
+terminal ones) have one handler each in HANDLERS.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from rljob.api.agent import (
@@ -16,6 +18,7 @@ from rljob.api.agent import (
     AgentState,
     Command,
     CommandState,
+    CommandStatus,
     DrainCommand,
     GrantCommand,
     RefitCommand,
@@ -23,18 +26,17 @@ from rljob.api.agent import (
     ResumeCommand,
     Stage,
 )
-from rljob.api.spec import PodsAfterFinished, RLJobSpec
+from rljob.api.spec import PhaseTimeouts, PodsAfterFinished, RLJobSpec
 from rljob.api.status import (
-    MAX_PODS_IN_STATUS,
-    MAX_TIMELINE,
+    MAX_MESSAGE,
     MAX_WEIGHT_HISTORY,
     CommittedWeights,
     ConditionType,
     Phase,
     PhaseSpan,
-    PodStatus,
     RLJobStatus,
 )
+from rljob.lifecycle import timeline
 from rljob.lifecycle.clock import parse, seconds_between, stamp
 from rljob.lifecycle.conditions import refresh_phase_conditions, set_condition
 from rljob.lifecycle.model import (
@@ -49,22 +51,12 @@ from rljob.lifecycle.model import (
 from rljob.lifecycle.profile import iteration_report, profile
 from rljob.lifecycle.versions import is_newer
 
-# Which command each lock-step phase sends.
-PHASE_ACTION: dict[Phase, Action] = {
-    Phase.DRAINING: Action.DRAIN,
-    Phase.RELEASING: Action.RELEASE,
-    Phase.TRAINING: Action.GRANT,
-    Phase.REFITTING: Action.REFIT,
-    Phase.RESUMING: Action.RESUME,
-    Phase.SUSPENDING: Action.DRAIN,
-}
-
 
 @dataclass
 class _Step:
     """Mutable scratch for one decision; frozen into a Decision at the end."""
 
-    spec: RLJobSpec
+    job_spec: RLJobSpec | None  # None only when the spec could not be parsed (obs.spec_error says why)
     status: RLJobStatus
     obs: Observation
     commands: list[PodCommand] = field(default_factory=list)
@@ -72,6 +64,12 @@ class _Step:
     delete: list[str] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     delete_job: bool = False
+
+    @property
+    def spec(self) -> RLJobSpec:
+        """The parsed spec; every path but the InvalidSpec one has it."""
+        assert self.job_spec is not None, "the InvalidSpec path must not read the spec"
+        return self.job_spec
 
     @property
     def now(self) -> str:
@@ -83,15 +81,20 @@ class _Step:
     # --- the gang ---------------------------------------------------------------------------------
 
     def gang(self) -> dict[int, PodObservation]:
-        """Pods of the current gang generation, by index."""
+        """Pods of the current gang generation, by index (status.replicas is the spec's replicas, or the
+        last known ones when the spec could not be parsed)."""
         return {
             p.index: p
             for p in self.obs.pods
-            if p.gang == self.status.restarts and 0 <= p.index < self.spec.replicas
+            if p.gang == self.status.restarts and 0 <= p.index < self.status.replicas
         }
 
     def agent(self, pod: PodObservation) -> AgentState | None:
         return self.obs.agents.get(pod.name)
+
+    def gang_agents(self) -> list[AgentState]:
+        """The latest report of every gang member that has one."""
+        return [a for a in (self.agent(p) for p in self.gang().values()) if a is not None]
 
     def lost_member(self) -> str | None:
         """Why the gang is broken, or None. A gang member that lost its process state can't rejoin a
@@ -121,87 +124,43 @@ class _Step:
             version=self.spec.weights.initial_version, path=self.spec.weights.initial_path, iteration=0
         )
 
-    def enter(self, phase: Phase, reason: EventReason | None = None, message: str | None = None) -> None:
-        """The one place a phase changes: closes the timeline span, bumps the epoch, emits the event."""
+    def enter(
+        self,
+        phase: Phase,
+        reason: EventReason | None = None,
+        message: str | None = None,
+        warning: bool | None = None,
+    ) -> None:
+        """The one place a phase changes: closes the timeline span, bumps the epoch, emits the event.
+        The event is a Warning for Failed and Recovering unless `warning` says otherwise."""
         st = self.status
         old = st.phase
         self.close_span()
         st.phase = phase
-        if phase in PHASE_ACTION:  # a new lock-step: new idempotency key
+        if phase in LOCK_STEPS:  # a new lock-step: new idempotency key
             st.epoch += 1
         st.phase_start_time = self.now
         st.reason = (reason or EventReason.PHASE_CHANGED).value
-        st.message = message or f"{old.value} -> {phase.value}"
-        if phase in PHASE_ACTION or phase == Phase.ROLLOUT:
-            st.timeline.append(PhaseSpan(phase=phase, iteration=st.iteration, start_time=self.now))
-            del st.timeline[:-MAX_TIMELINE]
-        self._refresh_pods()
-        warn = phase in (Phase.FAILED, Phase.RECOVERING)
+        st.message = (message or f"{old.value} -> {phase.value}")[:MAX_MESSAGE]
+        if phase in LOCK_STEPS or phase == Phase.ROLLOUT:
+            timeline.open_span(st.timeline, phase, st.iteration, self.now)
+        st.pods = timeline.pod_entries((p, self.agent(p)) for p in self.gang().values())
+        warn = phase in (Phase.FAILED, Phase.RECOVERING) if warning is None else warning
         self.event(reason or EventReason.PHASE_CHANGED, st.message, warning=warn)
 
     def close_span(self) -> None:
+        """Close the current phase's span with the numbers its row records."""
         st = self.status
-        if not st.timeline or st.timeline[-1].seconds is not None:
+        span = timeline.close_span(st.timeline, st.phase, self.obs.now)
+        if span is None:
             return
-        span = st.timeline[-1]
-        if span.phase != st.phase:
-            return
-        span.seconds = round(seconds_between(span.start_time, self.obs.now), 6)
-        agents = [a for a in (self.agent(p) for p in self.gang().values()) if a is not None]
-        action = PHASE_ACTION.get(st.phase)
-        if action is not None:
-            own = [
-                a.last_command.seconds
-                for a in agents
-                if a.last_command is not None
-                and a.last_command.epoch == st.epoch
-                and a.last_command.action == action
-                and a.last_command.seconds is not None
-            ]
-            span.agent_seconds = round(max(own), 6) if own else None
-        if st.phase == Phase.RELEASING:
-            span.freed_bytes = sum(a.memory.freed_bytes for a in agents)
-        if st.phase in (Phase.ROLLOUT, Phase.DRAINING):
-            # The agent takes its last rollout sample as the drain starts: read the numbers at the end of
-            # Draining too, and keep them on this iteration's Rollout span.
-            rollout = next(
-                (
-                    s
-                    for s in reversed(st.timeline)
-                    if s.phase == Phase.ROLLOUT and s.iteration == st.iteration
-                ),
-                None,
-            )
-            rates = [a.rollout.cache_hit_rate for a in agents if a.rollout.cache_hit_rate is not None]
-            tps = [
-                a.rollout.generation_tokens_per_second
-                for a in agents
-                if a.rollout.generation_tokens_per_second is not None
-            ]
-            if rollout is not None and rates:
-                rollout.cache_hit_rate = round(sum(rates) / len(rates), 6)
-            if rollout is not None and tps:
-                rollout.tokens_per_second = round(sum(tps), 3)
-
-    def _refresh_pods(self) -> None:
-        """Per-pod entries are refreshed at phase changes only: status writes per iteration stay
-        constant whatever the number of pods."""
-        entries = []
-        for _, pod in sorted(self.gang().items())[:MAX_PODS_IN_STATUS]:
-            agent = self.agent(pod)
-            entry = PodStatus(name=pod.name, stage="Unreachable" if agent is None else agent.stage.value)
-            if agent is not None:
-                entry.weight_version = agent.sglang.served_version
-                entry.released_tags = list(agent.released_tags)
-                entry.freed_bytes = agent.memory.freed_bytes
-                failed = agent.last_command and agent.last_command.state == CommandState.FAILED
-                entry.last_error = agent.fatal or (
-                    agent.last_command.error if failed and agent.last_command else None
-                )
-            if pod.broken:
-                entry.last_error = pod.broken
-            entries.append(entry)
-        self.status.pods = entries
+        agents = self.gang_agents()
+        row = LOCK_STEPS.get(st.phase)
+        if row is not None:
+            span.agent_seconds = timeline.slowest_agent_seconds(agents, st.epoch, row.action)
+        record = row.record if row is not None else SPAN_RECORDS.get(st.phase)
+        if record is not None:
+            record(st.timeline, span, st.iteration, agents)
 
     # --- effects ----------------------------------------------------------------------------------
 
@@ -209,7 +168,7 @@ class _Step:
         self.commands.append(PodCommand(pod.name, command))
 
     def delete_all_pods(self) -> bool:
-        """Ask for every pod to go; True once none is left."""
+        """Ask every pod not already terminating to go; True once none is left."""
         for pod in self.obs.pods:
             if not pod.deleting:
                 self.delete.append(pod.name)
@@ -226,42 +185,317 @@ class _Step:
         )
 
 
-def decide(spec: RLJobSpec, status: RLJobStatus, obs: Observation) -> Decision:
-    step = _Step(spec=spec, status=status.model_copy(deep=True), obs=obs)
+# --- the lock-step phases: one row each ---------------------------------------------------------------
+
+SpanRecord = Callable[[list[PhaseSpan], PhaseSpan, int, Sequence[AgentState]], None]
+"""Numbers a phase's span keeps when it closes: (timeline, closed span, iteration, gang agents)."""
+
+
+@dataclass(frozen=True)
+class LockStep:
+    """One lock-step phase: every pod gets `command(step, pod, agent)` stamped with the phase's epoch;
+    the phase is done when every pod's agent reports that epoch's `action` Succeeded and `done(step,
+    agent)` holds; then `then(step, agents)` moves the job on.
+
+    A lost member, a phase running past `deadline` or a failed command restarts the gang (a permanent
+    failure fails the job), unless `best_effort`: the pods are going away anyway, so a lost member or
+    the deadline ends the phase early and a failed command counts as done."""
+
+    action: Action
+    deadline: Callable[[PhaseTimeouts], int | None]
+    command: Callable[[_Step, PodObservation, AgentState], Command]
+    done: Callable[[_Step, AgentState], bool]
+    then: Callable[[_Step, list[AgentState]], None]
+    record: SpanRecord | None = None
+    best_effort: bool = False
+
+
+def _drain(step: _Step, pod: PodObservation, agent: AgentState) -> Command:
+    drain = step.spec.rollout.drain
+    return DrainCommand(epoch=step.status.epoch, mode=drain.mode, timeout_seconds=drain.timeout_seconds)
+
+
+def _release(step: _Step, pod: PodObservation, agent: AgentState) -> Command:
+    release = step.spec.release
+    return ReleaseCommand(epoch=step.status.epoch, tags=list(release.tags), verify=release.verify)
+
+
+def _grant(step: _Step, pod: PodObservation, agent: AgentState) -> Command:
+    return GrantCommand(epoch=step.status.epoch)
+
+
+def _refit(step: _Step, pod: PodObservation, agent: AgentState) -> Command:
+    target = step.status.target_weights
+    assert target is not None
+    # After training each pod loads what its own trainer published; a rejoin loads the committed path.
+    rejoin = target.version == step.committed().version
+    path = target.path if rejoin else (agent.trainer.published_path or target.path)
+    return RefitCommand(
+        epoch=step.status.epoch,
+        version=target.version,
+        path=path,
+        source=step.spec.refit.source,
+        timeout_seconds=step.spec.refit.timeout_seconds,
+    )
+
+
+def _resume(step: _Step, pod: PodObservation, agent: AgentState) -> Command:
+    timeout = float(step.spec.phase_timeout_seconds.resuming or 300)
+    return ResumeCommand(epoch=step.status.epoch, timeout_seconds=timeout)
+
+
+def _command_succeeded(step: _Step, agent: AgentState) -> bool:
+    """No evidence needed beyond the command's Succeeded state."""
+    return True
+
+
+def _memory_verified(step: _Step, agent: AgentState) -> bool:
+    return agent.memory.verified  # invariant 3: no lease before freed memory is verified
+
+
+def _published(step: _Step, agent: AgentState) -> bool:
+    trainer = agent.trainer
+    return trainer.published_epoch == step.status.epoch and trainer.published_version is not None
+
+
+def _target_version(step: _Step) -> str | None:
+    return step.status.target_weights.version if step.status.target_weights else None
+
+
+def _serves_target(step: _Step, agent: AgentState) -> bool:
+    return agent.sglang.served_version == _target_version(step)
+
+
+def _serving_target(step: _Step, agent: AgentState) -> bool:
+    # invariant 4: rollout reopens only on the verified version
+    return agent.stage == Stage.SERVING and agent.sglang.served_version == _target_version(step)
+
+
+def _advance_to(phase: Phase, message: str | None = None) -> Callable[[_Step, list[AgentState]], None]:
+    def then(step: _Step, agents: list[AgentState]) -> None:
+        step.enter(phase, EventReason.PHASE_CHANGED, message)
+
+    return then
+
+
+def _refit_published_version(step: _Step, agents: list[AgentState]) -> None:
+    """Training done: every trainer published; refit that version, or fail if they disagree or it does
+    not move forward (invariant 6)."""
+    versions = sorted({str(a.trainer.published_version) for a in agents})
+    if len(versions) != 1:
+        _fail(
+            step, EventReason.TRAINER_VERSION_MISMATCH, f"trainers published different versions: {versions}"
+        )
+        return
+    version = versions[0]
+    history = [w.version for w in step.status.weight_history] + [step.committed().version]
+    if not is_newer(version, history):
+        _fail(
+            step,
+            EventReason.VERSION_NOT_NEWER,
+            f"trainers published version {version}, not newer than committed {step.committed().version}",
+        )
+        return
+    step.status.target_weights = CommittedWeights(
+        version=version, path=agents[0].trainer.published_path, iteration=step.status.iteration
+    )
+    step.enter(Phase.REFITTING, EventReason.PHASE_CHANGED, f"every trainer published {version}")
+
+
+def _commit_and_open_rollout(step: _Step, agents: list[AgentState]) -> None:
+    """Resuming done: commit the target weights, then open the next iteration's rollout (or the same
+    iteration's, after a rejoin), or finish when spec.iterations are done."""
     st = step.status
-    if st.start_time is None:
-        st.start_time = step.now
-        st.phase_start_time = step.now
-    if obs.generation is not None:
-        st.observed_generation = obs.generation
-    st.replicas = spec.replicas
-    st.ready_replicas = sum(1 for p in step.gang().values() if p.running and p.ready)
-    st.ready = f"{st.ready_replicas}/{spec.replicas}"
+    target = st.target_weights
+    assert target is not None
+    rejoin = target.version == step.committed().version
+    _commit(step, target)
+    st.target_weights = None
+    if rejoin:
+        step.enter(
+            Phase.ROLLOUT,
+            EventReason.PHASE_CHANGED,
+            f"rollout of iteration {st.iteration} open at {target.version}",
+        )
+        return
+    step.close_span()  # fold the Resuming span into this iteration's report
+    report = iteration_report(st.iteration, st.timeline)
+    st.last_iteration = report
+    st.profile = profile(report) or st.profile
+    set_condition(
+        st,
+        ConditionType.DEGRADED,
+        False,
+        "IterationCompleted",
+        f"iteration {st.iteration} completed",
+        step.now,
+    )
+    if step.spec.iterations is not None and st.iteration >= step.spec.iterations:
+        st.completion_time = step.now
+        step.enter(
+            Phase.SUCCEEDED,
+            EventReason.COMPLETED,
+            f"{st.iteration} iterations done, serving weights {target.version}",
+        )
+        return
+    st.iteration += 1
+    step.enter(
+        Phase.ROLLOUT,
+        EventReason.PHASE_CHANGED,
+        f"rollout of iteration {st.iteration} open at {target.version}",
+    )
 
-    if st.phase.terminal:
-        _finished(step)
-    elif _deadline_exceeded(step):
-        pass
-    else:
-        for pod in obs.pods:  # leftovers of an earlier gang never rejoin
-            if pod.gang != st.restarts or pod.index >= spec.replicas:
-                step.delete.append(pod.name)
-        entered = (st.phase, st.epoch)
-        HANDLERS[st.phase](step)
-        if (st.phase, st.epoch) != entered and st.phase in PHASE_ACTION:
-            _drive(step)  # a new lock-step phase sends its commands in the same decision
-    refresh_phase_conditions(st, step.now)
-    return step.freeze()
+
+def _delete_gang_then_suspend(step: _Step, agents: list[AgentState]) -> None:
+    """Suspending drained (or gave up draining): delete the gang; Suspended once no pod is left."""
+    asked = [p for p in step.obs.pods if not p.deleting]
+    if step.delete_all_pods():
+        step.enter(
+            Phase.SUSPENDED, EventReason.SUSPENDED, f"suspended at weights {step.status.weight_version}"
+        )
+    elif asked:  # pods already terminating were announced when they were asked to go
+        step.event(EventReason.PODS_DELETED, "deleting the gang to suspend")
 
 
-# --- phase handlers ----------------------------------------------------------------------------------
+LOCK_STEPS: dict[Phase, LockStep] = {
+    Phase.DRAINING: LockStep(
+        action=Action.DRAIN,
+        deadline=lambda t: t.draining,
+        command=_drain,
+        done=_command_succeeded,
+        then=_advance_to(Phase.RELEASING),
+        record=timeline.record_rollout_sample,
+    ),
+    Phase.RELEASING: LockStep(
+        action=Action.RELEASE,
+        deadline=lambda t: t.releasing,
+        command=_release,
+        done=_memory_verified,
+        then=_advance_to(Phase.TRAINING, "memory freed and verified on every pod"),
+        record=timeline.record_freed_bytes,
+    ),
+    Phase.TRAINING: LockStep(
+        action=Action.GRANT,
+        deadline=lambda t: t.training,
+        command=_grant,
+        done=_published,
+        then=_refit_published_version,
+    ),
+    Phase.REFITTING: LockStep(
+        action=Action.REFIT,
+        deadline=lambda t: t.refitting,
+        command=_refit,
+        done=_serves_target,
+        then=_advance_to(Phase.RESUMING),
+    ),
+    Phase.RESUMING: LockStep(
+        action=Action.RESUME,
+        deadline=lambda t: t.resuming,
+        command=_resume,
+        done=_serving_target,
+        then=_commit_and_open_rollout,
+    ),
+    Phase.SUSPENDING: LockStep(
+        action=Action.DRAIN,  # drain first, so in-flight requests end cleanly before their pods go
+        deadline=lambda t: t.draining,
+        command=_drain,
+        done=_command_succeeded,
+        then=_delete_gang_then_suspend,
+        best_effort=True,
+    ),
+}
+
+# Spans of phases outside LOCK_STEPS that keep numbers when they close.
+SPAN_RECORDS: dict[Phase, SpanRecord] = {Phase.ROLLOUT: timeline.record_rollout_sample}
+
+
+def _lock_step(step: _Step, row: LockStep) -> None:
+    lost = step.lost_member()
+    limit = row.deadline(step.spec.phase_timeout_seconds)
+    if row.best_effort:
+        if lost is not None or _past(step, limit):
+            row.then(step, [])
+            return
+    elif lost is not None:
+        _recover(step, lost)
+        return
+    elif _restart_gang_if_timed_out(step, limit):
+        return
+    done = _send_and_collect(step, row)
+    if done is not None:
+        row.then(step, done)
+
+
+def _send_and_collect(step: _Step, row: LockStep) -> list[AgentState] | None:
+    """Send the row's command to every pod that hasn't accepted this epoch; return the agents' states
+    once every pod finished it with the row's evidence, None while waiting (or when a pod's report
+    restarted the gang or failed the job)."""
+    st = step.status
+    finished: list[AgentState] = []
+    waiting = False
+    for pod in sorted(step.gang().values(), key=lambda p: p.index):
+        agent = step.agent(pod)
+        if agent is None or not pod.running:
+            waiting = True
+            continue
+        cmd = agent.last_command
+        if agent.epoch < st.epoch or cmd is None or cmd.epoch < st.epoch:
+            step.send(pod, row.command(step, pod, agent))
+            waiting = True
+            continue
+        if cmd.epoch > st.epoch or cmd.action != row.action:
+            # The agent is ahead of our status: our status was rolled back. Never guess: restart the gang.
+            _recover(
+                step, f"pod {pod.name} reports epoch {cmd.epoch} ({cmd.action.value}), job is at {st.epoch}"
+            )
+            return None
+        if cmd.state == CommandState.RUNNING:
+            waiting = True
+        elif cmd.state == CommandState.FAILED:
+            if row.best_effort:
+                finished.append(agent)
+                continue
+            _fail_or_recover_after_command_failure(step, pod, cmd)
+            return None
+        elif not row.done(step, agent):
+            waiting = True
+        else:
+            finished.append(agent)
+    return None if waiting else finished
+
+
+def _fail_or_recover_after_command_failure(step: _Step, pod: PodObservation, cmd: CommandStatus) -> None:
+    """A failure the agent marks permanent would repeat in any gang: the job fails with the agent's
+    reason, without a restart. Any other failure restarts the gang."""
+    where = f"{cmd.action.value}@{cmd.epoch}"
+    if cmd.permanent:
+        known = {r.value: r for r in EventReason}
+        reason = known.get(cmd.failure_reason or "", EventReason.COMMAND_FAILED)
+        _fail(step, reason, cmd.error or f"{where} failed permanently on {pod.name}")
+        return
+    step.event(EventReason.COMMAND_FAILED, f"{pod.name}: {where}: {cmd.error}", True)
+    _recover(step, f"{cmd.action.value} failed on {pod.name}: {cmd.error}")
+
+
+def _commit(step: _Step, weights: CommittedWeights) -> None:
+    """Invariant 6: weightVersion is written only here, after every pod served it, and never repeats."""
+    st = step.status
+    if st.weight_version == weights.version:
+        return
+    entry = weights.model_copy(update={"committed_at": step.now})
+    st.weight_version = weights.version
+    st.weight_history = ([*st.weight_history, entry])[-MAX_WEIGHT_HISTORY:]
+    step.event(EventReason.WEIGHTS_COMMITTED, f"weights {weights.version} served and verified on every pod")
+
+
+# --- the other phases --------------------------------------------------------------------------------
 
 
 def _pending(step: _Step) -> None:
     if step.spec.suspend:
         step.enter(Phase.SUSPENDING, EventReason.SUSPENDED, "suspend requested before start")
         return
-    if _timed_out(step, step.spec.phase_timeout_seconds.initializing):
+    if _restart_gang_if_timed_out(step, step.spec.phase_timeout_seconds.initializing):
         return
     gang = step.gang()
     broken = [p for p in gang.values() if p.broken or p.phase in ("Failed", "Succeeded")]
@@ -285,7 +519,7 @@ def _initializing(step: _Step) -> None:
     if lost:
         _recover(step, lost)
         return
-    if _timed_out(step, step.spec.phase_timeout_seconds.initializing):
+    if _restart_gang_if_timed_out(step, step.spec.phase_timeout_seconds.initializing):
         return
     agents = [step.agent(p) for p in step.gang().values()]
     if any(a is None or not a.sglang.reachable or a.stage == Stage.STARTING for a in agents):
@@ -332,7 +566,7 @@ def _rollout(step: _Step) -> None:
     if step.spec.suspend:
         step.enter(Phase.SUSPENDING, EventReason.SUSPENDED, "suspend requested during rollout")
         return
-    if _timed_out(step, step.spec.phase_timeout_seconds.rollout):
+    if _restart_gang_if_timed_out(step, step.spec.phase_timeout_seconds.rollout):
         return
     epoch = step.status.epoch
     for pod in step.gang().values():
@@ -342,210 +576,6 @@ def _rollout(step: _Step) -> None:
         if agent is None or not agent.trainer.requested or agent.epoch != epoch:
             return
     step.enter(Phase.DRAINING, EventReason.PHASE_CHANGED, "every trainer asked for the GPU")
-
-
-def _lock_step(step: _Step) -> None:
-    """Draining, Releasing, Training, Refitting, Resuming: one command per pod, wait for all."""
-    st = step.status
-    lost = step.lost_member()
-    if lost:
-        _recover(step, lost)
-        return
-    timeouts = step.spec.phase_timeout_seconds
-    limit = {
-        Phase.DRAINING: timeouts.draining,
-        Phase.RELEASING: timeouts.releasing,
-        Phase.TRAINING: timeouts.training,
-        Phase.REFITTING: timeouts.refitting,
-        Phase.RESUMING: timeouts.resuming,
-    }[st.phase]
-    if _timed_out(step, limit):
-        return
-    done = _drive(step)
-    if done is None:
-        return
-    if st.phase == Phase.DRAINING:
-        step.enter(Phase.RELEASING)
-    elif st.phase == Phase.RELEASING:
-        step.enter(Phase.TRAINING, EventReason.PHASE_CHANGED, "memory freed and verified on every pod")
-    elif st.phase == Phase.TRAINING:
-        _trained(step, done)
-    elif st.phase == Phase.REFITTING:
-        step.enter(Phase.RESUMING)
-    elif st.phase == Phase.RESUMING:
-        _resumed(step)
-
-
-def _drive(step: _Step) -> list[AgentState] | None:
-    """Send this phase's command to every pod that hasn't accepted this epoch; return the agents' states
-    when every pod finished it (and, in Training, published), None while waiting."""
-    st = step.status
-    action = PHASE_ACTION[st.phase]
-    finished: list[AgentState] = []
-    waiting = False
-    for pod in sorted(step.gang().values(), key=lambda p: p.index):
-        agent = step.agent(pod)
-        if agent is None or not pod.running:
-            waiting = True
-            continue
-        cmd = agent.last_command
-        if agent.epoch < st.epoch or cmd is None or cmd.epoch < st.epoch:
-            step.send(pod, _command(step, pod, agent))
-            waiting = True
-            continue
-        if cmd.epoch > st.epoch or cmd.action != action:
-            # The agent is ahead of our status: our status was rolled back. Never guess: restart the gang.
-            _recover(
-                step, f"pod {pod.name} reports epoch {cmd.epoch} ({cmd.action.value}), job is at {st.epoch}"
-            )
-            return None
-        if cmd.state == CommandState.RUNNING:
-            waiting = True
-        elif cmd.state == CommandState.FAILED:
-            if st.phase == Phase.SUSPENDING:  # the pods are going away anyway
-                finished.append(agent)
-                continue
-            step.event(
-                EventReason.COMMAND_FAILED, f"{pod.name}: {action.value}@{st.epoch}: {cmd.error}", True
-            )
-            _recover(step, f"{action.value} failed on {pod.name}: {cmd.error}")
-            return None
-        elif not _step_complete(step, agent):
-            waiting = True
-        else:
-            finished.append(agent)
-    return None if waiting else finished
-
-
-def _step_complete(step: _Step, agent: AgentState) -> bool:
-    """Beyond 'the command succeeded': the evidence each phase needs from the agent."""
-    st = step.status
-    if st.phase == Phase.RELEASING:
-        return agent.memory.verified  # invariant 3: no lease before freed memory is verified
-    if st.phase == Phase.TRAINING:
-        return agent.trainer.published_epoch == st.epoch and agent.trainer.published_version is not None
-    target = st.target_weights.version if st.target_weights else None
-    if st.phase == Phase.REFITTING:
-        return agent.sglang.served_version == target
-    if st.phase == Phase.RESUMING:  # invariant 4: rollout reopens only on the verified version
-        return agent.stage == Stage.SERVING and agent.sglang.served_version == target
-    return True
-
-
-def _command(step: _Step, pod: PodObservation, agent: AgentState) -> Command:
-    spec, st = step.spec, step.status
-    epoch = st.epoch
-    phase = st.phase
-    if phase in (Phase.DRAINING, Phase.SUSPENDING):
-        return DrainCommand(
-            epoch=epoch, mode=spec.rollout.drain.mode, timeout_seconds=spec.rollout.drain.timeout_seconds
-        )
-    if phase == Phase.RELEASING:
-        return ReleaseCommand(epoch=epoch, tags=list(spec.release.tags), verify=spec.release.verify)
-    if phase == Phase.TRAINING:
-        return GrantCommand(epoch=epoch)
-    if phase == Phase.REFITTING:
-        target = st.target_weights
-        assert target is not None
-        # After training each pod loads what its own trainer published; a rejoin loads the committed path.
-        rejoin = target.version == step.committed().version
-        path = target.path if rejoin else (agent.trainer.published_path or target.path)
-        return RefitCommand(
-            epoch=epoch,
-            version=target.version,
-            path=path,
-            source=spec.refit.source,
-            timeout_seconds=spec.refit.timeout_seconds,
-        )
-    return ResumeCommand(epoch=epoch, timeout_seconds=float(spec.phase_timeout_seconds.resuming or 300))
-
-
-def _trained(step: _Step, agents: list[AgentState]) -> None:
-    versions = sorted({str(a.trainer.published_version) for a in agents})
-    if len(versions) != 1:
-        _fail(
-            step, EventReason.TRAINER_VERSION_MISMATCH, f"trainers published different versions: {versions}"
-        )
-        return
-    version = versions[0]
-    history = [w.version for w in step.status.weight_history] + [step.committed().version]
-    if not is_newer(version, history):
-        _fail(
-            step,
-            EventReason.VERSION_NOT_NEWER,
-            f"trainers published version {version}, not newer than committed {step.committed().version}",
-        )
-        return
-    step.status.target_weights = CommittedWeights(
-        version=version, path=agents[0].trainer.published_path, iteration=step.status.iteration
-    )
-    step.enter(Phase.REFITTING, EventReason.PHASE_CHANGED, f"every trainer published {version}")
-
-
-def _resumed(step: _Step) -> None:
-    st = step.status
-    target = st.target_weights
-    assert target is not None
-    rejoin = target.version == step.committed().version
-    _commit(step, target)
-    st.target_weights = None
-    if rejoin:
-        step.enter(
-            Phase.ROLLOUT,
-            EventReason.PHASE_CHANGED,
-            f"rollout of iteration {st.iteration} open at {target.version}",
-        )
-        return
-    step.close_span()  # fold the Resuming span into this iteration's report
-    report = iteration_report(st.iteration, st.timeline)
-    st.last_iteration = report
-    st.profile = profile(report) or st.profile
-    set_condition(
-        st,
-        ConditionType.DEGRADED,
-        False,
-        "IterationCompleted",
-        f"iteration {st.iteration} completed",
-        step.now,
-    )
-    if step.spec.iterations is not None and st.iteration >= step.spec.iterations:
-        st.completion_time = step.now
-        step.enter(
-            Phase.SUCCEEDED,
-            EventReason.COMPLETED,
-            f"{st.iteration} iterations done, serving weights {target.version}",
-        )
-        return
-    st.iteration += 1
-    step.enter(
-        Phase.ROLLOUT,
-        EventReason.PHASE_CHANGED,
-        f"rollout of iteration {st.iteration} open at {target.version}",
-    )
-
-
-def _commit(step: _Step, weights: CommittedWeights) -> None:
-    """Invariant 6: weightVersion is written only here, after every pod served it, and never repeats."""
-    st = step.status
-    if st.weight_version == weights.version:
-        return
-    entry = weights.model_copy(update={"committed_at": step.now})
-    st.weight_version = weights.version
-    st.weight_history = ([*st.weight_history, entry])[-MAX_WEIGHT_HISTORY:]
-    step.event(EventReason.WEIGHTS_COMMITTED, f"weights {weights.version} served and verified on every pod")
-
-
-def _suspending(step: _Step) -> None:
-    st = step.status
-    timed_out = (limit := step.spec.phase_timeout_seconds.draining) is not None and seconds_between(
-        st.phase_start_time, step.obs.now
-    ) > limit
-    if step.lost_member() is None and not timed_out and step.gang() and _drive(step) is None:
-        return  # drain first, so in-flight requests end cleanly before their pods go
-    if step.delete_all_pods():
-        step.enter(Phase.SUSPENDED, EventReason.SUSPENDED, f"suspended at weights {st.weight_version}")
-    elif not step.events or step.events[-1].reason != EventReason.PODS_DELETED:
-        step.event(EventReason.PODS_DELETED, "deleting the gang to suspend")
 
 
 def _suspended(step: _Step) -> None:
@@ -560,13 +590,81 @@ def _recovering(step: _Step) -> None:
         step.enter(Phase.PENDING, EventReason.PHASE_CHANGED, f"recreating gang {step.status.restarts}")
 
 
+def _finished(step: _Step) -> None:
+    """Terminal phases are sticky, with one exception: spec.iterations raised after Succeeded continues
+    the job (see _continue_if_iterations_raised). Otherwise only cleanup and TTL happen here."""
+    if _continue_if_iterations_raised(step):
+        return
+    _clean_up_finished(step)
+
+
+# Every phase is a row of LOCK_STEPS or has a handler here; the terminal ones are _finished's (decide
+# runs it before the deadline and leftover checks, which a finished job skips).
+HANDLERS: dict[Phase, Callable[[_Step], None]] = {
+    Phase.PENDING: _pending,
+    Phase.INITIALIZING: _initializing,
+    Phase.ROLLOUT: _rollout,
+    Phase.RECOVERING: _recovering,
+    Phase.SUSPENDED: _suspended,
+}
+
+
+# --- the decision --------------------------------------------------------------------------------------
+
+
+def decide(spec: RLJobSpec | None, status: RLJobStatus, obs: Observation) -> Decision:
+    """The next status and effects. `spec` is None when the spec could not be parsed; obs.spec_error
+    then says why (and may be set with a spec, when the API server refused a child object). The input
+    status is never changed."""
+    # A shallow copy: every list decide changes is replaced, not changed in place, except the timeline,
+    # copied here; its spans are copied before they are written (timeline.close_span). A deep copy was
+    # most of decide's cost at 64 pods.
+    st = status.model_copy()
+    st.timeline = list(status.timeline)
+    step = _Step(job_spec=spec, status=st, obs=obs)
+    if st.start_time is None:
+        st.start_time = step.now
+        st.phase_start_time = step.now
+    if obs.generation is not None:
+        st.observed_generation = obs.generation
+    if spec is not None:
+        st.replicas = spec.replicas
+        st.ready_replicas = sum(1 for p in step.gang().values() if p.running and p.ready)
+        st.ready = f"{st.ready_replicas}/{spec.replicas}"
+
+    if spec is None or obs.spec_error is not None:
+        _fail_on_invalid_spec(step, obs.spec_error or "spec: refused by the models")
+    elif st.phase.terminal:
+        _finished(step)
+    elif _fail_if_deadline_exceeded(step):
+        pass
+    else:
+        for pod in obs.pods:  # leftovers of an earlier gang never rejoin
+            if pod.gang != st.restarts or pod.index >= spec.replicas:
+                step.delete.append(pod.name)
+        entered = (st.phase, st.epoch)
+        row = LOCK_STEPS.get(st.phase)
+        if row is not None:
+            _lock_step(step, row)
+        else:
+            HANDLERS[st.phase](step)
+        row = LOCK_STEPS.get(st.phase)
+        if (st.phase, st.epoch) != entered and row is not None:
+            _send_and_collect(step, row)  # a new lock-step phase sends its commands in the same decision
+    refresh_phase_conditions(st, step.now)
+    return step.freeze()
+
+
+# --- helpers that end or restart the job ---------------------------------------------------------------
+
+
 def _recover(step: _Step, why: str) -> None:
     """A member is lost: the whole gang restarts at the committed weights. Partial rejoin would pair a
     fresh trainer rank with survivors mid-step, which no collective can take."""
     st = step.status
-    step.event(EventReason.GANG_MEMBER_LOST, why, warning=True)
     set_condition(st, ConditionType.DEGRADED, True, EventReason.GANG_MEMBER_LOST.value, why, step.now)
     if st.restarts >= step.spec.backoff_limit:
+        step.event(EventReason.GANG_MEMBER_LOST, why, warning=True)
         _fail(
             step,
             EventReason.BACKOFF_LIMIT_EXCEEDED,
@@ -575,7 +673,7 @@ def _recover(step: _Step, why: str) -> None:
         return
     st.restarts += 1
     st.target_weights = None
-    step.enter(Phase.RECOVERING, EventReason.GANG_MEMBER_LOST, why)
+    step.enter(Phase.RECOVERING, EventReason.GANG_MEMBER_LOST, why)  # the one GangMemberLost event
     step.delete_all_pods()
 
 
@@ -583,12 +681,27 @@ def _fail(step: _Step, reason: EventReason, message: str) -> None:
     st = step.status
     st.completion_time = step.now
     step.enter(Phase.FAILED, reason, message)
-    _finished(step)
+    _clean_up_finished(step)
 
 
-def _timed_out(step: _Step, limit: int | None) -> bool:
+def _fail_on_invalid_spec(step: _Step, error: str) -> None:
+    """A spec the models refuse, or a child object the API server refused: nothing can make the job run,
+    so it fails (reason InvalidSpec, the message naming the field) and its pods go. A job already
+    finished stays as it is: terminal phases are sticky, so a repeated round posts no second event."""
+    if step.status.phase.terminal:
+        _clean_up_finished(step)
+        return
+    _fail(step, EventReason.INVALID_SPEC, error)
+
+
+def _past(step: _Step, limit: int | None) -> bool:
+    return limit is not None and seconds_between(step.status.phase_start_time, step.obs.now) > limit
+
+
+def _restart_gang_if_timed_out(step: _Step, limit: int | None) -> bool:
+    """True when the phase ran past `limit`: the job is Degraded and the gang restarted."""
     st = step.status
-    if limit is None or seconds_between(st.phase_start_time, step.obs.now) <= limit:
+    if not _past(step, limit):
         return False
     why = f"phase {st.phase.value} exceeded {limit}s"
     step.event(EventReason.PHASE_TIMEOUT, why, warning=True)
@@ -597,7 +710,8 @@ def _timed_out(step: _Step, limit: int | None) -> bool:
     return True
 
 
-def _deadline_exceeded(step: _Step) -> bool:
+def _fail_if_deadline_exceeded(step: _Step) -> bool:
+    """True when activeDeadlineSeconds passed since the start: the job failed."""
     limit = step.spec.active_deadline_seconds
     if limit is None or seconds_between(step.status.start_time, step.obs.now) <= limit:
         return False
@@ -605,28 +719,66 @@ def _deadline_exceeded(step: _Step) -> bool:
     return True
 
 
-def _finished(step: _Step) -> None:
-    """Terminal phases are sticky; only cleanup and TTL happen here."""
-    st = step.status
-    failed = st.phase == Phase.FAILED
-    if failed or step.spec.pods_after_finished == PodsAfterFinished.DELETE:
+def _continue_if_iterations_raised(step: _Step) -> bool:
+    """spec.iterations raised above the iterations a Succeeded job did: the job continues from its
+    committed weights rather than ignoring the edit. True when it does.
+
+    - The gang was kept (podsAfterFinished: Keep) and every member still runs with its agent Serving
+      the committed version: rollout of the next iteration opens on those pods at once.
+    - Otherwise (the pods were deleted, or one of them stopped): the remaining pods go and a fresh gang
+      is created; it loads the committed weights exactly as a gang recreated after a lost member does
+      (Initializing -> Refitting -> Resuming -> Rollout), without counting a restart against
+      backoffLimit: nothing failed.
+
+    Condition Complete turns False again; the reason IterationsRaised and the message say so. A Failed
+    job stays Failed."""
+    st, spec = step.status, step.spec
+    if st.phase != Phase.SUCCEEDED or spec.iterations is None or spec.iterations <= st.iteration:
+        return False
+    committed = step.committed()
+    st.completion_time = None
+    st.target_weights = None
+    st.iteration += 1
+    why = f"iterations raised to {spec.iterations}: continuing with iteration {st.iteration}"
+    serving = [
+        a
+        for a in step.gang_agents()
+        if a.stage == Stage.SERVING and a.sglang.served_version == committed.version
+    ]
+    kept = (
+        spec.pods_after_finished == PodsAfterFinished.KEEP
+        and step.lost_member() is None
+        and len(serving) == spec.replicas
+    )
+    if kept:
+        step.enter(
+            Phase.ROLLOUT, EventReason.ITERATIONS_RAISED, f"{why} on the kept pods at {committed.version}"
+        )
+    elif step.obs.pods:
+        step.enter(
+            Phase.RECOVERING,
+            EventReason.ITERATIONS_RAISED,
+            f"{why}: recreating the gang at committed weights {committed.version}",
+            warning=False,
+        )
         step.delete_all_pods()
-    ttl = step.spec.ttl_seconds_after_finished
+    else:
+        step.enter(
+            Phase.PENDING,
+            EventReason.ITERATIONS_RAISED,
+            f"{why}: creating a gang at committed weights {committed.version}",
+        )
+    return True
+
+
+def _clean_up_finished(step: _Step) -> None:
+    """A finished job's pods go (unless podsAfterFinished: Keep after Succeeded), and the job itself
+    once ttlSecondsAfterFinished passed. Without a parsed spec: the pods of a Failed job go, no TTL."""
+    st, spec = step.status, step.job_spec
+    failed = st.phase == Phase.FAILED
+    if failed or (spec is not None and spec.pods_after_finished == PodsAfterFinished.DELETE):
+        step.delete_all_pods()
+    ttl = spec.ttl_seconds_after_finished if spec is not None else None
     done = parse(st.completion_time)
     if ttl is not None and done is not None and (step.obs.now - done).total_seconds() >= ttl:
         step.delete_job = True
-
-
-HANDLERS: dict[Phase, Callable[[_Step], None]] = {
-    Phase.PENDING: _pending,
-    Phase.INITIALIZING: _initializing,
-    Phase.ROLLOUT: _rollout,
-    Phase.DRAINING: _lock_step,
-    Phase.RELEASING: _lock_step,
-    Phase.TRAINING: _lock_step,
-    Phase.REFITTING: _lock_step,
-    Phase.RESUMING: _lock_step,
-    Phase.RECOVERING: _recovering,
-    Phase.SUSPENDING: _suspending,
-    Phase.SUSPENDED: _suspended,
-}

@@ -67,7 +67,9 @@ class EventReason(StrEnum):
     SUSPENDED = "Suspended"
     RESUMED = "Resumed"
     COMPLETED = "Completed"
+    ITERATIONS_RAISED = "IterationsRaised"  # spec.iterations raised after Succeeded: the job continues
     INVALID_SPEC = "InvalidSpec"
+    RELEASE_SHORTFALL = "ReleaseShortfall"  # the released tags can never free what release.verify asks
 
 
 @dataclass(frozen=True)

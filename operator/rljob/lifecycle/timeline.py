@@ -1,0 +1,105 @@
+"""Bookkeeping the machine does at each phase change: the timeline spans `kubectl rljob status` prints
+(and profile.py sums per iteration), and the per-pod entries of status.pods. Pure functions over the
+status' lists; nothing here decides what the job does next."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+
+from rljob.api.agent import Action, AgentState, CommandState
+from rljob.api.status import MAX_PODS_IN_STATUS, MAX_TIMELINE, Phase, PhaseSpan, PodStatus
+from rljob.lifecycle.clock import seconds_between
+from rljob.lifecycle.model import PodObservation
+
+
+def open_span(timeline: list[PhaseSpan], phase: Phase, iteration: int, now: str) -> None:
+    """Start a span for `phase`; the timeline keeps the newest MAX_TIMELINE spans."""
+    timeline.append(PhaseSpan(phase=phase, iteration=iteration, start_time=now))
+    del timeline[:-MAX_TIMELINE]
+
+
+def close_span(timeline: list[PhaseSpan], phase: Phase, now: datetime) -> PhaseSpan | None:
+    """Stamp the open span of `phase` with its wall time; the span closed, or None when none was open.
+
+    The span is replaced by a copy before it is written: the machine's status is a shallow copy of its
+    input, and the input must stay as it was (decide is pure)."""
+    if not timeline or timeline[-1].seconds is not None or timeline[-1].phase != phase:
+        return None
+    span = timeline[-1].model_copy()
+    span.seconds = round(seconds_between(span.start_time, now), 6)
+    timeline[-1] = span
+    return span
+
+
+def slowest_agent_seconds(agents: Iterable[AgentState], epoch: int, action: Action) -> float | None:
+    """The slowest pod's time inside its agent for this epoch's command: the rest of the span's wall
+    time is what the control plane cost."""
+    own = [
+        a.last_command.seconds
+        for a in agents
+        if a.last_command is not None
+        and a.last_command.epoch == epoch
+        and a.last_command.action == action
+        and a.last_command.seconds is not None
+    ]
+    return round(max(own), 6) if own else None
+
+
+def record_freed_bytes(
+    timeline: list[PhaseSpan], span: PhaseSpan, iteration: int, agents: Sequence[AgentState]
+) -> None:
+    """Releasing: the memory every pod freed, summed."""
+    span.freed_bytes = sum(a.memory.freed_bytes for a in agents)
+
+
+def record_rollout_sample(
+    timeline: list[PhaseSpan], span: PhaseSpan, iteration: int, agents: Sequence[AgentState]
+) -> None:
+    """Rollout and Draining: the agent takes its last rollout sample as the drain starts, so the numbers
+    are read at the end of Draining too, and kept on this iteration's Rollout span."""
+    at = next(
+        (
+            i
+            for i in range(len(timeline) - 1, -1, -1)
+            if timeline[i].phase == Phase.ROLLOUT and timeline[i].iteration == iteration
+        ),
+        None,
+    )
+    if at is None:
+        return
+    rates = [a.rollout.cache_hit_rate for a in agents if a.rollout.cache_hit_rate is not None]
+    tps = [
+        a.rollout.generation_tokens_per_second
+        for a in agents
+        if a.rollout.generation_tokens_per_second is not None
+    ]
+    if not rates and not tps:
+        return
+    rollout = timeline[at] if timeline[at] is span else timeline[at].model_copy()  # copy before writing
+    timeline[at] = rollout
+    if rates:
+        rollout.cache_hit_rate = round(sum(rates) / len(rates), 6)
+    if tps:
+        rollout.tokens_per_second = round(sum(tps), 3)
+
+
+def pod_entries(gang: Iterable[tuple[PodObservation, AgentState | None]]) -> list[PodStatus]:
+    """status.pods: one entry per gang member (by index, at most MAX_PODS_IN_STATUS), as its agent last
+    reported. Refreshed at phase changes only, so status writes per iteration stay constant whatever
+    the number of pods."""
+    entries = []
+    for pod, agent in sorted(gang, key=lambda pa: pa[0].index)[:MAX_PODS_IN_STATUS]:
+        entry = PodStatus(name=pod.name, stage="Unreachable" if agent is None else agent.stage.value)
+        if agent is not None:
+            entry.weight_version = agent.sglang.served_version
+            entry.released_tags = list(agent.released_tags)
+            entry.freed_bytes = agent.memory.freed_bytes
+            failed = agent.last_command is not None and agent.last_command.state == CommandState.FAILED
+            entry.last_error = agent.fatal or (
+                agent.last_command.error if failed and agent.last_command else None
+            )
+        if pod.broken:
+            entry.last_error = pod.broken
+        entries.append(entry)
+    return entries
