@@ -191,7 +191,7 @@ class Bench:
         kubelet = Kubelet(
             self.kubeconfig, [ns], mapping=shared.mapping(), scratch_root=work / "pods",
             probe_period=2.0, tick=0.2,  # the agent's readinessProbe period; a calm kubelet for 64 pods
-            ips=IpAllocator(pod_ip_base()),
+            ips=IpAllocator(pod_ip_base()), nodes=max(2, -(-pods // 8)),  # 8 GPUs a node, 1 a pod
         )  # fmt: skip
         shared.attach(kubelet)
         kubelet.start()

@@ -1,4 +1,5 @@
-"""Fixtures for the e2e tier: a real kube-apiserver + etcd, fresh namespaces, real kubectl, a fake kubelet.
+"""Fixtures for the e2e tier: a real control plane (etcd, kube-apiserver, kube-scheduler,
+kube-controller-manager), fresh namespaces, the matching kubectl, fake kubelets with simulated GPU nodes.
 
 The control plane is started once per session from the cached binaries (hack/build-binaries.sh
 builds them if missing), or reused from `RLJOB_KUBECONFIG`. Missing binaries that cannot be built
@@ -18,7 +19,7 @@ from typing import Any
 import pytest
 
 from rljob.testing.cluster import ControlPlaneError, LocalControlPlane, ensure_binaries
-from rljob.testing.kubeaccess import KubeApi, Kubectl, create_namespace, delete_namespace
+from rljob.testing.kubeaccess import KubeApi, Kubectl, create_namespace, delete_namespace, kubectl_env
 from rljob.testing.kubelet import Kubelet, Mapping, default_mapping
 
 SKIP_E2E = os.environ.get("RLJOB_SKIP_E2E") == "1"
@@ -55,10 +56,13 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlP
         pytest.fail(f"e2e needs the control-plane binaries: {exc}", pytrace=False)
     plane = LocalControlPlane(tmp_path_factory.mktemp("control-plane"), binaries)
     plane.start()
-    try:
-        yield ControlPlane(plane.kubeconfig, KubeApi.from_kubeconfig(plane.kubeconfig), plane)
-    finally:
-        plane.stop()
+    # Every `kubectl` a test or a tool starts is the server's release (no version-skew warnings).
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PATH", kubectl_env()["PATH"])
+        try:
+            yield ControlPlane(plane.kubeconfig, KubeApi.from_kubeconfig(plane.kubeconfig), plane)
+        finally:
+            plane.stop()
 
 
 @pytest.fixture(scope="session")
@@ -75,8 +79,8 @@ def kube_api(control_plane: ControlPlane) -> KubeApi:
 
 @pytest.fixture
 def namespace(request: pytest.FixtureRequest, kube_api: KubeApi) -> Iterator[str]:
-    """A fresh namespace per test; deletion is requested afterwards but never awaited (no finalizer
-    controller runs on a bare API server)."""
+    """A fresh namespace per test, returned once its default ServiceAccount exists (pods are admitted).
+    Deletion is requested afterwards and left to the namespace controller (not awaited)."""
     slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
     name = f"e2e-{slug}-{uuid.uuid4().hex[:6]}"
     create_namespace(kube_api, name, labels={"rljob.io/e2e": "true"})
@@ -94,12 +98,15 @@ KubeletFactory = Callable[..., Kubelet]
 
 @pytest.fixture
 def kubelet_factory(admin_kubeconfig: Path, namespace: str, tmp_path: Path) -> Iterator[KubeletFactory]:
-    """make(mapping=..., namespaces=[namespace], **Kubelet kwargs) -> a started Kubelet, stopped
-    (all its processes killed) at teardown. Scratch dirs and logs are under tmp_path/kubelet-N."""
+    """make(mapping=..., namespaces=[namespace], **Kubelet kwargs) -> a started Kubelet with its nodes
+    registered (default: 2 nodes of 8 GPUs), stopped at teardown (its processes killed, its nodes
+    deleted, so the next test's pods never land on them). Scratch dirs and logs: tmp_path/kubelet-N."""
     started: list[Kubelet] = []
 
     def make(mapping: Mapping = default_mapping, namespaces: list[str] | None = None, **kw: Any) -> Kubelet:
         kw.setdefault("scratch_root", tmp_path / f"kubelet-{len(started)}")
+        # Unique node names per test: a pod left bound to an earlier test's node never counts here.
+        kw.setdefault("node_prefix", f"gpu-{namespace[-6:]}-{len(started)}")
         kubelet = Kubelet(admin_kubeconfig, namespaces or [namespace], mapping, **kw)
         started.append(kubelet)
         return kubelet.start()
@@ -111,5 +118,5 @@ def kubelet_factory(admin_kubeconfig: Path, namespace: str, tmp_path: Path) -> I
 
 @pytest.fixture
 def kubelet(kubelet_factory: KubeletFactory) -> Kubelet:
-    """A fake kubelet for the test's namespace that runs command + args as given."""
+    """A fake kubelet (2 GPU nodes) for the test's namespace that runs command + args as given."""
     return kubelet_factory()

@@ -1,5 +1,6 @@
-"""Smoke tests of the e2e harness itself: the real control plane, RBAC, schema validation, the fake
-kubelet and the `python -m rljob.testing.cluster` CLI."""
+"""Smoke tests of the e2e harness itself: the real control plane (API server, scheduler,
+controller-manager), RBAC, schema validation, the fake kubelet's GPU nodes and the
+`python -m rljob.testing.cluster` CLI."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import pytest
 
 from rljob.testing import cluster
 from rljob.testing.kubeaccess import ApiError, KubeApi, Kubectl, service_account_kubeconfig, wait_for
-from rljob.testing.kubelet import ContainerContext, Kubelet, Launch, remap_paths, table_mapping
+from rljob.testing.kubelet import ContainerContext, Kubelet, Launch, NodeShape, remap_paths, table_mapping
 
 KubeletFactory = Callable[..., Kubelet]
 
@@ -110,13 +111,48 @@ def test_pinned_versions_agree_with_go_modules() -> None:
     )
     script = (REPO / "hack/build-binaries.sh").read_text()
     assert f'HELM_VERSION="{cluster.HELM_VERSION}"' in script
+    # Every Kubernetes binary comes from the one consumer module, so they are one release.
+    components = ("kube-apiserver", "kube-scheduler", "kube-controller-manager", "kubectl")
+    assert set(re.findall(r"^tool k8s\.io/kubernetes/cmd/(\S+)$", k8s_mod, re.M)) == set(components)
+    assert re.search(r'^K8S_COMMANDS="' + " ".join(components) + '"$', script, re.M)
 
 
 @pytest.mark.e2e
 def test_server_reports_pinned_release(kubectl: Kubectl, kube_api: KubeApi) -> None:
-    version = kubectl.json("version")
-    assert version["serverVersion"]["gitVersion"] == cluster.K8S_VERSION
+    version = kubectl("version", "-o", "json")
+    assert "WARNING" not in version.stderr, version.stderr  # no version skew
+    both = json.loads(version.stdout)
+    assert both["serverVersion"]["gitVersion"] == cluster.K8S_VERSION
+    assert both["clientVersion"]["gitVersion"] == cluster.K8S_VERSION
     assert kube_api.get("/version")["minor"] == cluster.K8S_VERSION.split(".")[1]
+
+
+@pytest.mark.e2e
+def test_scheduler_and_controller_manager_authenticate_as_their_own_users(
+    admin_kubeconfig: Path, kube_api: KubeApi, tmp_path: Path
+) -> None:
+    plane = cluster.LocalControlPlane.attach(admin_kubeconfig.parent)
+    if plane is None:
+        pytest.skip("RLJOB_KUBECONFIG: not a local control plane")
+    for component, user in (
+        ("kube-scheduler", "system:kube-scheduler"),
+        ("kube-controller-manager", "system:kube-controller-manager"),
+    ):
+        api = KubeApi.from_kubeconfig(plane.component_kubeconfig(component))
+        review = api.post(
+            "/apis/authentication.k8s.io/v1/selfsubjectreviews",
+            {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"},
+        )
+        assert review["status"]["userInfo"]["username"] == user
+        assert "system:masters" not in review["status"]["userInfo"].get("groups", [])
+    # --use-service-account-credentials: each controller runs as its own ServiceAccount.
+    wanted = {"generic-garbage-collector", "namespace-controller", "node-controller", "pod-garbage-collector"}
+
+    def accounts() -> bool:
+        listed = kube_api.get("/api/v1/namespaces/kube-system/serviceaccounts")["items"]
+        return wanted <= {sa["metadata"]["name"] for sa in listed}
+
+    wait_for(accounts, timeout=60, interval=0.5, what=f"ServiceAccounts {sorted(wanted)} in kube-system")
 
 
 @pytest.mark.e2e
@@ -273,7 +309,12 @@ def test_kubelet_runs_pod_on_loopback_ip_and_stops_it_on_delete(
     ip = ipaddress.IPv4Address(status["podIP"])
     assert ip.is_loopback and str(ip) != "127.0.0.1"
     assert status["phase"] == "Running" and status["podIPs"] == [{"ip": str(ip)}]
-    assert status["hostIP"] == "127.0.0.1" and pod["spec"]["nodeName"] == kubelet.node_name
+    assert status["hostIP"] == "127.0.0.1" and pod["spec"]["nodeName"] in kubelet.node_names
+    scheduled = kubectl.json(
+        "get", "events", "--field-selector=involvedObject.name=web,reason=Scheduled", namespace=namespace
+    )["items"]
+    reporters = [e.get("reportingComponent") or e["source"].get("component") for e in scheduled]
+    assert reporters == ["default-scheduler"], scheduled  # bound by the scheduler, not the kubelet
     (container,) = status["containerStatuses"]
     assert container["ready"] and container["started"] and "running" in container["state"]
     assert http_get(str(ip), 8080, "/index.txt") == (200, b"hello from a pod")
@@ -377,13 +418,95 @@ def run_cluster_cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.e2e
+def test_kubelet_registers_gpu_nodes_with_heartbeats_and_removes_them_on_stop(
+    kubectl: Kubectl, kube_api: KubeApi, kubelet_factory: KubeletFactory
+) -> None:
+    shape = NodeShape(gpus=4, cpu="16", memory="64Gi")
+    kubelet = kubelet_factory(nodes=2, shape=shape, heartbeat=0.5)
+    names = kubelet.node_names
+    assert len(names) == 2
+    for name in names:
+        node = kubectl.json("get", "node", name)
+        assert node["status"]["capacity"]["nvidia.com/gpu"] == "4"
+        assert node["status"]["allocatable"] == node["status"]["capacity"]
+        assert (node["status"]["capacity"]["cpu"], node["status"]["capacity"]["memory"]) == ("16", "64Gi")
+        ready = {c["type"]: c["status"] for c in node["status"]["conditions"]}
+        assert ready["Ready"] == "True"
+    lease_path = f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{names[0]}"
+    first = kube_api.get(lease_path)
+    assert first["spec"]["holderIdentity"] == names[0] and first["spec"]["leaseDurationSeconds"] == 40
+    assert first["metadata"]["ownerReferences"][0]["kind"] == "Node"
+    wait_for(
+        lambda: kube_api.get(lease_path)["spec"]["renewTime"] > first["spec"]["renewTime"],
+        timeout=10,
+        what="Lease renewed",
+    )
+    # The node lifecycle controller keeps heartbeating nodes free of not-ready/unreachable taints.
+    time.sleep(1)
+    taints = [t for n in names for t in kubectl.json("get", "node", n)["spec"].get("taints") or []]
+    assert taints == []
+    added = kubelet.add_node(shape=NodeShape(gpus=1))
+    assert kubectl.json("get", "node", added)["status"]["capacity"]["nvidia.com/gpu"] == "1"
+    kubelet.stop()
+    gone = kubectl("get", "nodes", *names, added, "--ignore-not-found", "-o", "name").stdout.strip()
+    assert gone == ""
+
+
+@pytest.mark.e2e
+def test_scheduler_places_gpu_pods_by_free_capacity(
+    kubectl: Kubectl, namespace: str, kubelet_factory: KubeletFactory
+) -> None:
+    kubelet = kubelet_factory(nodes=2, shape=NodeShape(gpus=8))
+
+    def gpu_pod(name: str, gpus: int) -> dict[str, Any]:
+        container = {
+            "name": "main",
+            "image": "python:3.11",
+            "command": ["python3", "-c", "import time; time.sleep(600)"],
+            "resources": {"limits": {"nvidia.com/gpu": gpus}},
+        }
+        spec = {"containers": [container]}
+        return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
+
+    for name in ("six-a", "six-b", "six-c"):
+        kubectl.apply(gpu_pod(name, 6), namespace=namespace)
+
+    def placed() -> dict[str, str] | None:
+        pods = kubectl.json("get", "pods", namespace=namespace)["items"]
+        nodes = {p["metadata"]["name"]: p["spec"].get("nodeName", "") for p in pods}
+        return nodes if sum(1 for n in nodes.values() if n) == 2 else None
+
+    nodes = wait_for(placed, timeout=30, what="two pods bound")
+    bound = sorted(n for n in nodes.values() if n)
+    assert bound == sorted(kubelet.node_names)  # 6 + 6 > 8: one per node
+    (waiting,) = [name for name, node in nodes.items() if not node]
+
+    def unschedulable() -> dict[str, Any] | None:
+        pod = get_pod(kubectl, namespace, waiting)
+        conditions = {c["type"]: c for c in pod["status"].get("conditions", [])}
+        scheduled = conditions.get("PodScheduled", {})
+        return scheduled if scheduled.get("reason") == "Unschedulable" else None
+
+    condition = wait_for(unschedulable, timeout=30, what=f"{waiting} Unschedulable")
+    assert "Insufficient nvidia.com/gpu" in condition["message"], condition
+    assert get_pod(kubectl, namespace, waiting)["status"]["phase"] == "Pending"
+    # A pod that fits still schedules next to them: 2 GPUs are free on each node.
+    kubectl.apply(gpu_pod("two", 2), namespace=namespace)
+    wait_ready(kubectl, namespace, "two")
+
+
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_cluster_cli_up_is_idempotent_and_down_leaves_nothing(admin_kubeconfig: Path, tmp_path: Path) -> None:
     workdir = tmp_path / "cluster"
-    first = run_cluster_cli("up", "--dir", str(workdir))
+    first = run_cluster_cli("up", "--dir", str(workdir), "--nodes", "2", "--gpus-per-node", "8")
     assert first.returncode == 0, first.stderr
+    for component in ("etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager"):
+        version = cluster.ETCD_VERSION if component == "etcd" else cluster.K8S_VERSION
+        row = rf"^\s+{component}\s+{re.escape(version)}\s+pid \d+"
+        assert re.search(row, first.stdout, re.M), first.stdout
     pids = pids_mentioning(str(workdir))
-    assert len(pids) == 2, pids  # etcd + kube-apiserver
+    assert len(pids) == 5, pids  # etcd, kube-apiserver, kube-scheduler, kube-controller-manager, fake kubelet
     second = run_cluster_cli("up", "--dir", str(workdir))
     assert second.returncode == 0 and "already running" in second.stdout, second.stdout + second.stderr
     assert pids_mentioning(str(workdir)) == pids
@@ -393,6 +516,12 @@ def test_cluster_cli_up_is_idempotent_and_down_leaves_nothing(admin_kubeconfig: 
         ["kubectl", kubeconfig, "get", "--raw", "/version"], capture_output=True, text=True, timeout=30
     )
     assert json.loads(version.stdout)["gitVersion"] == cluster.K8S_VERSION
+    nodes = subprocess.run(
+        ["kubectl", kubeconfig, "get", "nodes", "-o", "json"], capture_output=True, text=True, timeout=30
+    )
+    capacity = [n["status"]["capacity"]["nvidia.com/gpu"] for n in json.loads(nodes.stdout)["items"]]
+    assert capacity == ["8", "8"]
+    assert re.search(r"^rljob-gpu-0\s+True\s+8\s+64\s+512Gi", first.stdout, re.M), first.stdout
 
     started = time.monotonic()
     down = run_cluster_cli("down", "--dir", str(workdir))

@@ -132,9 +132,13 @@ class KubeApi:
     def delete(self, path: str, body: JsonObj | None = None) -> JsonObj:
         return self.request("DELETE", path, body)
 
-    def watch(self, path: str, resource_version: str, read_timeout: float = 2.0) -> WatchStream:
+    def watch(
+        self, path: str, resource_version: str, read_timeout: float = 2.0, field_selector: str = ""
+    ) -> WatchStream:
         """Opens a watch from `resource_version`; see WatchStream."""
         params = {"watch": "true", "resourceVersion": resource_version, "allowWatchBookmarks": "true"}
+        if field_selector:
+            params["fieldSelector"] = field_selector
         resp = self._session().get(
             self.access.server + path, params=params, stream=True, timeout=(5.0, read_timeout)
         )
@@ -175,18 +179,44 @@ def pod_path(namespace: str, name: str = "", sub: str = "") -> str:
     return path
 
 
-def create_namespace(api: KubeApi, name: str, labels: Mapping[str, str] | None = None) -> JsonObj:
+def create_namespace(
+    api: KubeApi, name: str, labels: Mapping[str, str] | None = None, timeout: float = 30.0
+) -> JsonObj:
+    """Creates the namespace and waits for its `default` ServiceAccount: the controller-manager creates it
+    a moment later, and until then the ServiceAccount admission plugin refuses pods there. Upstream's e2e
+    framework waits the same way (test/e2e/framework/framework.go:269@v1.34.4). `timeout=0` does not wait."""
     body = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": dict(labels or {})}}
-    return api.post("/api/v1/namespaces", body)
+    created = api.post("/api/v1/namespaces", body)
+    if timeout > 0:
+        wait_for(
+            lambda: api.get(f"/api/v1/namespaces/{name}/serviceaccounts/default"),
+            timeout=timeout,
+            what=f"ServiceAccount {name}/default (created by the controller-manager)",
+        )
+    return created
 
 
-def delete_namespace(api: KubeApi, name: str) -> None:
-    """Requests deletion and returns at once: a bare API server never finalizes namespaces."""
+def delete_namespace(api: KubeApi, name: str, wait: float = 0.0) -> None:
+    """Requests deletion; with `wait` > 0, waits that long for the namespace controller to finish it
+    (every object deleted, pods terminated by their kubelet) and raises TimeoutError otherwise."""
     try:
         api.delete(f"/api/v1/namespaces/{name}", {"propagationPolicy": "Background"})
     except ApiError as exc:
         if exc.status != 404:
             raise
+        return
+    if wait > 0:
+
+        def gone() -> bool:
+            try:
+                api.get(f"/api/v1/namespaces/{name}")
+            except ApiError as exc:
+                if exc.status == 404:
+                    return True
+                raise
+            return False
+
+        wait_for(gone, timeout=wait, interval=0.25, what=f"namespace {name} deleted")
 
 
 def ensure_service_account(api: KubeApi, namespace: str, name: str) -> JsonObj:
@@ -214,22 +244,32 @@ def mint_token(api: KubeApi, namespace: str, service_account: str, expiration_se
 def write_kubeconfig(
     path: Path,
     server: str,
-    token: str,
+    token: str | None,
     ca_pem: bytes | None,
     user: str = "user",
     namespace: str = "default",
+    client_cert: tuple[bytes, bytes] | None = None,
 ) -> Path:
-    """A single-context, token-authenticated kubeconfig with the CA embedded."""
+    """A single-context kubeconfig with the CA embedded, authenticated by a bearer token or by a client
+    certificate (`client_cert`: PEM certificate and key, embedded too)."""
     cluster: JsonObj = {"server": server}
     if ca_pem:
         cluster["certificate-authority-data"] = base64.b64encode(ca_pem).decode()
     else:
         cluster["insecure-skip-tls-verify"] = True
+    credentials: JsonObj = {}
+    if token:
+        credentials["token"] = token
+    if client_cert:
+        credentials["client-certificate-data"] = base64.b64encode(client_cert[0]).decode()
+        credentials["client-key-data"] = base64.b64encode(client_cert[1]).decode()
+    if not credentials:
+        raise ValueError("write_kubeconfig needs a token or a client certificate")
     doc = {
         "apiVersion": "v1",
         "kind": "Config",
         "clusters": [{"name": "rljob-local", "cluster": cluster}],
-        "users": [{"name": user, "user": {"token": token}}],
+        "users": [{"name": user, "user": credentials}],
         "contexts": [
             {"name": user, "context": {"cluster": "rljob-local", "user": user, "namespace": namespace}}
         ],
@@ -279,12 +319,31 @@ def wait_for(
         time.sleep(interval)
 
 
+def kubectl_binary() -> Path | None:
+    """The kubectl built from the control plane's release (hack/build-binaries.sh), if it is cached."""
+    from rljob.testing.cluster import K8S_VERSION, binary_path  # late: cluster imports this module
+
+    path = binary_path("kubectl", K8S_VERSION)
+    return path if os.access(path, os.X_OK) else None
+
+
+def kubectl_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """`base` (default os.environ) without proxies (loopback only), with the matching kubectl's
+    directory first on PATH, so `kubectl` in any subprocess is the server's release (no skew warning)."""
+    env = {k: v for k, v in (base or os.environ).items() if not k.lower().endswith("_proxy")}
+    found = kubectl_binary()
+    if found is not None:
+        env["PATH"] = os.pathsep.join([str(found.parent), *filter(None, [env.get("PATH")])])
+    return env
+
+
 class Kubectl:
-    """Runs the real /usr/bin/kubectl against the test control plane."""
+    """Runs the real kubectl against the test control plane: the one built from the server's release
+    when it is cached (hack/build-binaries.sh), else the first on PATH."""
 
     def __init__(self, kubeconfig: Path) -> None:
         self.kubeconfig = kubeconfig
-        self.binary = shutil.which("kubectl") or "kubectl"
+        self.binary = str(kubectl_binary() or shutil.which("kubectl") or "kubectl")
 
     def __call__(
         self,
@@ -299,8 +358,9 @@ class Kubectl:
         if namespace:
             argv.append(f"--namespace={namespace}")
         argv += args
-        env = {k: v for k, v in os.environ.items() if not k.endswith(("_proxy", "_PROXY"))}  # loopback only
-        done = subprocess.run(argv, input=input, capture_output=True, text=True, timeout=timeout, env=env)
+        done = subprocess.run(
+            argv, input=input, capture_output=True, text=True, timeout=timeout, env=kubectl_env()
+        )
         if check and done.returncode != 0:
             raise AssertionError(f"{' '.join(args)} failed ({done.returncode}):\n{done.stderr}{done.stdout}")
         return done

@@ -1,9 +1,11 @@
-"""A fake kubelet: runs pods of a real API server as local processes on loopback pod IPs.
+"""A fake kubelet: simulated GPU nodes whose pods run as local processes on loopback pod IPs.
 
-A bare kube-apiserver has no scheduler and no kubelet, so nothing would ever run. `Kubelet`
-watches pods, binds unbound ones to its node, gives each pod a loopback IP (127.0.0.2, ...),
-materialises its volumes (Secret, ConfigMap, emptyDir) in a per-pod scratch dir, resolves the
-containers' env and starts one local process per container, chosen by a *mapping*:
+`Kubelet` registers real Node objects (by default 2 nodes with 8 `nvidia.com/gpu` each, plus CPU,
+memory and a pod count), keeps them alive like a kubelet (NodeReady condition, a Lease in
+kube-node-lease renewed every 10 s) and runs the pods the scheduler bound to them: it gives each pod a
+loopback IP (127.0.0.2, ...), materialises its volumes (Secret, ConfigMap, emptyDir) in a per-pod
+scratch dir, resolves the containers' env and starts one local process per container, chosen by a
+*mapping*:
 
     Mapping = Callable[[ContainerContext], Launch | Sequence[str] | None]
 
@@ -11,9 +13,11 @@ containers' env and starts one local process per container, chosen by a *mapping
 mount paths rewritten to the scratch dir). It reports pods/status like a kubelet does (phase,
 conditions, podIP, containerStatuses), applies restartPolicy with a short backoff, runs
 readinessProbes (httpGet, tcpSocket, exec) against the pod IP, and on deletion stops the
-processes (SIGTERM, SIGKILL after a bounded grace period) and finalizes the pod (grace 0).
+processes (SIGTERM, SIGKILL after a bounded grace period) and finalizes the pod (grace 0), in any
+namespace, so the namespace controller and the garbage collector can finish. It never binds a pod
+itself: placement is the scheduler's.
 
-CLI:  python -m rljob.testing.kubelet --kubeconfig KUBECONFIG [--namespace NS ...]
+CLI:  python -m rljob.testing.kubelet --kubeconfig KUBECONFIG [--nodes 2 --gpus-per-node 8] [-n NS ...]
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import http.client
 import ipaddress
 import logging
 import os
+import platform
 import re
 import shutil
 import signal
@@ -36,6 +41,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Mapping as MappingOf
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -44,12 +50,14 @@ from urllib.parse import urlparse
 
 import requests
 
-from rljob.testing.cluster import die_with_parent
+from rljob.testing.cluster import K8S_VERSION, die_with_parent
 from rljob.testing.kubeaccess import ApiError, JsonObj, KubeApi, WatchStream, pod_path
 
 log = logging.getLogger("rljob.testing.kubelet")
 
-NODE_NAME = "rljob-sim-node"
+NODE_PREFIX = "rljob-gpu"  # nodes are <prefix>-0, <prefix>-1, ...
+GPU_RESOURCE = "nvidia.com/gpu"  # the NVIDIA device plugin's extended resource
+NODE_LEASE_NAMESPACE = "kube-node-lease"
 HOST_IP = "127.0.0.1"
 # Host variables a process inherits (a real container inherits none; a local process needs these).
 INHERITED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "VIRTUAL_ENV", "PYTHONPATH", "USER")
@@ -259,7 +267,7 @@ def _field_value(pod: JsonObj, pod_ip: str, field_path: str) -> str:
         "metadata.name": meta["name"],
         "metadata.namespace": meta["namespace"],
         "metadata.uid": meta.get("uid", ""),
-        "spec.nodeName": pod["spec"].get("nodeName") or NODE_NAME,
+        "spec.nodeName": pod["spec"].get("nodeName", ""),
         "spec.serviceAccountName": pod["spec"].get("serviceAccountName", ""),
         "status.podIP": pod_ip,
         "status.podIPs": pod_ip,
@@ -381,6 +389,7 @@ class PodRunner:
         self.namespace: str = meta["namespace"]
         self.pod_name: str = meta["name"]
         self.uid: str = meta["uid"]
+        self.node_name: str = pod["spec"].get("nodeName", "")
         self.scratch: Path = kubelet.scratch_root / self.namespace / f"{self.pod_name}-{self.uid[:8]}"
         self.pod_ip = ""
         self.start_time = ""
@@ -438,9 +447,7 @@ class PodRunner:
             self.kubelet.forget(self.uid, self)
 
     def _prepare(self) -> bool:
-        """Binds the pod, takes an IP, and waits for its volumes and env sources to exist."""
-        if not self.kubelet.bind(self.pod):
-            return False  # another kubelet runs it
+        """Takes an IP and waits for the pod's volumes and env sources to exist."""
         self.pod_ip = self.kubelet.ips.acquire((self.pod.get("status") or {}).get("podIP"))
         self.start_time = _now()
         spec = self.pod["spec"]
@@ -660,16 +667,59 @@ class PodRunner:
             log.warning("status of %s/%s: %s", self.namespace, self.pod_name, exc)
 
 
+# -- nodes ---------------------------------------------------------------------------------------
+def _micro_now() -> str:
+    """A MicroTime (Lease renewTime)."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+@dataclass(frozen=True)
+class NodeShape:
+    """What one simulated node offers the scheduler: its capacity (= allocatable) and labels."""
+
+    gpus: int = 8
+    cpu: str = "64"
+    memory: str = "512Gi"
+    pods: int = 110  # the kubelet's default --max-pods
+    ephemeral_storage: str = "1Ti"
+    labels: MappingOf[str, str] = field(default_factory=dict)
+
+    def capacity(self) -> dict[str, str]:
+        resources = {
+            "cpu": self.cpu,
+            "memory": self.memory,
+            "pods": str(self.pods),
+            "ephemeral-storage": self.ephemeral_storage,
+        }
+        if self.gpus:
+            resources[GPU_RESOURCE] = str(self.gpus)
+        return resources
+
+
+@dataclass
+class SimNode:
+    """A registered node: its shape and the uid its Lease is owned by."""
+
+    name: str
+    shape: NodeShape
+    uid: str = ""
+    last_status: float = 0.0
+
+
 # -- the kubelet ---------------------------------------------------------------------------------
 class Kubelet:
-    """Watches pods in `namespaces` (all when empty) and runs those bound (or unbound) to `node_name`."""
+    """Registers `nodes` simulated GPU nodes (`<node_prefix>-<i>`, each of `shape`) and runs the pods the
+    scheduler binds to them, if they are in `namespaces` (every namespace when empty). Pods of other
+    namespaces bound to its nodes are not run, but their deletion is finalized as a kubelet would."""
 
     def __init__(
         self,
         kubeconfig: Path | str,
         namespaces: Sequence[str] = (),
         mapping: Mapping = default_mapping,
-        node_name: str = NODE_NAME,
+        nodes: int = 2,
+        shape: NodeShape | None = None,
+        node_prefix: str = NODE_PREFIX,
         scratch_root: Path | str | None = None,
         ips: IpAllocator = SHARED_IPS,
         max_grace: float = 10.0,
@@ -677,11 +727,21 @@ class Kubelet:
         probe_period: float = 0.5,
         tick: float = 0.1,
         watch_read_timeout: float = 2.0,
+        lease_seconds: int = 40,
+        heartbeat: float = 10.0,
+        status_every: float = 60.0,
     ) -> None:
+        """`lease_seconds`, `heartbeat` and `status_every` are a kubelet's defaults: a 40 s Lease renewed
+        every 10 s (pkg/kubelet/apis/config/v1beta1/defaults.go@v1.34.4: nodeLeaseDurationSeconds, and a
+        quarter of it for renewal), node status re-posted at least every minute (upstream: 5 min)."""
         self.api = KubeApi.from_kubeconfig(kubeconfig)
         self.namespaces = list(namespaces)
         self.mapping = mapping
-        self.node_name = node_name
+        self.shape = shape or NodeShape()
+        self.node_prefix = node_prefix
+        self._nodes: dict[str, SimNode] = {
+            f"{node_prefix}-{i}": SimNode(f"{node_prefix}-{i}", self.shape) for i in range(nodes)
+        }
         self._own_scratch = scratch_root is None
         self.scratch_root = Path(scratch_root or tempfile.mkdtemp(prefix="rljob-kubelet-")).resolve()
         self.ips = ips
@@ -690,6 +750,9 @@ class Kubelet:
         self.probe_period = probe_period
         self.tick = tick
         self.watch_read_timeout = watch_read_timeout
+        self.lease_seconds = lease_seconds
+        self.heartbeat = heartbeat
+        self.status_every = status_every
         server = urlparse(self.api.access.server)
         self.service_env = {  # what a kubelet gives every container for the `kubernetes` service
             "KUBERNETES_SERVICE_HOST": server.hostname or HOST_IP,
@@ -698,21 +761,29 @@ class Kubelet:
         self._runners: dict[str, PodRunner] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
-        self._watchers: list[threading.Thread] = []
+        self._threads: list[threading.Thread] = []
         self._streams: set[WatchStream] = set()  # open watches, closed by stop() to end them at once
+        self._ignored: set[str] = set()  # uids of other namespaces' pods already logged
 
     # -- lifecycle -------------------------------------------------------------------------------
+    @property
+    def node_names(self) -> list[str]:
+        with self._lock:
+            return list(self._nodes)
+
     def start(self) -> Kubelet:
-        self._register_node()
-        paths = [f"/api/v1/namespaces/{ns}/pods" for ns in self.namespaces] or ["/api/v1/pods"]
-        for path in paths:
-            t = threading.Thread(target=self._watch_loop, args=(path,), name=f"watch {path}", daemon=True)
+        for node in list(self._nodes.values()):
+            self._register(node)
+        for target, name in ((self._watch_loop, "watch pods"), (self._heartbeat_loop, "node heartbeats")):
+            t = threading.Thread(target=target, name=f"kubelet {name}", daemon=True)
             t.start()
-            self._watchers.append(t)
+            self._threads.append(t)
         return self
 
-    def stop(self, grace: float = 2.0) -> None:
-        """Stops all processes (bounded by `grace`) and the watches; leaves the API objects alone."""
+    def stop(self, grace: float = 2.0, deregister: bool = True) -> None:
+        """Stops all processes (bounded by `grace`), the watch and the heartbeats. With `deregister`, the
+        Nodes and their Leases are deleted, so the scheduler places nothing more on them; the pods stay
+        in the API (bound to a node that is gone: the pod garbage collector removes them)."""
         self._stopping.set()
         with self._lock:
             runners = list(self._runners.values())
@@ -723,8 +794,11 @@ class Kubelet:
             r.request_stop(gone=False, grace=grace)
         for r in runners:
             r.join(timeout=grace + 10)
-        for t in self._watchers:
+        for t in self._threads:
             t.join(timeout=self.watch_read_timeout + 10)
+        if deregister:
+            for name in self.node_names:
+                self._deregister(name)
         if self._own_scratch:
             shutil.rmtree(self.scratch_root, ignore_errors=True)
 
@@ -740,44 +814,141 @@ class Kubelet:
                 (r for r in self._runners.values() if (r.namespace, r.pod_name) == (namespace, name)), None
             )
 
-    # -- API actions -----------------------------------------------------------------------------
-    def _register_node(self) -> None:
-        """Creates a Ready Node object so node lookups work; best effort (needs rights on nodes)."""
-        body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": self.node_name}}
-        status = {
-            "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady"}],
-            "addresses": [{"type": "InternalIP", "address": HOST_IP}],
+    # -- nodes -----------------------------------------------------------------------------------
+    def add_node(self, name: str | None = None, shape: NodeShape | None = None) -> str:
+        """Registers one more node while running (e.g. capacity for a Pending gang); returns its name."""
+        with self._lock:
+            index = len(self._nodes)
+            while f"{self.node_prefix}-{index}" in self._nodes:
+                index += 1
+            node = SimNode(name or f"{self.node_prefix}-{index}", shape or self.shape)
+            self._nodes[node.name] = node
+        self._register(node)
+        return node.name
+
+    def remove_node(self, name: str) -> None:
+        """Stops the node's pods (they stay in the API) and deletes the Node and its Lease."""
+        with self._lock:
+            self._nodes.pop(name, None)
+            runners = [r for r in self._runners.values() if r.node_name == name]
+        for r in runners:
+            r.request_stop(gone=False, grace=self.max_grace)
+        for r in runners:
+            r.join(timeout=self.max_grace + 10)
+        self._deregister(name)
+
+    def _node_status(self, node: SimNode) -> JsonObj:
+        now = _now()
+        healthy = [
+            ("MemoryPressure", "False", "KubeletHasSufficientMemory"),
+            ("DiskPressure", "False", "KubeletHasNoDiskPressure"),
+            ("PIDPressure", "False", "KubeletHasSufficientPID"),
+            ("Ready", "True", "KubeletReady"),
+        ]
+        conditions = [
+            {"type": kind, "status": status, "reason": reason, "message": "rljob fake kubelet",
+             "lastHeartbeatTime": now, "lastTransitionTime": now}
+            for kind, status, reason in healthy
+        ]  # fmt: skip
+        info = {
+            "machineID": node.uid.replace("-", ""), "systemUUID": node.uid, "bootID": node.uid,
+            "kernelVersion": platform.release(), "osImage": "rljob fake kubelet",
+            "containerRuntimeVersion": "rljob-sim://0.1", "kubeletVersion": K8S_VERSION,
+            "kubeProxyVersion": "", "operatingSystem": "linux", "architecture": "amd64",
+        }  # fmt: skip
+        return {
+            "capacity": node.shape.capacity(),
+            "allocatable": node.shape.capacity(),
+            "conditions": conditions,
+            "addresses": [
+                {"type": "InternalIP", "address": HOST_IP},
+                {"type": "Hostname", "address": node.name},
+            ],
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": 0}},  # no kubelet API: no logs/exec
+            "nodeInfo": info,
+        }
+
+    def _register(self, node: SimNode) -> None:
+        """Creates the Node (labels as a GPU node's), posts its Ready status and creates its Lease."""
+        labels = {
+            "kubernetes.io/hostname": node.name,
+            "kubernetes.io/os": "linux",
+            "kubernetes.io/arch": "amd64",
+            "node.kubernetes.io/instance-type": "rljob-sim-gpu",
+            **({"nvidia.com/gpu.present": "true", "nvidia.com/gpu.count": str(node.shape.gpus)}
+               if node.shape.gpus else {}),
+            **node.shape.labels,
+        }  # fmt: skip
+        body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node.name, "labels": labels}}
+        try:
+            node.uid = self.api.post("/api/v1/nodes", body)["metadata"]["uid"]
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+            node.uid = self.api.get(f"/api/v1/nodes/{node.name}")["metadata"]["uid"]
+        self.api.merge_patch(f"/api/v1/nodes/{node.name}/status", {"status": self._node_status(node)})
+        node.last_status = time.monotonic()
+        self._renew_lease(node)
+
+    def _lease_path(self, name: str = "") -> str:
+        path = f"/apis/coordination.k8s.io/v1/namespaces/{NODE_LEASE_NAMESPACE}/leases"
+        return f"{path}/{name}" if name else path
+
+    def _renew_lease(self, node: SimNode) -> None:
+        spec = {
+            "holderIdentity": node.name,
+            "leaseDurationSeconds": self.lease_seconds,
+            "renewTime": _micro_now(),
         }
         try:
-            with contextlib.suppress(ApiError):
-                self.api.post("/api/v1/nodes", body)
-            self.api.merge_patch(f"/api/v1/nodes/{self.node_name}/status", {"status": status})
+            self.api.merge_patch(self._lease_path(node.name), {"spec": spec})
         except ApiError as exc:
-            log.info("node %s not registered: %s", self.node_name, exc)
-
-    def bind(self, pod: JsonObj) -> bool:
-        """Binds an unbound pod to this node; False when another kubelet bound it first."""
-        meta = pod["metadata"]
-        if not pod["spec"].get("nodeName"):
-            body = {
-                "apiVersion": "v1",
-                "kind": "Binding",
-                "metadata": {"name": meta["name"], "uid": meta["uid"]},
-                "target": {"apiVersion": "v1", "kind": "Node", "name": self.node_name},
+            if exc.status != 404:
+                raise
+            owner = {"apiVersion": "v1", "kind": "Node", "name": node.name, "uid": node.uid}
+            lease = {
+                "apiVersion": "coordination.k8s.io/v1",
+                "kind": "Lease",
+                "metadata": {"name": node.name, "ownerReferences": [owner]},  # collected with the Node
+                "spec": spec,
             }
-            try:
-                self.api.post(pod_path(meta["namespace"], meta["name"], "binding"), body)
-                pod["spec"]["nodeName"] = self.node_name
-            except ApiError as exc:
-                if exc.status != 409:  # 409: already bound; by whom is read back below
-                    raise
-                pod["spec"]["nodeName"] = self.api.get(pod_path(meta["namespace"], meta["name"]))["spec"].get(
-                    "nodeName"
-                )
-        return bool(pod["spec"].get("nodeName") == self.node_name)
+            with contextlib.suppress(ApiError):  # 409: created meanwhile; renewed next beat
+                self.api.post(self._lease_path(), lease)
 
+    def _deregister(self, name: str) -> None:
+        for path in (self._lease_path(name), f"/api/v1/nodes/{name}"):
+            try:
+                self.api.delete(path)
+            except ApiError as exc:
+                if exc.status != 404:
+                    log.warning("deleting %s: %s", path, exc)
+            except requests.RequestException as exc:
+                log.warning("deleting %s: %s", path, exc)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stopping.wait(self.heartbeat):
+            with self._lock:
+                nodes = list(self._nodes.values())
+            for node in nodes:
+                try:
+                    if time.monotonic() - node.last_status >= self.status_every:
+                        path = f"/api/v1/nodes/{node.name}/status"
+                        self.api.merge_patch(path, {"status": self._node_status(node)})
+                        node.last_status = time.monotonic()
+                    self._renew_lease(node)
+                except ApiError as exc:
+                    if exc.status == 404 and node.name in self.node_names and not self._stopping.is_set():
+                        log.warning("node %s was deleted: registering it again, as a kubelet does", node.name)
+                        with contextlib.suppress(ApiError, requests.RequestException):
+                            self._register(node)
+                    else:
+                        log.warning("heartbeat of %s: %s", node.name, exc)
+                except requests.RequestException as exc:
+                    log.warning("heartbeat of %s: %s", node.name, exc)
+
+    # -- API actions -----------------------------------------------------------------------------
     def force_delete(self, namespace: str, name: str, uid: str) -> None:
-        """Deletes with grace 0: a bare API server has no kubelet that would finalize the pod."""
+        """Deletes with grace 0, as a kubelet does once the pod's containers have stopped."""
         body = {"gracePeriodSeconds": 0, "preconditions": {"uid": uid}}
         try:
             self.api.delete(pod_path(namespace, name), body)
@@ -791,15 +962,20 @@ class Kubelet:
                 del self._runners[uid]
 
     # -- watching --------------------------------------------------------------------------------
-    def _watch_loop(self, path: str) -> None:
+    # Every bound pod of the cluster, filtered here by node: one watch for all of this kubelet's nodes
+    # (a real kubelet watches `spec.nodeName=<its node>`).
+    _PODS = "/api/v1/pods"
+    _BOUND = "spec.nodeName!="
+
+    def _watch_loop(self) -> None:
         rv = ""
         while not self._stopping.is_set():
             try:
                 if not rv:
-                    listing = self.api.get(path)
+                    listing = self.api.get(self._PODS, fieldSelector=self._BOUND)
                     rv = listing["metadata"]["resourceVersion"]
-                    self._resync(path, listing.get("items") or [])
-                stream = self.api.watch(path, rv, self.watch_read_timeout)
+                    self._resync(listing.get("items") or [])
+                stream = self.api.watch(self._PODS, rv, self.watch_read_timeout, field_selector=self._BOUND)
                 with self._lock:
                     self._streams.add(stream)
                 try:
@@ -821,29 +997,28 @@ class Kubelet:
                 continue  # an idle read timed out: resume from rv (and notice a stop)
             except ApiError as exc:
                 rv = "" if exc.status == 410 else rv
-                log.warning("watch %s: %s", path, exc)
+                log.warning("watch pods: %s", exc)
                 self._stopping.wait(1.0)
             except Exception:
-                log.exception("watch %s", path)
+                log.exception("watch pods")
                 self._stopping.wait(1.0)
 
-    def _resync(self, path: str, pods: list[JsonObj]) -> None:
+    def _resync(self, pods: list[JsonObj]) -> None:
         present = {p["metadata"]["uid"] for p in pods}
         with self._lock:
-            vanished = [
-                r
-                for uid, r in self._runners.items()
-                if uid not in present and (path == "/api/v1/pods" or f"/namespaces/{r.namespace}/" in path)
-            ]
+            vanished = [r for uid, r in self._runners.items() if uid not in present]
         for r in vanished:
             r.request_stop(gone=True, grace=self.max_grace)
         for pod in pods:
             self._on_event("ADDED", pod)
 
+    def serves(self, namespace: str) -> bool:
+        return not self.namespaces or namespace in self.namespaces
+
     def _on_event(self, kind: str, pod: JsonObj) -> None:
         meta, spec = pod["metadata"], pod.get("spec") or {}
-        if spec.get("nodeName") not in (None, "", self.node_name):
-            return  # another node's pod
+        if spec.get("nodeName") not in self.node_names:
+            return  # another kubelet's node
         uid = meta["uid"]
         with self._lock:
             runner = self._runners.get(uid)
@@ -855,7 +1030,12 @@ class Kubelet:
                 if runner is not None:
                     runner.request_delete(self._grace_of(pod))
                 elif not self._stopping.is_set():
-                    self.force_delete(meta["namespace"], meta["name"], uid)
+                    self.force_delete(meta["namespace"], meta["name"], uid)  # nothing runs: done at once
+                return
+            if not self.serves(meta["namespace"]):
+                if uid not in self._ignored:
+                    self._ignored.add(uid)
+                    log.info("not running %s/%s: namespace not served", meta["namespace"], meta["name"])
                 return
             if runner is not None or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
                 return
@@ -880,22 +1060,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--kubeconfig", default=os.environ.get("KUBECONFIG"), required=not os.environ.get("KUBECONFIG")
     )
     parser.add_argument("--namespace", "-n", action="append", default=[], help="repeatable; default: all")
-    parser.add_argument("--node-name", default=NODE_NAME)
+    parser.add_argument("--nodes", type=int, default=2, help="simulated GPU nodes (default 2)")
+    parser.add_argument("--gpus-per-node", type=int, default=NodeShape.gpus, help="nvidia.com/gpu per node")
+    parser.add_argument("--cpu-per-node", default=NodeShape.cpu)
+    parser.add_argument("--memory-per-node", default=NodeShape.memory)
+    parser.add_argument("--node-prefix", default=NODE_PREFIX, help="nodes are PREFIX-0, PREFIX-1, ...")
     parser.add_argument("--scratch", default=None, help="per-pod scratch root (default: a temp dir)")
     parser.add_argument("--first-ip", default="127.0.0.2", help="first loopback pod IP")
     parser.add_argument("--max-grace", type=float, default=10.0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    shape = NodeShape(gpus=args.gpus_per_node, cpu=args.cpu_per_node, memory=args.memory_per_node)
     kubelet = Kubelet(
-        args.kubeconfig, args.namespace, node_name=args.node_name, scratch_root=args.scratch,
-        ips=IpAllocator(args.first_ip), max_grace=args.max_grace,
+        args.kubeconfig, args.namespace, nodes=args.nodes, shape=shape, node_prefix=args.node_prefix,
+        scratch_root=args.scratch, ips=IpAllocator(args.first_ip), max_grace=args.max_grace,
     )  # fmt: skip
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     kubelet.start()
-    log.info("fake kubelet %s running pods in %s; scratch %s", args.node_name,
-             args.namespace or "all namespaces", kubelet.scratch_root)  # fmt: skip
+    log.info("fake kubelet: nodes %s (%s each), running pods of %s; scratch %s", kubelet.node_names,
+             shape.capacity(), args.namespace or "all namespaces", kubelet.scratch_root)  # fmt: skip
     done.wait()
     kubelet.stop()
     return 0
