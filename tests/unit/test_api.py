@@ -8,9 +8,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rljob.api import InvalidObject, parse_spec
+from rljob.api import InvalidObject, parse_job, parse_spec
 from rljob.api.crd import CRD_FILE, build_crd, render
-from rljob.api.spec import ReleaseTag, RLJobSpec
+from rljob.api.spec import (
+    AGENT_CONTAINER,
+    JOB_NAME_MAX_LENGTH,
+    MAX_REPLICAS,
+    TOKEN_VOLUME,
+    ReleaseTag,
+    RLJobSpec,
+)
 from rljob.api.status import RLJobStatus
 from rljob.lifecycle.versions import is_newer
 
@@ -46,12 +53,116 @@ def test_defaults_live_in_the_models() -> None:
         ({"trainer": {"container": "missing"}}, "trainer.container 'missing' is not a container"),
         ({"weights": {"initialVersion": "a b"}}, "spec.weights.initialVersion: String should match pattern"),
         ({"replicaz": 2}, "spec.replicaz: Extra inputs are not permitted"),
+        ({"rollout": {"port": 8472}}, "rollout.port 8472 is the agent's trainer port"),
     ],
 )
 def test_invalid_specs_name_the_field(body: dict, expected: str) -> None:
     with pytest.raises(InvalidObject) as err:
         parse_spec({"template": CONTAINERS, **body})
     assert expected in str(err.value)
+
+
+SGLANG, TRAINER = {"name": "sglang"}, {"name": "trainer"}
+
+
+@pytest.mark.parametrize(
+    ("template", "expected"),
+    [
+        (
+            {"spec": {"containers": [SGLANG, TRAINER, {"name": AGENT_CONTAINER}]}},
+            "spec.template.spec.containers: Value error, container name rljob-agent is reserved",
+        ),
+        (
+            {"spec": {"containers": [SGLANG, TRAINER, SGLANG]}},
+            "spec.template.spec.containers: Value error, container names must be unique: sglang",
+        ),
+        (
+            {"spec": {"containers": [SGLANG, TRAINER], "volumes": [{"name": TOKEN_VOLUME, "emptyDir": {}}]}},
+            "spec.template.spec.volumes: Value error, volume name rljob-agent-token is reserved",
+        ),
+        (
+            {"spec": {"containers": [SGLANG, TRAINER], "volumes": [{"name": "w"}, {"name": "w"}]}},
+            "spec.template.spec.volumes: Value error, volume names must be unique: w",
+        ),
+        (
+            {"metadata": {"labels": {"app": "not ok!"}}, "spec": {"containers": [SGLANG, TRAINER]}},
+            "spec.template.metadata.labels.app: String should match pattern",
+        ),
+        (
+            {"metadata": {"labels": {"app": "x" * 64}}, "spec": {"containers": [SGLANG, TRAINER]}},
+            "spec.template.metadata.labels.app: String should have at most 63 characters",
+        ),
+        (
+            {"metadata": {"labels": {"a/b/c": "x"}}, "spec": {"containers": [SGLANG, TRAINER]}},
+            "spec.template.metadata.labels.a/b/c.[key]: String should match pattern",
+        ),
+        (
+            {"metadata": {"annotations": {"note": 1}}, "spec": {"containers": [SGLANG, TRAINER]}},
+            "spec.template.metadata.annotations.note: Input should be a valid string",
+        ),
+    ],
+)
+def test_templates_the_pods_cannot_be_made_from_are_refused(template: dict, expected: str) -> None:
+    """What the operator injects (agent container, token volume) and what the API server would refuse
+    in a pod (duplicate names, bad label values, non-string annotations) is refused in the spec."""
+    with pytest.raises(InvalidObject) as err:
+        parse_spec({"template": template})
+    assert expected in str(err.value)
+
+
+def test_template_labels_annotations_and_other_metadata_pass() -> None:
+    meta = {"labels": {"example.com/team": "rl", "tier": ""}, "annotations": {"note": "x"}, "name": "t"}
+    spec = parse_spec({"template": {"metadata": meta, "spec": {"containers": [SGLANG, TRAINER]}}})
+    assert spec.template.model_dump(by_alias=True, exclude_none=True)["metadata"] == meta
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        (
+            "a" * (JOB_NAME_MAX_LENGTH + 1),
+            f"metadata.name: Value error, must be at most {JOB_NAME_MAX_LENGTH}",
+        ),
+        ("a.b", "metadata.name: Value error, must be a DNS-1035 label"),
+        ("1abc", "metadata.name: Value error, must be a DNS-1035 label"),
+        ("abc-", "metadata.name: Value error, must be a DNS-1035 label"),
+        ("Abc", "metadata.name: Value error, must be a DNS-1035 label"),
+    ],
+)
+def test_job_names_the_children_cannot_carry_are_refused(name: str, expected: str) -> None:
+    with pytest.raises(InvalidObject) as err:
+        parse_job({"metadata": {"name": name}, "spec": {"template": CONTAINERS}})
+    assert expected in str(err.value)
+
+
+def test_job_name_limit_leaves_room_for_the_largest_pod_index() -> None:
+    assert JOB_NAME_MAX_LENGTH + len(f"-{MAX_REPLICAS - 1}") == 63
+    parse_job({"metadata": {"name": "a" * JOB_NAME_MAX_LENGTH}, "spec": {"template": CONTAINERS}})
+
+
+def test_name_and_spec_errors_are_reported_together() -> None:
+    body = {"metadata": {"name": "a.b"}, "spec": {"template": CONTAINERS, "replicas": 0}}
+    with pytest.raises(InvalidObject) as err:
+        parse_job(body)
+    assert [e.split(":")[0] for e in err.value.errors] == ["metadata.name", "spec.replicas"]
+
+
+def test_crd_refuses_what_the_models_refuse_at_admission() -> None:
+    """The CEL the API server runs states the same rules as the models (tests/e2e/test_invalid_spec.py
+    runs both against a real API server)."""
+    schema = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    root = {r["rule"]: r for r in schema["x-kubernetes-validations"]}
+    assert root[f"size(self.metadata.name) <= {JOB_NAME_MAX_LENGTH}"]["fieldPath"] == ".metadata.name"
+    assert "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')" in root
+    pod = schema["properties"]["spec"]["properties"]["template"]["properties"]["spec"]["properties"]
+    for field, reserved in (("containers", AGENT_CONTAINER), ("volumes", TOKEN_VOLUME)):
+        assert pod[field]["x-kubernetes-list-type"] == "map"  # the API server refuses duplicate names
+        assert pod[field]["x-kubernetes-list-map-keys"] == ["name"]
+        assert [r["rule"] for r in pod[field]["x-kubernetes-validations"]] == [
+            f"self.all(x, x.name != '{reserved}')"
+        ]
+    spec_rules = [r["rule"] for r in schema["properties"]["spec"]["x-kubernetes-validations"]]
+    assert "self.rollout.port != 8472" in spec_rules
 
 
 def test_crd_on_disk_matches_the_models() -> None:

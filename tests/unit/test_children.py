@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+import pytest
 import yaml
+from kubernetes import client
+from pydantic import ValidationError
 
 from rljob.api import parse_spec
+from rljob.api.spec import DNS_1035_LABEL, DNS_LABEL, JOB_NAME_MAX_LENGTH, LABEL_VALUE, MAX_REPLICAS
 from rljob.controller.children import (
     AGENT_CONTAINER,
     LABEL_GANG,
     LABEL_INDEX,
     LABEL_JOB,
+    TOKEN_VOLUME,
     AgentOptions,
+    Refusal,
     gang_pod,
     headless_service,
+    refusal_spec_error,
+    spec_field,
     token_secret,
 )
 
@@ -92,3 +101,112 @@ def test_agent_shares_the_rollout_containers_gpu_claim() -> None:
     agent = pod["spec"]["containers"][-1]
     assert agent["name"] == AGENT_CONTAINER
     assert agent["resources"]["claims"] == [{"name": "gpu"}]
+
+
+def test_the_longest_job_name_gives_valid_children_at_the_largest_index() -> None:
+    """JOB_NAME_MAX_LENGTH (api/spec.py) is what the children need: the Secret's job label, the Service
+    name (DNS-1035), the pod's hostname (its name, a DNS-1123 label) at index MAX_REPLICAS - 1."""
+    name = "a" * JOB_NAME_MAX_LENGTH
+    label_value = re.compile(LABEL_VALUE)
+    secret = token_secret(name, "u", "t")
+    assert all(len(v) <= 63 and label_value.match(v) for v in secret["metadata"]["labels"].values())
+    service = headless_service(name, "u", demo_spec())
+    assert len(service["metadata"]["name"]) <= 63 and re.match(DNS_1035_LABEL, service["metadata"]["name"])
+    pod = gang_pod(name, "u", demo_spec(), MAX_REPLICAS - 1, 0, AgentOptions(), None)
+    hostname = pod["spec"]["hostname"]
+    assert hostname == pod["metadata"]["name"] and len(hostname) == 63 and re.match(DNS_LABEL, hostname)
+    assert all(len(v) <= 63 and label_value.match(v) for v in pod["metadata"]["labels"].values())
+
+
+def test_the_injected_names_are_the_reserved_ones() -> None:
+    pod = gang_pod("demo", "u", demo_spec(), 0, 0, AgentOptions(), None)
+    assert pod["spec"]["containers"][-1]["name"] == AGENT_CONTAINER == "rljob-agent"
+    assert pod["spec"]["volumes"][-1]["name"] == TOKEN_VOLUME == "rljob-agent-token"
+
+
+# Status bodies as kube-apiserver v1.34 answers a refused create.
+INVALID_LABEL = {
+    "kind": "Status",
+    "status": "Failure",
+    "message": 'Pod "j-0" is invalid: metadata.labels: Invalid value: "not ok!": a valid label must be ...',
+    "reason": "Invalid",
+    "details": {
+        "name": "j-0",
+        "kind": "Pod",
+        "causes": [
+            {
+                "reason": "FieldValueInvalid",
+                "message": 'Invalid value: "not ok!": a valid label must be ...',
+                "field": "metadata.labels",
+            },
+            {
+                "reason": "FieldValueNotSupported",
+                "message": 'Unsupported value: "Sometimes"',
+                "field": "spec.containers[0].imagePullPolicy",
+            },
+        ],
+    },
+    "code": 422,
+}
+UNDECODABLE = {
+    "kind": "Status",
+    "status": "Failure",
+    "message": 'Pod in version "v1" cannot be handled as a Pod: json: cannot unmarshal number into Go struct '
+    "field ObjectMeta.metadata.annotations of type string",
+    "reason": "BadRequest",
+    "code": 400,
+}
+
+
+def test_a_refused_pod_names_the_template_field() -> None:
+    error = refusal_spec_error(Refusal.from_status("Pod", "j-0", INVALID_LABEL))
+    assert error.startswith(
+        'spec.template.metadata.labels: Invalid value: "not ok!": a valid label must be ...; '
+        'spec.template.spec.containers[0].imagePullPolicy: Unsupported value: "Sometimes"'
+    )
+    assert error.endswith("(the API server refused Pod j-0)")
+
+
+def test_a_body_that_does_not_decode_names_the_field_from_the_message() -> None:
+    error = refusal_spec_error(Refusal.from_status("Pod", "j-0", UNDECODABLE))
+    assert error.startswith("spec.template.metadata.annotations: Pod in version")
+
+
+@pytest.mark.parametrize(
+    ("kind", "field", "expected"),
+    [
+        ("Pod", "metadata.name", "metadata.name"),
+        ("Pod", "spec.volumes[1].name", "spec.template.spec.volumes[1].name"),
+        ("Pod", "", "spec.template"),
+        ("Secret", "metadata.labels", "metadata.name"),  # its only label value is the job's name
+        ("Service", "metadata.name", "metadata.name"),
+        ("Service", "spec.ports[0].port", "spec.agent.port"),
+    ],
+)
+def test_child_fields_map_to_the_rljob_field_they_come_from(kind: str, field: str, expected: str) -> None:
+    assert spec_field(kind, field) == expected
+
+
+def test_numeric_quantities_are_sent_as_strings() -> None:
+    """The API server takes `nvidia.com/gpu: 1`; the Kubernetes client's models take only strings."""
+    doc = yaml.safe_load((ROOT / "examples/rljob.yaml").read_text())
+    sglang = doc["spec"]["template"]["spec"]["containers"][0]
+    sglang["resources"] = {"limits": {"nvidia.com/gpu": 1, "memory": "8Gi"}, "requests": {"cpu": 0.5}}
+    doc["spec"]["template"]["spec"]["overhead"] = {"cpu": 1}
+    pod = gang_pod("j", "u", parse_spec(doc["spec"]), 0, 0, AgentOptions(), None)
+    resources = pod["spec"]["containers"][0]["resources"]
+    assert resources == {"limits": {"nvidia.com/gpu": "1", "memory": "8Gi"}, "requests": {"cpu": "0.5"}}
+    assert pod["spec"]["overhead"] == {"cpu": "1"}
+    client.V1Pod.model_validate(pod)  # what the operator's client checks before sending it
+
+
+def test_a_body_the_kubernetes_client_refuses_names_the_field() -> None:
+    pod = gang_pod("j", "u", demo_spec(), 0, 0, AgentOptions(), None)
+    pod["spec"]["containers"][0]["imagePullPolicy"] = 5
+    with pytest.raises(ValidationError) as err:
+        client.CoreV1Api(client.ApiClient()).create_namespaced_pod("ns", pod)
+    refusal = Refusal.from_client_errors("Pod", "j-0", list(err.value.errors()))
+    assert refusal_spec_error(refusal) == (
+        "spec.template.spec.containers[0].imagePullPolicy: Input should be a valid string "
+        "(the Kubernetes client refused Pod j-0)"
+    )

@@ -14,7 +14,7 @@ import yaml
 from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue
 from pydantic_core import core_schema, to_jsonable_python
 
-from rljob.api.spec import RLJobSpec
+from rljob.api.spec import NAME_RULES, RLJobSpec
 from rljob.api.status import RLJobStatus
 
 GROUP = "rljob.io"
@@ -38,7 +38,17 @@ PRINTER_COLUMNS = [
     {"name": "Reason", "type": "string", "jsonPath": ".status.reason", "priority": 1},
 ]
 
-_DROP = {"title", "$defs", "additionalProperties", "const", "discriminator", "examples"}
+# propertyNames / patternProperties: pydantic's constraints on dict keys; the API server has no such schema.
+_DROP = {
+    "title",
+    "$defs",
+    "additionalProperties",
+    "const",
+    "discriminator",
+    "examples",
+    "propertyNames",
+    "patternProperties",
+}
 
 
 class _WithFactoryDefaults(GenerateJsonSchema):
@@ -130,10 +140,13 @@ def build_crd() -> dict[str, Any]:
         "properties": {
             "apiVersion": {"type": "string"},
             "kind": {"type": "string"},
-            "metadata": {"type": "object"},
+            # Only name (and generateName) may be declared here; the bound keeps NAME_RULES' CEL cheap
+            # (253: a DNS subdomain, what the API server allows anyway).
+            "metadata": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 253}}},
             "spec": spec,
             "status": status,
         },
+        "x-kubernetes-validations": NAME_RULES,
     }
     return {
         "apiVersion": "apiextensions.k8s.io/v1",

@@ -7,7 +7,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from rljob.api.base import InvalidObject, describe_errors
-from rljob.api.spec import RLJobSpec
+from rljob.api.spec import JobMetadata, RLJobSpec
 from rljob.api.status import RLJobStatus
 
 
@@ -17,6 +17,23 @@ def parse_spec(spec: Any) -> RLJobSpec:
         return RLJobSpec.model_validate(spec)
     except ValidationError as err:
         raise InvalidObject(describe_errors(err, root="spec")) from None
+
+
+def parse_job(body: Any) -> RLJobSpec:
+    """Validate what the operator acts on: metadata.name (every child is named after it) and the spec.
+    The errors of both are reported together, each naming its field."""
+    errors: list[str] = []
+    try:
+        JobMetadata.model_validate(body.get("metadata") or {})
+    except ValidationError as err:
+        errors += describe_errors(err, root="metadata")
+    try:
+        spec = parse_spec(body.get("spec"))
+    except InvalidObject as err:
+        errors += err.errors
+    if errors:
+        raise InvalidObject(errors)
+    return spec
 
 
 def parse_status(status: Any) -> RLJobStatus:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 from typing import Annotated, Any, cast
 
@@ -24,6 +25,34 @@ def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, Any
 
 # Kubernetes DNS-1123 label (container names, pod-name suffixes).
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# DNS-1035 label: a Service name (k8s.io/apimachinery/pkg/util/validation/validation.go@v0.34.4).
+DNS_1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+# A label value (same file): at most 63 characters, alphanumeric at both ends.
+LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+# A label or annotation key: an optional DNS-1123 subdomain prefix and "/", then a name.
+QUALIFIED_NAME = (
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$"
+)
+
+MAX_REPLICAS = 1024
+# What the operator injects into every pod (controller/children.py): a template may not use these names.
+AGENT_CONTAINER = "rljob-agent"
+TOKEN_VOLUME = "rljob-agent-token"
+AGENT_TRAINER_PORT = 8472  # the agent's trainer-facing port on 127.0.0.1, beside SGLang's
+# Every child is named after the job (controller/children.py): the Service NAME (a DNS-1035 label), the
+# Secret NAME-agent-token labelled rljob.io/job=NAME (a label value, at most 63), and the pods
+# NAME-<index>, whose hostname is the pod name (a DNS-1123 label, at most 63). The longest pod name is
+# NAME-1023, so NAME has 63 - 5 characters.
+JOB_NAME_MAX_LENGTH = 63 - len(f"-{MAX_REPLICAS - 1}")
+JOB_NAME_LENGTH_MESSAGE = (
+    f"must be at most {JOB_NAME_MAX_LENGTH} characters: pods are named NAME-<index> and a pod's hostname "
+    f"(its name) is a DNS label of at most 63 characters, for up to {MAX_REPLICAS} replicas"
+)
+JOB_NAME_FORMAT_MESSAGE = (
+    "must be a DNS-1035 label (lowercase letters, digits and '-', starting with a letter and ending "
+    "with a letter or digit): the job's headless Service is named after it"
+)
 
 WeightVersion = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")]
 """A weight version as SGLang serves it (`/model_info` -> weight_version)."""
@@ -56,6 +85,28 @@ class PodsAfterFinished(StrEnum):
     KEEP = "Keep"  # leave the gang serving the final weights (evaluation, debugging)
 
 
+def _names_rule(what: str, reserved: str) -> dict[str, Any]:
+    return {
+        "x-kubernetes-validations": [
+            cel(
+                f"self.all(x, x.name != '{reserved}')",
+                f"{what} name {reserved} is reserved: the operator injects it into every pod",
+            )
+        ],
+        # Names are unique within a pod; the API server refuses duplicates at admission.
+        "x-kubernetes-list-type": "map",
+        "x-kubernetes-list-map-keys": ["name"],
+    }
+
+
+def _check_names(reserved: str, what: str, names: list[str]) -> None:
+    if reserved in names:
+        raise ValueError(f"{what} name {reserved} is reserved: the operator injects it into every pod")
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"{what} names must be unique: {', '.join(duplicates)}")
+
+
 class Container(WireModel):
     """Only the name is modelled; every other container field is passed through untouched."""
 
@@ -63,16 +114,53 @@ class Container(WireModel):
     name: str = Field(pattern=DNS_LABEL, max_length=63)
 
 
+class Volume(WireModel):
+    """Only the name is modelled (it must not collide with the agent's token volume)."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(pattern=DNS_LABEL, max_length=63)
+
+
 class PodSpec(WireModel):
     model_config = ConfigDict(extra="allow")
-    containers: list[Container] = Field(min_length=1, max_length=16)
+    containers: list[Container] = Field(
+        min_length=1, max_length=16, json_schema_extra=_names_rule("container", AGENT_CONTAINER)
+    )
+    volumes: list[Volume] | None = Field(
+        default=None, max_length=256, json_schema_extra=_names_rule("volume", TOKEN_VOLUME)
+    )
+
+    @field_validator("containers")
+    @classmethod
+    def _container_names(cls, containers: list[Container]) -> list[Container]:
+        _check_names(AGENT_CONTAINER, "container", [c.name for c in containers])
+        return containers
+
+    @field_validator("volumes")
+    @classmethod
+    def _volume_names(cls, volumes: list[Volume] | None) -> list[Volume] | None:
+        _check_names(TOKEN_VOLUME, "volume", [v.name for v in volumes or []])
+        return volumes
+
+
+LabelKey = Annotated[str, Field(max_length=317, pattern=QUALIFIED_NAME)]
+LabelValue = Annotated[str, Field(max_length=63, pattern=LABEL_VALUE)]
+
+
+class TemplateMetadata(WireModel):
+    """The pods' labels and annotations; other fields pass through. The CRD keeps no schema for map
+    entries, so the API server accepts any: the operator checks them and fails the job as InvalidSpec."""
+
+    model_config = ConfigDict(extra="allow")
+    labels: dict[LabelKey, LabelValue] | None = None
+    annotations: dict[LabelKey, str] | None = None
 
 
 class PodTemplate(WireModel):
     """A PodTemplateSpec; the operator injects the agent sidecar, token, env and probes."""
 
     model_config = ConfigDict(extra="forbid")
-    metadata: dict[str, Any] | None = None
+    metadata: TemplateMetadata | None = None
     spec: PodSpec
 
 
@@ -169,6 +257,11 @@ SPEC_RULES = [
         ".trainer.container",
     ),
     cel(
+        f"self.rollout.port != {AGENT_TRAINER_PORT}",
+        f"rollout.port {AGENT_TRAINER_PORT} is the agent's trainer port in the same pod",
+        ".rollout.port",
+    ),
+    cel(
         "!has(oldSelf.iterations) || (has(self.iterations) && self.iterations >= oldSelf.iterations)",
         "iterations may be raised, never lowered or unset once set",
         ".iterations",
@@ -182,7 +275,11 @@ class RLJobSpec(WireModel):
     )
 
     replicas: int = Field(
-        default=1, ge=1, le=1024, description="GPU pods in the gang.", json_schema_extra=immutable("replicas")
+        default=1,
+        ge=1,
+        le=MAX_REPLICAS,
+        description="GPU pods in the gang.",
+        json_schema_extra=immutable("replicas"),
     )
     template: PodTemplate = Field(json_schema_extra=immutable("template"))
     rollout: Rollout = Field(default_factory=Rollout, json_schema_extra=immutable("rollout"))
@@ -209,4 +306,30 @@ class RLJobSpec(WireModel):
         for role, name in (("rollout", self.rollout.container), ("trainer", self.trainer.container)):
             if name not in names:
                 raise ValueError(f"{role}.container {name!r} is not a container of template.spec.containers")
+        if self.rollout.port == AGENT_TRAINER_PORT:
+            raise ValueError(f"rollout.port {AGENT_TRAINER_PORT} is the agent's trainer port in the same pod")
         return self
+
+
+# Rules on the whole RLJob: CEL at the root may read metadata.name (and generateName). The name is
+# checked before it names any child.
+NAME_RULES = [
+    cel(f"size(self.metadata.name) <= {JOB_NAME_MAX_LENGTH}", JOB_NAME_LENGTH_MESSAGE, ".metadata.name"),
+    cel(f"self.metadata.name.matches('{DNS_1035_LABEL}')", JOB_NAME_FORMAT_MESSAGE, ".metadata.name"),
+]
+
+
+class JobMetadata(WireModel):
+    """What the operator reads of the RLJob's metadata: the name every child is named after."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str
+
+    @field_validator("name")
+    @classmethod
+    def _child_safe(cls, name: str) -> str:
+        if len(name) > JOB_NAME_MAX_LENGTH:
+            raise ValueError(JOB_NAME_LENGTH_MESSAGE)
+        if not re.match(DNS_1035_LABEL, name):
+            raise ValueError(JOB_NAME_FORMAT_MESSAGE)
+        return name

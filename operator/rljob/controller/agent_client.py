@@ -38,8 +38,8 @@ class CommandOutcome:
 
 
 class AgentClient:
-    def __init__(self, token: str, session: aiohttp.ClientSession | None = None) -> None:
-        self._token = token
+    def __init__(self, token: str | None = None, session: aiohttp.ClientSession | None = None) -> None:
+        self.token = token  # the job's agent token: set once its Secret exists
         self._session = session
         self._own_session = session is None
 
@@ -58,7 +58,7 @@ class AgentClient:
         return self._session
 
     def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self._token}"}
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
     async def state(self, agent: AgentEndpoint, since: int = -1, wait: float = 0) -> AgentState:
         params = {"since": str(since), "wait": str(wait)}

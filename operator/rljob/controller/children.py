@@ -5,22 +5,23 @@ from __future__ import annotations
 
 import base64
 import copy
+import re
 import secrets
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from rljob.api.crd import GROUP, KIND, VERSION
-from rljob.api.spec import RLJobSpec
+
+# The names injected into every pod are reserved in the spec (api/spec.py refuses them in a template).
+from rljob.api.spec import AGENT_CONTAINER, AGENT_TRAINER_PORT, TOKEN_VOLUME, RLJobSpec
 
 LABEL_JOB = "rljob.io/job"
 LABEL_INDEX = "rljob.io/index"
 LABEL_GANG = "rljob.io/gang"
-LABEL_ROLE = "rljob.io/role"
-AGENT_CONTAINER = "rljob-agent"
-TOKEN_VOLUME = "rljob-agent-token"
 TOKEN_DIR = "/var/run/rljob/agent"
 TOKEN_KEY = "token"
-TRAINER_PORT = 8472
+TRAINER_PORT = AGENT_TRAINER_PORT
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,21 @@ def sglang_liveness(spec: RLJobSpec) -> dict[str, Any]:
     }
 
 
+def _quantities_as_strings(pod_spec: dict[str, Any]) -> None:
+    """`nvidia.com/gpu: 1` is a valid quantity to the API server, but the Kubernetes client's models
+    (kubernetes>=35) take quantities only as strings: write numbers as the strings they stand for."""
+    resources = [
+        c.get("resources") or {} for key in ("containers", "initContainers") for c in pod_spec.get(key) or []
+    ]
+    resources.append(pod_spec.get("resources") or {})
+    amounts = [r.get(kind) for r in resources for kind in ("limits", "requests")] + [pod_spec.get("overhead")]
+    for quantities in amounts:
+        if isinstance(quantities, dict):
+            for name, amount in quantities.items():
+                if isinstance(amount, int | float) and not isinstance(amount, bool):
+                    quantities[name] = str(amount)
+
+
 def gang_pod(
     job: str, uid: str, spec: RLJobSpec, index: int, gang: int, options: AgentOptions, iterations: int | None
 ) -> dict[str, Any]:
@@ -188,6 +204,7 @@ def gang_pod(
     if claims:
         # DRA: containers of a pod can share a ResourceClaim, so NVML in the agent sees SGLang's GPUs.
         agent["resources"]["claims"] = copy.deepcopy(claims)
+    _quantities_as_strings(pod_spec)
     pod_spec["containers"].append(agent)
     pod_spec.setdefault("volumes", []).append(
         {"name": TOKEN_VOLUME, "secret": {"secretName": token_secret_name(job), "defaultMode": 0o444}}
@@ -209,3 +226,81 @@ def gang_pod(
         },
         "spec": pod_spec,
     }
+
+
+# --- children the API server refuses ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A child the API server refused as invalid (HTTP 422, or 400 when the body did not decode): the
+    job's spec or name can never produce it, so the job fails as InvalidSpec."""
+
+    kind: str  # Pod | Secret | Service
+    name: str
+    message: str  # the Status's message
+    causes: tuple[tuple[str, str], ...] = ()  # (field, message) from status.details.causes
+    by: str = "the API server"
+
+    @classmethod
+    def from_client_errors(cls, kind: str, name: str, errors: Sequence[Mapping[str, Any]]) -> Refusal:
+        """The Kubernetes client validates a body before sending it (kubernetes>=35: pydantic models);
+        `errors` is pydantic's ValidationError.errors(), each loc starting with the body's argument."""
+        causes = []
+        for e in errors:
+            loc = list(e.get("loc") or ())
+            if loc and isinstance(loc[0], int):
+                loc = loc[1:]  # the position of the body argument
+            causes.append((_field_path(loc), str(e.get("msg", "invalid"))))
+        message = "; ".join(f"{f}: {m}" for f, m in causes)
+        return cls(kind, name, message, tuple(causes), by="the Kubernetes client")
+
+    @classmethod
+    def from_status(cls, kind: str, name: str, status: dict[str, Any]) -> Refusal:
+        causes = ((status.get("details") or {}).get("causes")) or []
+        return cls(
+            kind,
+            name,
+            str(status.get("message") or ""),
+            tuple((str(c.get("field") or ""), str(c.get("message") or "")) for c in causes),
+        )
+
+
+def _field_path(loc: list[Any]) -> str:
+    """Kubernetes style: `spec.containers[0].resources.limits[nvidia.com/gpu]`."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int) or "/" in str(part) or "." in str(part):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+# A body that does not decode names the field only in its message (encoding/json's UnmarshalTypeError).
+_DECODE_FIELD = re.compile(r"Go struct field [A-Za-z0-9_]+\.([A-Za-z0-9_.\[\]]+) of type")
+
+
+def spec_field(kind: str, child_field: str) -> str:
+    """The RLJob field a child's field comes from: a pod's labels are the template's, its spec is the
+    template's spec; the Secret and Service carry only what the job's name gives them."""
+    if kind == "Pod":
+        if child_field == "metadata.name":
+            return "metadata.name"
+        if child_field.startswith(("metadata.", "spec.")):
+            return f"spec.template.{child_field}"
+        return "spec.template"
+    if kind == "Service" and child_field.startswith("spec.ports"):
+        return "spec.agent.port"
+    return "metadata.name"
+
+
+def refusal_spec_error(refusal: Refusal) -> str:
+    """`field.path: message` for Observation.spec_error, one entry per cause the API server named."""
+    where = f"({refusal.by} refused {refusal.kind} {refusal.name})"
+    if refusal.causes:
+        entries = [f"{spec_field(refusal.kind, f)}: {m}" for f, m in refusal.causes]
+        return f"{'; '.join(entries)} {where}"
+    found = _DECODE_FIELD.search(refusal.message)
+    field = spec_field(refusal.kind, found.group(1) if found else "")
+    return f"{field}: {refusal.message} {where}"

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from rljob.api import InvalidObject, parse_spec, parse_status
+from rljob.api import InvalidObject, parse_job, parse_status
 from rljob.api.agent import AgentState
 from rljob.api.spec import RLJobSpec
 from rljob.api.status import Phase, RLJobStatus
@@ -23,17 +23,31 @@ from rljob.controller.children import (
     gang_pod,
     headless_service,
     new_token,
+    refusal_spec_error,
     token_secret,
 )
-from rljob.controller.kube import Kube
+from rljob.controller.kube import ChildRefused, Kube
 from rljob.controller.observe import pod_ip, pod_observation
 from rljob.controller.status_writer import StatusWriter
-from rljob.lifecycle.clock import stamp
 from rljob.lifecycle.machine import decide
 from rljob.lifecycle.model import Decision, EventReason, Observation
 
 log = logging.getLogger(__name__)
 TICK_SECONDS = 2.0  # time-based decisions (deadlines) need a heartbeat; everything else wakes us
+MAX_SPEC_ERROR = 1000  # the status message is bounded (api/status.py)
+
+
+@dataclass
+class _Parsed:
+    """One generation of the RLJob as the operator reads it: the spec, or why it cannot be run."""
+
+    generation: int | None
+    spec: RLJobSpec | None
+    error: str | None = None  # Observation.spec_error: the models refuse it, or the API server a child
+    pods_checked: bool = False  # a pod of this spec passed a server-side dry run
+
+    def refused(self, refused: ChildRefused) -> None:
+        self.error = refusal_spec_error(refused.refusal)[:MAX_SPEC_ERROR]
 
 
 @dataclass(frozen=True)
@@ -62,37 +76,62 @@ class Conductor:
         self._watches: dict[str, AgentWatch] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._uids: dict[str, str] = {}  # pod name -> uid, from the last list
-        self._parsed: tuple[int | None, RLJobSpec] | None = None
+        self._parsed: _Parsed | None = None
+        self._children_ready = False  # the token Secret and the Service exist
         self._accepted: set[tuple[str, str, int]] = set()  # (pod uid, action, epoch) an agent took
 
     def poke(self) -> None:
         self.wake.set()
 
-    def _spec(self) -> RLJobSpec:
+    def _parse(self) -> _Parsed:
         """The validated spec, parsed again only when metadata.generation moves (every spec edit does)."""
         generation = self.body.get("metadata", {}).get("generation")
-        if self._parsed is None or self._parsed[0] != generation:
-            self._parsed = (generation, parse_spec(self.body.get("spec")))
-        return self._parsed[1]
+        if self._parsed is None or self._parsed.generation != generation:
+            try:
+                self._parsed = _Parsed(generation, parse_job(self.body))
+            except InvalidObject as err:
+                self._parsed = _Parsed(generation, None, str(err)[:MAX_SPEC_ERROR])
+        return self._parsed
+
+    async def _checked_spec(self, agents: AgentClient, status: RLJobStatus) -> _Parsed:
+        """The spec, with what the API server says about its children: the token Secret and Service
+        (created once), and the pods (a server-side dry run of the last pod, once per generation, while
+        the job runs). A refusal is the spec's error: decide() fails the job before any pod exists."""
+        parsed = self._parse()
+        if parsed.spec is None or parsed.error is not None:
+            return parsed
+        try:
+            if not self._children_ready:
+                agents.token = await self._ensure_token_and_service(parsed.spec)
+                self._children_ready = True
+            if not parsed.pods_checked and not status.phase.terminal:
+                await self.kube.create(
+                    self.namespace,
+                    self._pod(parsed.spec, parsed.spec.replicas - 1, status.restarts),
+                    dry_run=True,
+                )
+                parsed.pods_checked = True
+        except ChildRefused as refused:
+            parsed.refused(refused)
+        return parsed
 
     async def run(self, stopped: Callable[[], bool]) -> None:
         status = parse_status(self.body.get("status"))
         writer = StatusWriter(self.kube, self.namespace, self.name, self.body.get("status"))
-        token = await self._ensure_token_and_service()
-        async with AgentClient(token) as agents:
+        async with AgentClient() as agents:
             try:
                 while not stopped():
                     self.wake.clear()
-                    try:
-                        spec = self._spec()
-                    except InvalidObject as err:
-                        await self._invalid(writer, status, err)
-                        return
-                    decision = await self._round(agents, spec, status)
+                    parsed = await self._checked_spec(agents, status)
+                    decision = await self._round(agents, parsed, status)
                     await writer.write(decision.status)  # persist first, then act (see Decision)
                     self._observe_metrics(status, decision.status)
                     status = decision.status
-                    await self._act(spec, decision)
+                    try:
+                        await self._act(parsed.spec, decision)
+                    except ChildRefused as refused:  # what a dry run could not foresee
+                        parsed.refused(refused)
+                        continue
                     if decision.delete_job:
                         await self.kube.delete_job(self.namespace, self.name)
                         return
@@ -109,10 +148,10 @@ class Conductor:
                 if self._tasks:
                     await asyncio.wait(self._tasks, timeout=5)
 
-    async def _round(self, agents: AgentClient, spec: RLJobSpec, status: RLJobStatus) -> Decision:
+    async def _round(self, agents: AgentClient, parsed: _Parsed, status: RLJobStatus) -> Decision:
         pods = await self.kube.list_pods(self.namespace, self.name)
         self._uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods}
-        self._sync_watches(agents, spec, pods)
+        self._sync_watches(agents, parsed.spec if parsed.error is None else None, pods)
         states: dict[str, AgentState | None] = {}
         for pod in pods:
             watch = self._watches.get(pod["metadata"]["name"])
@@ -124,15 +163,18 @@ class Conductor:
             pods=tuple(pod_observation(p) for p in pods),
             agents=states,
             generation=self.body.get("metadata", {}).get("generation"),
+            spec_error=parsed.error,
         )
-        return decide(spec, status, obs)
+        return decide(parsed.spec, status, obs)
 
-    def _sync_watches(self, agents: AgentClient, spec: RLJobSpec, pods: list[dict[str, Any]]) -> None:
+    def _sync_watches(self, agents: AgentClient, spec: RLJobSpec | None, pods: list[dict[str, Any]]) -> None:
+        """One watch per running agent; none while the spec is invalid (the job is failing)."""
         wanted: dict[str, AgentEndpoint] = {}
         for pod in pods:
             ip = pod_ip(pod)
             meta = pod["metadata"]
-            if ip and pod.get("status", {}).get("phase") == "Running" and not meta.get("deletionTimestamp"):
+            running = pod.get("status", {}).get("phase") == "Running" and not meta.get("deletionTimestamp")
+            if spec is not None and ip and running:
                 wanted[meta["name"]] = AgentEndpoint(meta["name"], meta["uid"], ip, spec.agent.port)
         for name in list(self._watches):
             if name not in wanted or self._watches[name].endpoint != wanted[name]:
@@ -142,26 +184,26 @@ class Conductor:
             if name not in self._watches:
                 self._watches[name] = AgentWatch(agents, endpoint, self.poke)
 
-    async def _act(self, spec: RLJobSpec, decision: Decision) -> None:
+    def _pod(self, spec: RLJobSpec, index: int, gang: int) -> dict[str, Any]:
+        manifest = gang_pod(self.name, self.uid, spec, index, gang, self.options.agent, spec.iterations)
+        manifest["metadata"]["namespace"] = self.namespace
+        return manifest
+
+    async def _act(self, spec: RLJobSpec | None, decision: Decision) -> None:
+        """Raises ChildRefused when the API server refuses a pod as invalid (after the others are made)."""
         ns = self.namespace
         if decision.events:  # events are for people: never on the lifecycle's critical path
             self._background(self._post_events(decision))
         await asyncio.gather(*(self.kube.delete_pod(ns, n, self._uids.get(n)) for n in decision.delete_pods))
-        manifests = [
-            gang_pod(
-                self.name,
-                self.uid,
-                spec,
-                index,
-                decision.status.restarts,
-                self.options.agent,
-                spec.iterations,
+        if spec is not None and decision.create_pods:
+            manifests = [self._pod(spec, index, decision.status.restarts) for index in decision.create_pods]
+            outcomes = await asyncio.gather(
+                *(self.kube.create(ns, m) for m in manifests), return_exceptions=True
             )
-            for index in decision.create_pods
-        ]
-        for manifest in manifests:
-            manifest["metadata"]["namespace"] = ns
-        await asyncio.gather(*(self.kube.create(ns, m) for m in manifests))
+            errors = [e for e in outcomes if isinstance(e, BaseException)]
+            refused = [e for e in errors if isinstance(e, ChildRefused)]
+            if refused or errors:
+                raise (refused or errors)[0]
         await self._send(decision)
 
     async def _post_events(self, decision: Decision) -> None:
@@ -203,26 +245,14 @@ class Conductor:
                     f"{outcome.pod}: {outcome.refusal}",
                 )
 
-    async def _ensure_token_and_service(self) -> str:
+    async def _ensure_token_and_service(self, spec: RLJobSpec) -> str:
         token = await self.kube.read_token(self.namespace, self.name)
         if token is None:
             await self.kube.create(self.namespace, token_secret(self.name, self.uid, new_token()))
             token = await self.kube.read_token(self.namespace, self.name)
             assert token is not None
-        await self.kube.create(self.namespace, headless_service(self.name, self.uid, self._spec()))
+        await self.kube.create(self.namespace, headless_service(self.name, self.uid, spec))
         return token
-
-    async def _invalid(self, writer: StatusWriter, status: RLJobStatus, err: InvalidObject) -> None:
-        """Admission normally refuses bad specs; this catches what CEL cannot (or a CRD left behind)."""
-        failed = status.model_copy(deep=True)
-        failed.phase = Phase.FAILED
-        failed.reason = EventReason.INVALID_SPEC.value
-        failed.message = str(err)[:1024]
-        failed.completion_time = stamp(self.clock())
-        await writer.write(failed)
-        await self.kube.post_event(
-            self.namespace, dict(self.body), "Warning", EventReason.INVALID_SPEC.value, str(err)
-        )
 
     def _observe_metrics(self, old: RLJobStatus, new: RLJobStatus) -> None:
         labels = {"namespace": self.namespace, "job": self.name}

@@ -13,9 +13,10 @@ from typing import Any, TypeVar
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
+from pydantic import ValidationError
 
 from rljob.api.crd import GROUP, PLURAL, VERSION
-from rljob.controller.children import LABEL_JOB, TOKEN_KEY, token_secret_name
+from rljob.controller.children import LABEL_JOB, TOKEN_KEY, Refusal, token_secret_name
 from rljob.controller.metrics import API_CALLS
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,27 @@ def load_config() -> None:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
+
+
+class ChildRefused(Exception):
+    """The API server refused a child as invalid; retrying the same manifest cannot succeed."""
+
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(f"{refusal.kind} {refusal.name}: {refusal.message}")
+        self.refusal = refusal
+
+
+def _refusal(manifest: dict[str, Any], err: ApiException) -> Refusal | None:
+    """A Refusal for 422 Invalid, or 400 BadRequest (a body that does not decode); else None."""
+    if err.status not in (400, 422):
+        return None
+    try:
+        status = json.loads(err.body or "{}")
+    except ValueError:
+        status = {"message": str(err.body or err.reason)}
+    if not isinstance(status, dict):
+        status = {"message": str(status)}
+    return Refusal.from_status(manifest["kind"], manifest["metadata"].get("name", ""), status)
 
 
 class Kube:
@@ -56,20 +78,30 @@ class Kube:
         )
         return list(json.loads(result.data)["items"])
 
-    async def create(self, namespace: str, manifest: dict[str, Any]) -> bool:
-        """Create a child; False when it already exists (a restarted operator may repeat itself)."""
+    async def create(self, namespace: str, manifest: dict[str, Any], *, dry_run: bool = False) -> bool:
+        """Create a child; False when it already exists (a restarted operator may repeat itself).
+        `dry_run`: the API server validates and admits it, and stores nothing. Raises ChildRefused when
+        the API server refuses it as invalid."""
         kind = manifest["kind"]
         fn = {
             "Pod": self.core.create_namespaced_pod,
             "Secret": self.core.create_namespaced_secret,
             "Service": self.core.create_namespaced_service,
         }[kind]
+        extra = {"dry_run": "All"} if dry_run else {}
+        verb = f"create_{kind.lower()}{'_dry_run' if dry_run else ''}"
         try:
-            await self._call(f"create_{kind.lower()}", fn, namespace, manifest)
+            await self._call(verb, fn, namespace, manifest, **extra)
             return True
+        except ValidationError as err:  # the client's own models refused the body: nothing was sent
+            name = manifest["metadata"].get("name", "")
+            raise ChildRefused(Refusal.from_client_errors(kind, name, err.errors())) from None
         except ApiException as err:
             if err.status == 409:
                 return False
+            refusal = _refusal(manifest, err)
+            if refusal is not None:
+                raise ChildRefused(refusal) from None
             raise
 
     async def delete_pod(self, namespace: str, name: str, uid: str | None = None) -> None:

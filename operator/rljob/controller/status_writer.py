@@ -32,7 +32,6 @@ class StatusWriter:
         self._namespace = namespace
         self._name = name
         self._written: dict[str, Any] = dict(stored or {})
-        self.writes = 0
 
     async def write(self, status: RLJobStatus) -> bool:
         new = status.wire()
@@ -41,6 +40,5 @@ class StatusWriter:
             return False
         await self._kube.patch_status(self._namespace, self._name, patch)
         self._written = new
-        self.writes += 1
         STATUS_WRITES.inc()
         return True

@@ -1,0 +1,122 @@
+"""The controller's pure pieces: the status merge patch and a pod's broken reason."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from rljob.controller.observe import broken_reason, pod_observation
+from rljob.controller.status_writer import merge_patch
+
+
+def apply_merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 as the API server applies it: null removes, objects merge, anything else replaces."""
+    if not isinstance(patch, dict):
+        return patch
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = apply_merge_patch(out.get(key), value)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "patch"),
+    [
+        ({}, {}, {}),
+        ({"phase": "Rollout"}, {"phase": "Rollout"}, {}),
+        ({"phase": "Rollout"}, {"phase": "Draining"}, {"phase": "Draining"}),
+        ({"phase": "Rollout", "message": "x"}, {"phase": "Rollout"}, {"message": None}),
+        ({}, {"profile": {"verdict": "Balanced"}}, {"profile": {"verdict": "Balanced"}}),
+        (
+            {"profile": {"verdict": "Balanced", "rolloutPercent": 40}},
+            {"profile": {"verdict": "Balanced", "rolloutPercent": 55}},
+            {"profile": {"rolloutPercent": 55}},
+        ),
+        ({"profile": {"a": 1, "b": 2}}, {"profile": {"a": 1}}, {"profile": {"b": None}}),
+        ({"profile": {"a": 1}}, {"profile": {"a": 1}, "epoch": 3}, {"epoch": 3}),
+        # Lists are replaced whole (merge patch has no list merge): a changed timeline is sent entire.
+        (
+            {"timeline": [{"phase": "Pending"}]},
+            {"timeline": [{"phase": "Pending"}, {"phase": "Rollout"}]},
+            {"timeline": [{"phase": "Pending"}, {"phase": "Rollout"}]},
+        ),
+        ({"timeline": [1, 2]}, {"timeline": [1, 2]}, {}),
+        # A value turning into an object, and back, is replaced.
+        ({"x": 1}, {"x": {"y": 2}}, {"x": {"y": 2}}),
+        ({"x": {"y": 2}}, {"x": 1}, {"x": 1}),
+    ],
+)
+def test_merge_patch_carries_only_the_change(old: dict, new: dict, patch: dict) -> None:
+    assert merge_patch(old, new) == patch
+    assert apply_merge_patch(old, merge_patch(old, new)) == new
+
+
+def test_merge_patch_does_not_touch_its_inputs() -> None:
+    old = {"profile": {"a": 1}, "gone": True}
+    new = {"profile": {"a": 2}}
+    merge_patch(old, new)
+    assert old == {"profile": {"a": 1}, "gone": True} and new == {"profile": {"a": 2}}
+
+
+def pod(*statuses: dict[str, Any], phase: str = "Running") -> dict[str, Any]:
+    return {
+        "metadata": {"name": "j-0", "labels": {"rljob.io/index": "0", "rljob.io/gang": "2"}},
+        "status": {"phase": phase, "containerStatuses": list(statuses)},
+    }
+
+
+RUNNING = {"name": "sglang", "state": {"running": {}}, "restartCount": 0}
+
+
+@pytest.mark.parametrize(
+    ("statuses", "expected"),
+    [
+        ((), None),
+        ((RUNNING,), None),
+        ((RUNNING, {"name": "trainer", "state": {"waiting": {"reason": "ContainerCreating"}}}), None),
+        (
+            (RUNNING, {"name": "trainer", "state": {"terminated": {"exitCode": 1, "reason": "Error"}}}),
+            "container trainer terminated (exit 1, Error)",
+        ),
+        (
+            ({"name": "sglang", "state": {"terminated": {"exitCode": 137}}},),
+            "container sglang terminated (exit 137, )",
+        ),
+        (
+            ({"name": "sglang", "state": {"running": {}}, "restartCount": 2},),
+            "container sglang restarted 2 time(s)",
+        ),
+        # The first broken container in the pod's order is the one named.
+        (
+            (
+                {"name": "sglang", "state": {"running": {}}, "restartCount": 1},
+                {"name": "trainer", "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}},
+            ),
+            "container sglang restarted 1 time(s)",
+        ),
+    ],
+)
+def test_broken_reason_names_the_container_that_lost_its_state(
+    statuses: tuple[dict[str, Any], ...], expected: str | None
+) -> None:
+    assert broken_reason(pod(*statuses)) == expected
+
+
+def test_a_pod_without_status_is_not_broken() -> None:
+    assert broken_reason({"metadata": {"name": "j-0"}}) is None
+    assert broken_reason({"metadata": {"name": "j-0"}, "status": {"containerStatuses": None}}) is None
+
+
+def test_pod_observation_reads_labels_and_conditions() -> None:
+    p = pod(RUNNING)
+    p["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
+    obs = pod_observation(p)
+    assert (obs.index, obs.gang, obs.ready, obs.deleting, obs.broken) == (0, 2, True, False, None)
+    p["metadata"]["labels"]["rljob.io/index"] = "x"
+    p["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    obs = pod_observation(p)
+    assert obs.index == -1 and obs.deleting and not obs.running
