@@ -9,7 +9,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from rljob.agent import transitions
-from rljob.agent.errors import CommandFailed, StateLost, conflict
+from rljob.agent.errors import CommandFailed, PermanentFailure, StateLost, conflict
 from rljob.agent.metrics import AgentMetrics
 from rljob.agent.operations import Operations
 from rljob.agent.sglang_client import SGLangError, SGLangUnreachable
@@ -73,9 +73,12 @@ class CommandDesk:
     async def _run(self, cmd: Command) -> None:
         started = time.monotonic()
         error: str | None = None
+        permanent: PermanentFailure | None = None
         with measure_external() as external:
             try:
                 await self._ops.execute(cmd)
+            except PermanentFailure as e:
+                error, permanent = str(e), e
             except CommandFailed as e:
                 error = str(e)
             except StateLost as e:
@@ -105,5 +108,7 @@ class CommandDesk:
             assert s.last_command is not None
             s.last_command.state = CommandState.FAILED if error else CommandState.SUCCEEDED
             s.last_command.error = error[:1024] if error else None
+            s.last_command.permanent = permanent is not None
+            s.last_command.failure_reason = permanent.reason if permanent else None
             s.last_command.seconds = seconds
             s.last_command.sglang_seconds = min(seconds, external[0])

@@ -19,5 +19,14 @@ class CommandFailed(Exception):
     """A command ran and did not reach its target stage; the agent is still consistent."""
 
 
+class PermanentFailure(CommandFailed):
+    """A failure any retry would repeat (the spec asks what this pod can never do): the command's
+    status says `permanent` with `reason`, and the operator fails the job instead of restarting it."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class StateLost(Exception):
     """SGLang's state is no longer known (a non-idempotent call did not answer in time): the pod must go."""

@@ -9,7 +9,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from rljob.agent.errors import CommandFailed, StateLost
+from rljob.agent.errors import CommandFailed, PermanentFailure, StateLost
 from rljob.agent.gpu_probe import GpuMemory, GpuProbe
 from rljob.agent.lease import LeaseDesk
 from rljob.agent.metrics import AgentMetrics
@@ -35,6 +35,38 @@ log = logging.getLogger("rljob.agent")
 RESUME_ORDER = (ReleaseTag.CUDA_GRAPH, ReleaseTag.WEIGHTS, ReleaseTag.KV_CACHE)
 FLUSH_SERVER_WAIT_CAP_S = 30.0
 HEALTH_ATTEMPT_CAP_S = 25.0  # SGLang's own health timeout is 20 s
+RELEASE_SHORTFALL = "ReleaseShortfall"
+FREED_STABLE_S = 1.0  # freed memory unchanged this long when verification times out: nothing is coming
+FREED_NOISE_BYTES = 64 << 20  # NVML's used memory moves a little on its own (allocator, context)
+
+
+class FreedHistory:
+    """What release verification saw: the bytes freed per GPU, and when they last moved. It tells a
+    deterministic shortfall (the released tags hold less than `verify` asks, e.g. only cuda_graph with
+    minFreedFraction 0.5) from a delayed unmap that has not finished (slime#579)."""
+
+    def __init__(self) -> None:
+        self.freed: dict[int, int] = {}
+        self.changed_at: float | None = None
+
+    def add(self, freed: dict[int, int], now: float) -> None:
+        moved = freed.keys() != self.freed.keys() or any(
+            abs(freed[i] - self.freed[i]) > FREED_NOISE_BYTES for i in freed
+        )
+        if moved:
+            self.changed_at = now
+        self.freed = dict(freed)
+
+    def shortfall_is_final(self, need: dict[int, int], now: float, window_s: float) -> bool:
+        """True when every GPU still short has freed something (its unmap ran: the tags took effect)
+        and nothing moved for the last min(FREED_STABLE_S, half the window). A GPU that freed nothing
+        may not have unmapped yet, and memory still moving may reach the target: both stay retryable."""
+        short = [i for i in need if self.freed.get(i, 0) < need[i]]
+        if not short or self.changed_at is None:
+            return False
+        if any(self.freed.get(i, 0) <= FREED_NOISE_BYTES for i in short):
+            return False
+        return now - self.changed_at >= min(FREED_STABLE_S, window_s / 2)
 
 
 class Deadline:
@@ -142,7 +174,7 @@ class Operations:
             raise CommandFailed(str(e)) from e  # refused in the tokenizer: nothing was released
         with self.store.change() as s:
             s.released_tags = [*s.released_tags, *cmd.tags]
-        await self._verify_freed(before, cmd.verify)
+        await self._verify_freed(before, cmd.verify, tags)
         with self.store.change() as s:
             s.stage = Stage.RELEASED
 
@@ -157,20 +189,24 @@ class Operations:
             raise CommandFailed("GPU probe sees no GPU")
         return gpus
 
-    async def _verify_freed(self, before: list[GpuMemory], verify: ReleaseVerify) -> None:
+    async def _verify_freed(self, before: list[GpuMemory], verify: ReleaseVerify, tags: list[str]) -> None:
         """Every GPU must free max(min_freed_bytes, fraction x used_before): release returns when rank 0
-        is done, other ranks (and delayed unmaps) may still hold memory (slime#579, miles#86)."""
+        is done, other ranks (and delayed unmaps) may still hold memory (slime#579, miles#86). A shortfall
+        that stopped moving is permanent (PermanentFailure, ReleaseShortfall): a restart frees no more."""
         dl = Deadline(verify.timeout_seconds)
+        loop = asyncio.get_running_loop()
         used_before = {g.index: g.used_bytes for g in before}
         need = {
             i: max(verify.min_freed_bytes, int(verify.min_freed_fraction * u)) for i, u in used_before.items()
         }
+        history = FreedHistory()
         pause = 0.02
         while True:
             after = await self._sample()
             freed = {g.index: used_before.get(g.index, 0) - g.used_bytes for g in after}
             if set(freed) != set(need):
                 raise CommandFailed(f"GPU set changed during release: {sorted(need)} -> {sorted(freed)}")
+            history.add(freed, loop.time())
             ok = all(freed[i] >= need[i] for i in need)
             if ok or dl.remaining() <= 0:
                 break
@@ -186,6 +222,12 @@ class Operations:
             short = ", ".join(
                 f"GPU {i} freed {max(0, freed[i])} of {need[i]} bytes" for i in need if freed[i] < need[i]
             )
+            if history.shortfall_is_final(need, loop.time(), verify.timeout_seconds):
+                raise PermanentFailure(
+                    RELEASE_SHORTFALL,
+                    f"releasing {', '.join(tags)} cannot free what verify asks: {short}, unchanged at the "
+                    f"end of {verify.timeout_seconds}s (choose more release.tags or lower release.verify)",
+                )
             raise CommandFailed(f"release not verified within {verify.timeout_seconds}s: {short}")
 
     # --- resume helpers --------------------------------------------------------------------------
