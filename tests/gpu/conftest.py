@@ -80,7 +80,9 @@ def start_gpu_emulator(procs: list[Proc], tmp_path: Path) -> Callable[..., Emula
 
         env = preload_env({}) if preload else {}  # only variables to add: Proc merges them into os.environ
         env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] = "1"
-        emu = Emulator(tmp_path, "0.5.23", "--memory-backend", "cuda", *flags, env=env, **kw)
+        # with it the default (breakable) prefill graph backend refuses to start (C-MEM-CUDAGRAPH-ENV)
+        graphs = ("--cuda-graph-backend-prefill", "disabled")
+        emu = Emulator(tmp_path, "0.5.23", "--memory-backend", "cuda", *graphs, *flags, env=env, **kw)
         procs.append(emu)
         emu.wait_ready(ready_timeout)
         return emu

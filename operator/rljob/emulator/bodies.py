@@ -1,4 +1,5 @@
-"""Request bodies as SGLang parses them: unknown fields ignored, defaults as in 0.5.23 (contract §2)."""
+"""Request bodies as SGLang parses them: unknown fields ignored, defaults as in 0.5.23 (C-ROUTE-* rows of
+docs/sglang-conformance.md)."""
 
 from __future__ import annotations
 
@@ -105,3 +106,11 @@ class GenerateBody(Body):
     sampling_params: dict[str, Any] | None = None
     rid: str | list[str] | None = None
     stream: bool = False
+    data_parallel_rank: int | None = None
+    routed_dp_rank: int | None = None
+
+
+class CheckerBody056(Body):
+    """0.5.6: `action` is required (io_struct.py:1315-1316@0.5.6)."""
+
+    action: str

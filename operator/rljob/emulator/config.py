@@ -5,11 +5,13 @@ speed, faults)."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from rljob.emulator.fatal import StartupError
 from rljob.emulator.faults import Faults, parse_route_seconds
 from rljob.emulator.memory import BACKENDS
 from rljob.emulator.versions import DEFAULT_VERSION, SUPPORTED_VERSIONS, VersionProfile, version_key
@@ -35,6 +37,7 @@ class EmulatorConfig:
     admin_api_key: str | None
     tp_size: int
     dp_size: int
+    enable_dp_attention: bool
     max_total_tokens: int
     max_running_requests: int
     gpus: int
@@ -45,12 +48,16 @@ class EmulatorConfig:
     tokens_per_second: float
     startup_seconds: float
     health_check_timeout: float
+    health_poll_seconds: float
     scheduler_lag_seconds: float
+    weight_update_group_timeout: float
     faults: Faults
     server_args: dict[str, Any] = field(default_factory=dict)  # what /server_info reports
     launch_command: str = ""
     memory_backend: str = "accounting"  # accounting (numbers only) | cuda (torch_memory_saver regions)
     memory_saver_hook_mode: str = "preload"  # torch_memory_saver hook: preload (SGLang's) | torch
+    prefill_graph_backend: str = "none"  # resolved prefill CUDA graph backend ("none": 0.5.6 has none)
+    scheduler_kill_after_s: float = 0.0  # fault: the scheduler process dies this long after startup
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -71,11 +78,15 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--admin-api-key", default=None)
     s.add_argument("--tp-size", "--tp", type=int, default=1)
     s.add_argument("--dp-size", "--dp", type=int, default=1)
+    s.add_argument("--enable-dp-attention", action="store_true")
     s.add_argument("--max-total-tokens", type=int, default=65536)
     s.add_argument("--max-running-requests", type=int, default=256)
     s.add_argument("--load-format", default="auto")
     s.add_argument("--skip-server-warmup", action="store_true")
     s.add_argument("--disable-cuda-graph", action="store_true")
+    s.add_argument("--disable-prefill-cuda-graph", action="store_true")
+    s.add_argument("--cuda-graph-backend-prefill", default=None)
+    s.add_argument("--cuda-graph-config", default=None, help="JSON; only prefill.backend is read")
     s.add_argument("--mem-fraction-static", type=float, default=None)
     e = p.add_argument_group("emulator")
     e.add_argument(
@@ -105,6 +116,19 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--startup-seconds", type=float, default=0.0, help="delay before the port opens")
     e.add_argument("--health-check-timeout", type=float, default=None, help="default: env or 20 s")
     e.add_argument(
+        "--health-poll-seconds",
+        type=float,
+        default=0.1,
+        help="how often /health looks for scheduler output; SGLang sleeps 1 s between looks "
+        "(http_server.py:778-780@0.5.23), the default is shorter so that test tiers do not wait for it",
+    )
+    e.add_argument(
+        "--weight-update-group-timeout",
+        type=float,
+        default=1800.0,
+        help="how long init_weights_update_group waits for the group to form (torch's default_pg_timeout)",
+    )
+    e.add_argument(
         "--scheduler-lag-seconds",
         type=float,
         default=0.05,
@@ -116,6 +140,13 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--fault-release-unmap-delay", type=float, default=0.0, metavar="SECONDS")
     f.add_argument("--fault-resume-oom", action="append", default=[], metavar="TAG")
     f.add_argument("--fault-refit-fail", action="store_true")
+    f.add_argument(
+        "--fault-scheduler-kill-after",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="the scheduler process dies (SIGKILL, OOM-kill) this long after startup; 0.5.6 keeps HTTP up",
+    )
     return p
 
 
@@ -132,6 +163,14 @@ def parse_config(argv: list[str]) -> EmulatorConfig:
         log.warning("--admin-api-key does not exist in SGLang %s; ignored", profile.version)
         args.admin_api_key = None
     env_timeout = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
+    if args.cuda_graph_backend_prefill is not None and not profile.prefill_graph_backends:
+        log.warning("--cuda-graph-backend-prefill does not exist in SGLang %s; ignored", profile.version)
+        args.cuda_graph_backend_prefill = None
+    if args.cuda_graph_backend_prefill not in (None, *profile.prefill_graph_backends):
+        raise StartupError(
+            f"--cuda-graph-backend-prefill: invalid choice {args.cuda_graph_backend_prefill!r} "
+            f"(choose from {', '.join(profile.prefill_graph_backends)})"
+        )
     cfg = EmulatorConfig(
         profile=profile,
         host=args.host,
@@ -149,6 +188,7 @@ def parse_config(argv: list[str]) -> EmulatorConfig:
         admin_api_key=args.admin_api_key,
         tp_size=args.tp_size,
         dp_size=args.dp_size,
+        enable_dp_attention=args.enable_dp_attention,
         max_total_tokens=args.max_total_tokens,
         max_running_requests=args.max_running_requests,
         gpus=args.gpus or args.tp_size * args.dp_size,
@@ -159,14 +199,17 @@ def parse_config(argv: list[str]) -> EmulatorConfig:
             "kv_cache": args.kv_bytes,
             "cuda_graph": args.graph_bytes,
         },
-        cuda_graph_in_memory_saver=os.environ.get("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "")
-        in ("1", "true", "True"),
+        # get_bool_env_var: "true" or "1", any case (…/utils/common.py@0.5.6)
+        cuda_graph_in_memory_saver=os.environ.get("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "").lower()
+        in ("1", "true"),
         tokens_per_second=args.tokens_per_second,
         startup_seconds=args.startup_seconds,
         health_check_timeout=args.health_check_timeout
         if args.health_check_timeout is not None
         else env_timeout,
+        health_poll_seconds=args.health_poll_seconds,
         scheduler_lag_seconds=args.scheduler_lag_seconds,
+        weight_update_group_timeout=args.weight_update_group_timeout,
         faults=Faults(
             slow=parse_route_seconds(args.fault_slow),
             hang=set(args.fault_hang),
@@ -177,9 +220,45 @@ def parse_config(argv: list[str]) -> EmulatorConfig:
     )
     cfg.memory_backend = args.memory_backend
     cfg.memory_saver_hook_mode = args.memory_saver_hook_mode
+    cfg.prefill_graph_backend = _prefill_graph_backend(profile, args)
+    cfg.scheduler_kill_after_s = args.fault_scheduler_kill_after
     cfg.server_args = _server_args(cfg, args)
     cfg.launch_command = "python -m sglang.launch_server " + " ".join(argv)
     return cfg
+
+
+def _prefill_graph_backend(profile: VersionProfile, args: argparse.Namespace) -> str:
+    """_parse_cuda_graph_config: default breakable on CUDA; --disable-cuda-graph, then
+    --disable-prefill-cuda-graph, then --cuda-graph-backend-prefill, then the JSON config, each overriding
+    the one before (…/server_args.py:3205-3235@0.5.15.post1,
+    …/arg_groups/cuda_graph_hook.py:40-100@0.5.23)."""
+    if not profile.prefill_graph_backends:
+        return "none"
+    backend = "breakable"  # …/model_executor/cuda_graph_config.py:95-101@0.5.15.post1, :119-123@0.5.23
+    if args.disable_cuda_graph or args.disable_prefill_cuda_graph:
+        backend = "disabled"
+    if args.cuda_graph_backend_prefill is not None:
+        backend = args.cuda_graph_backend_prefill
+    if args.cuda_graph_config:
+        try:
+            backend = json.loads(args.cuda_graph_config).get("prefill", {}).get("backend", backend)
+        except (ValueError, AttributeError) as e:
+            raise StartupError(f"--cuda-graph-config: not a JSON object: {e}") from e
+    return str(backend)
+
+
+def startup_error(cfg: EmulatorConfig) -> str | None:
+    """C-MEM-CUDAGRAPH-ENV: BreakableCudaGraphBackend.__init__ raises when the memory saver would hold the
+    graphs (…/model_executor/runner_backend/breakable_cuda_graph_backend.py:77-86@0.5.15.post1,
+    breakable_cuda_graph_backend.py:84-93@0.5.23): the scheduler dies while starting, launch fails."""
+    if (
+        cfg.profile.breakable_prefill_rejects_memory_saver_graph
+        and cfg.enable_memory_saver
+        and cfg.cuda_graph_in_memory_saver
+        and cfg.prefill_graph_backend == "breakable"
+    ):
+        return "NotImplementedError: Breakable CUDA graph is not compatible with memory saver mode"
+    return None
 
 
 def _server_args(cfg: EmulatorConfig, args: argparse.Namespace) -> dict[str, Any]:
@@ -197,6 +276,7 @@ def _server_args(cfg: EmulatorConfig, args: argparse.Namespace) -> dict[str, Any
         "enable_metrics": cfg.enable_metrics,
         "tp_size": cfg.tp_size,
         "dp_size": cfg.dp_size,
+        "enable_dp_attention": cfg.enable_dp_attention,
         "load_format": args.load_format,
         "skip_server_warmup": args.skip_server_warmup,
         "disable_cuda_graph": args.disable_cuda_graph,

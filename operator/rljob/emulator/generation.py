@@ -74,12 +74,15 @@ async def generate(engine: Engine, body: GenerateBody) -> dict[str, Any] | list[
     )
     if len(rids) != len(jobs):
         raise GenerateError("The number of rids does not match the number of prompts.")
+    # data_parallel_rank (io_struct.py:204@0.5.6), renamed routed_dp_rank (io_struct.py:298-303@0.5.23)
+    dp_rank = body.routed_dp_rank if body.routed_dp_rank is not None else body.data_parallel_rank
+    if dp_rank is not None and not 0 <= dp_rank < len(engine.ranks):
+        raise GenerateError(f"data_parallel_rank {dp_rank} is out of range [0, {len(engine.ranks)})")
     started = time.monotonic()
-    sched = engine.scheduler
-    async with sched.reader():
+    async with engine.tokenizer.reader():
         done = await asyncio.gather(
             *(
-                sched.generate(p, max_new, 0 if greedy else i, rid)
+                engine.dispatch(dp_rank).generate(p, max_new, 0 if greedy else i, rid)
                 for i, ((p, _), rid) in enumerate(zip(jobs, rids, strict=True))
             )
         )

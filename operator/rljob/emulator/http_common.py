@@ -1,8 +1,10 @@
-"""Cross-cutting HTTP behaviour of SGLang (contract §2.1, §5): 400 validation errors in SGLang's shape,
-auth levels by version, FastAPI-style 404s, per-route call counters and route faults."""
+"""Cross-cutting HTTP behaviour of SGLang (C-ROUTE-VALIDATION, C-ROUTE-AUTH in docs/sglang-conformance.md):
+400 validation errors in SGLang's shape, auth levels by version, FastAPI-style 404s, per-route call
+counters and route faults, and the hang of a call whose scheduler died (C-DEATH-HARD)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -11,12 +13,14 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from rljob.emulator.engine import Engine
+from rljob.emulator.fatal import SchedulerDied
 
 ENGINE_KEY = web.AppKey("engine", Engine)
 B = TypeVar("B", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-# Every lifecycle endpoint is ADMIN_OPTIONAL (contract §5).
+# Every lifecycle endpoint is ADMIN_OPTIONAL (…/entrypoints/http_server.py:863,1128,1232,1264,1286,1374,
+# 1386,1577,1590@0.5.15.post1; begin/end: http_server.py:1400-1416@0.5.21).
 ADMIN_OPTIONAL = frozenset(
     {
         "/pause_generation",
@@ -56,15 +60,22 @@ class BodyError(Exception):
         self.response = bad_request(message)
 
 
-async def parse_body(request: web.Request, model: type[B]) -> B:
-    """JSON body (or {} when empty: inferred, the agent always sends a body) validated by `model`."""
+async def parse_body(request: web.Request, model: type[B], *, optional: bool = False) -> B:
+    """The JSON body validated by `model`. Every body route declares a required body (`obj: Model`,
+    `Annotated[Model, Body()]`: …/entrypoints/http_server.py:1103,940@0.5.6, http_server.py:1833@0.5.23),
+    so a missing, empty or null body is a validation error: 400 (http_server.py:354-388@0.5.6). `optional`:
+    the few that default it (/weights_checker from 0.5.15.post1, http_server.py:1398-1405@0.5.15.post1)."""
     raw = await request.read()
+    if optional and (not raw.strip() or raw.strip() == b"null"):
+        return model()  # `Annotated[Optional[Model], Body()] = None`
+    if not raw.strip():
+        raise BodyError("1 validation error: {'type': 'missing', 'loc': ('body',), 'msg': 'Field required'}")
     try:
-        data: Any = json.loads(raw) if raw.strip() else {}
+        data: Any = json.loads(raw)
     except ValueError as e:
         raise BodyError(f"JSON decode error: {e}") from e
     if data is None:
-        data = {}
+        raise BodyError("1 validation error: {'type': 'missing', 'loc': ('body',), 'msg': 'Field required'}")
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -81,8 +92,8 @@ def _authorized(engine: Engine, request: web.Request) -> bool:
     if request.method == "OPTIONS" or path.startswith(("/health", "/metrics", "/_emulator")):
         return True
     if not engine.profile.has_admin_api_key:  # 0.5.6: one key for everything but health/metrics
-        return cfg.api_key is None or _bearer(request) == cfg.api_key
-    if path.startswith("/ready"):
+        return cfg.api_key is None or _bearer(request) == cfg.api_key  # utils/common.py:1189-1200@0.5.6
+    if path.startswith("/ready") and engine.profile.ready_is_open:
         return True
     if path in ADMIN_OPTIONAL:
         if cfg.admin_api_key is not None:
@@ -103,6 +114,9 @@ async def sglang_middleware(request: web.Request, handler: Handler) -> web.Strea
         return await handler(request)
     except BodyError as e:
         return e.response
+    except SchedulerDied:
+        await asyncio.Event().wait()  # 0.5.6: nothing will ever answer this call
+        raise
     except web.HTTPNotFound:
         return web.json_response({"detail": "Not Found"}, status=404)
     except web.HTTPMethodNotAllowed:

@@ -1,6 +1,10 @@
-"""Lifecycle routes: pause/continue/abort, flush, release/resume, refit, sessions, groups, versions."""
+"""Lifecycle routes: pause/continue/abort, flush, release/resume, refit, sessions, groups, versions. Row IDs
+are those of docs/sglang-conformance.md. Every route that needs a scheduler reply goes through
+`Engine.control` (the route's communicator, then every DP rank's inbox)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from aiohttp import web
 
@@ -8,6 +12,7 @@ from rljob.emulator.bodies import (
     AbortBody,
     BeginBody,
     CheckerBody,
+    CheckerBody056,
     ContinueBody,
     DiskBody,
     DistributedBody,
@@ -19,8 +24,8 @@ from rljob.emulator.bodies import (
     TensorBody,
     WeightVersionBody,
 )
+from rljob.emulator.engine import Engine
 from rljob.emulator.http_common import bad_request, engine_of, parse_body, reply
-from rljob.emulator.memory import REGIONS
 from rljob.emulator.versions import VersionProfile
 from rljob.emulator.weight_updater import WeightUpdater
 
@@ -31,104 +36,162 @@ def _updater(request: web.Request) -> WeightUpdater:
     return request.app[UPDATER_KEY]
 
 
+def _dp_refused(eng: Engine) -> web.Response | None:
+    """C-REFIT-DP: the tokenizer asserts before sending; the AssertionError escapes the handler (500)."""
+    cfg = eng.cfg
+    if cfg.dp_size == 1:
+        return None
+    if cfg.enable_dp_attention and eng.profile.dp_refit_allowed_with_dp_attention:
+        return None
+    return web.Response(status=500, text="Internal Server Error")
+
+
 async def pause_generation(request: web.Request) -> web.Response:
     body = await parse_body(request, PauseBody)
-    await engine_of(request).scheduler.pause(body.mode)
+    await engine_of(request).pause(body.mode)
     return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
 
 async def continue_generation(request: web.Request) -> web.Response:
     await parse_body(request, ContinueBody)
-    await engine_of(request).scheduler.continue_generation()
+    await engine_of(request).continue_generation()
     return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
 
 async def abort_request(request: web.Request) -> web.Response:
     body = await parse_body(request, AbortBody)
-    engine_of(request).scheduler.abort(rid=body.rid, abort_all=body.abort_all)
+    engine_of(request).abort(rid=body.rid, abort_all=body.abort_all)
     return web.Response(status=200)
 
 
 async def flush_cache(request: web.Request) -> web.Response:
-    try:
-        timeout = float(request.query.get("timeout", "0"))
-    except ValueError:
-        return bad_request("timeout must be a number")
-    if timeout < 0:
-        return bad_request("timeout must be >= 0")
-    status, text = await engine_of(request).flush_cache(timeout)
+    eng = engine_of(request)
+    timeout = 0.0
+    if eng.profile.flush_cache_takes_timeout:  # 0.5.6 declares no parameter: FastAPI ignores it
+        try:
+            timeout = float(request.query.get("timeout", "0"))
+        except ValueError:
+            return bad_request("timeout: Input should be a valid number")
+        if timeout < 0:
+            return bad_request("timeout: Input should be greater than or equal to 0")
+    status, text = await eng.flush_cache(timeout)
     return web.Response(status=status, text=text, content_type="text/plain")
-
-
-def _tags(body: MemoryBody) -> list[str]:
-    """null or [] means every region; unknown names are silently ignored (contract §2.3)."""
-    if not body.tags:
-        return list(REGIONS)
-    return [t for t in dict.fromkeys(body.tags) if t in REGIONS]
 
 
 async def release_memory_occupation(request: web.Request) -> web.Response:
     body = await parse_body(request, MemoryBody)
-    engine_of(request).release(_tags(body))
+    await engine_of(request).release(body.tags)
     return web.json_response(None)
 
 
 async def resume_memory_occupation(request: web.Request) -> web.Response:
     body = await parse_body(request, MemoryBody)
-    tags = _tags(body)
-    await engine_of(request).resume(tags)
-    if "weights" in tags:
+    await engine_of(request).resume(body.tags)
+    if not body.tags or "weights" in body.tags:
         _updater(request).start_new_refit()
     return web.json_response(None)
 
 
+def _merge_dp(eng: Engine, status_body: tuple[int, dict[str, Any]]) -> tuple[int, dict[str, Any]]:
+    """A disk refit with dp_size > 1: one reply per rank, messages joined with " | ", a list of
+    num_paused_requests (…/managers/tokenizer_manager.py:1332-1344@0.5.6)."""
+    status, body = status_body
+    n = eng.cfg.dp_size
+    if n > 1:
+        body = {**body, "message": " | ".join([body["message"]] * n)}
+        if "num_paused_requests" in body:
+            body["num_paused_requests"] = [body["num_paused_requests"]] * n
+    return status, body
+
+
 async def update_weights_from_disk(request: web.Request) -> web.Response:
     body = await parse_body(request, DiskBody)
-    return reply(await _updater(request).from_disk(body.model_dump()))
+    eng = engine_of(request)
+    async with eng.control("update_weights_from_disk"):
+        result = await _updater(request).from_disk(body.model_dump())
+    return reply(_merge_dp(eng, result))
 
 
 async def update_weights_from_tensor(request: web.Request) -> web.Response:
     body = await parse_body(request, TensorBody)
-    if engine_of(request).cfg.dp_size > 1:
-        return web.Response(status=500, text="Internal Server Error")  # tokenizer-side assert dp_size == 1
-    return reply(await _updater(request).from_tensor(body.model_dump()))
+    eng = engine_of(request)
+    refused = _dp_refused(eng)
+    if refused is not None:
+        return refused
+    async with eng.control("update_weights_from_tensor"):
+        result = await _updater(request).from_tensor(body.model_dump())
+    return reply(result)
 
 
 async def update_weights_from_distributed(request: web.Request) -> web.Response:
     body = await parse_body(request, DistributedBody)
-    if engine_of(request).cfg.dp_size > 1:
-        return web.Response(status=500, text="Internal Server Error")
-    return reply(await _updater(request).from_distributed(body.model_dump()))
+    eng = engine_of(request)
+    refused = _dp_refused(eng)
+    if refused is not None:
+        return refused
+    async with eng.control("update_weights_from_distributed"):
+        result = await _updater(request).from_distributed(body.model_dump())
+    return reply(result)
 
 
 async def init_weights_update_group(request: web.Request) -> web.Response:
+    """C-REFIT-GROUP-BLOCK: answers once the group formed; the schedulers are stuck meanwhile."""
     body = await parse_body(request, InitGroupBody)
-    return reply(_updater(request).init_group(body.model_dump()))
+    eng = engine_of(request)
+    refused = _dp_refused(eng)
+    if refused is not None:
+        return refused
+    async with eng.control("init_weights_update_group", block=True):
+        result = await _updater(request).init_group(body.model_dump())
+    return reply(result)
 
 
 async def destroy_weights_update_group(request: web.Request) -> web.Response:
     body = await parse_body(request, GroupBody)
-    return reply(_updater(request).destroy_group(body.model_dump()))
+    eng = engine_of(request)
+    refused = _dp_refused(eng)
+    if refused is not None:
+        return refused
+    async with eng.control("destroy_weights_update_group"):
+        result = _updater(request).destroy_group(body.model_dump())
+    return reply(result)
 
 
 async def begin_weight_update(request: web.Request) -> web.Response:
     await parse_body(request, BeginBody)
-    return reply(_updater(request).begin())
+    async with engine_of(request).control("begin_weight_update"):
+        result = _updater(request).begin()
+    return reply(result)
 
 
 async def end_weight_update(request: web.Request) -> web.Response:
     await parse_body(request, EmptyBody)
-    return reply(_updater(request).end())
+    async with engine_of(request).control("end_weight_update"):
+        result = _updater(request).end()
+    return reply(result)
 
 
 async def update_weight_version(request: web.Request) -> web.Response:
+    """C-ROUTE-WV-SET: sets the served version; from 0.5.20 the scheduler records it first."""
     body = await parse_body(request, WeightVersionBody)
-    return reply(_updater(request).update_weight_version(body.model_dump()))
+    eng = engine_of(request)
+    if eng.profile.update_weight_version_reaches_scheduler:
+        async with eng.control("update_weight_version"):
+            result = _updater(request).update_weight_version(body.model_dump())
+    else:
+        result = _updater(request).update_weight_version(body.model_dump())
+    return reply(result)
 
 
 async def weights_checker(request: web.Request) -> web.Response:
-    body = await parse_body(request, CheckerBody)
-    return reply(_updater(request).weights_checker(body.model_dump()))
+    eng = engine_of(request)
+    if eng.profile.checker_get_and_default_action:
+        body: CheckerBody | CheckerBody056 = await parse_body(request, CheckerBody, optional=True)
+    else:
+        body = await parse_body(request, CheckerBody056)
+    async with eng.control("weights_checker"):
+        result = _updater(request).weights_checker(body.model_dump())
+    return reply(result)
 
 
 def add_routes(app: web.Application, profile: VersionProfile) -> None:
@@ -140,7 +203,10 @@ def add_routes(app: web.Application, profile: VersionProfile) -> None:
         r.add_route(method, "/flush_cache", flush_cache)
         r.add_route(method, "/release_memory_occupation", release_memory_occupation)
         r.add_route(method, "/resume_memory_occupation", resume_memory_occupation)
-        r.add_route(method, "/weights_checker", weights_checker)
+    # C-ROUTE-CHECKER: POST only on 0.5.6 (http_server.py:961@0.5.6), GET|POST later
+    r.add_post("/weights_checker", weights_checker)
+    if profile.checker_get_and_default_action:
+        r.add_get("/weights_checker", weights_checker)
     r.add_post("/update_weights_from_disk", update_weights_from_disk)
     r.add_post("/update_weights_from_tensor", update_weights_from_tensor)
     r.add_post("/update_weights_from_distributed", update_weights_from_distributed)

@@ -48,8 +48,9 @@ async def weights(request: web.Request) -> web.Response:
 
 
 async def stats(request: web.Request) -> web.Response:
+    """Totals over the DP ranks, and each rank in `ranks`."""
     eng = engine_of(request)
-    s = eng.scheduler
+    tok, ranks = eng.tokenizer, eng.ranks
     calls = dict(eng.calls)
     return web.json_response(
         {
@@ -57,18 +58,39 @@ async def stats(request: web.Request) -> web.Response:
             "calls": calls,
             "lifecycle_calls": sum(n for route, n in calls.items() if route in LIFECYCLE_ROUTES),
             "offload_tags": sorted(eng.offload_tags),
-            "paused": s.is_pause,
-            "pause_mode": s.pause_mode,
-            "scheduler_paused": s.scheduler_paused,
-            "running": s.num_running(),
-            "waiting": s.num_waiting(),
-            "in_flight": s.in_flight,
-            "idle": s.is_idle(),
+            "paused": tok.is_pause,
+            "pause_mode": tok.pause_mode,
+            "scheduler_paused": all(r.scheduler_paused for r in ranks),
+            "running": sum(r.num_running() for r in ranks),
+            "waiting": sum(r.num_waiting() for r in ranks),
+            "in_flight": tok.in_flight,
+            "idle": all(r.is_idle() for r in ranks),
+            "fully_idle": all(r.is_fully_idle() for r in ranks),
+            "scheduler_dead": eng.scheduler_dead,
+            "ranks": [
+                {
+                    "dp_rank": r.dp_rank,
+                    "running": r.num_running(),
+                    "waiting": r.num_waiting(),
+                    "scheduler_paused": r.scheduler_paused,
+                    "blocked": r.blocked,
+                    "idle": r.is_idle(),
+                }
+                for r in ranks
+            ],
             "status": eng.status,
             "weights": weights_report(eng),
             "memory": memory_report(eng),
         }
     )
+
+
+async def kill_scheduler(request: web.Request) -> web.Response:
+    """The scheduler process dies without a Python exception (SIGKILL, OOM-kill): C-DEATH-HARD. With a
+    watchdog (≥0.5.10) the server exits and this call gets no answer; on 0.5.6 it answers 200 and the
+    server stays up with a dead scheduler."""
+    engine_of(request).kill_scheduler("killed through /_emulator/kill_scheduler")
+    return web.json_response({"scheduler_dead": True})
 
 
 async def get_faults(request: web.Request) -> web.Response:
@@ -91,3 +113,4 @@ def add_routes(app: web.Application) -> None:
     r.add_get("/_emulator/stats", stats)
     r.add_get("/_emulator/faults", get_faults)
     r.add_post("/_emulator/faults", set_faults)
+    r.add_post("/_emulator/kill_scheduler", kill_scheduler)

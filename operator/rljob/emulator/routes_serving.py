@@ -1,4 +1,5 @@
-"""Serving, info, load and health routes, by version (contract §1, §2.5, §4)."""
+"""Serving, info, load and health routes, by version (C-HEALTH-*, C-METRIC-LOAD-ROUTE, C-ROUTE-WV-READ in
+docs/sglang-conformance.md)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from rljob.emulator.bodies import GenerateBody
 from rljob.emulator.engine import Engine
 from rljob.emulator.generation import GenerateError, generate
 from rljob.emulator.http_common import bad_request, engine_of, parse_body
+from rljob.emulator.scheduler import Scheduler
 from rljob.emulator.versions import VersionProfile
 
 LOAD_INCLUDES = {"core", "memory", "spec", "lora", "disagg", "queues", "all"}
@@ -33,12 +35,17 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ping(request: web.Request) -> web.Response:
-    return web.Response(status=200 if engine_of(request).status == "Up" else 503)
+    """C-HEALTH-PING: a constant 200 through 0.5.22, even with a dead scheduler; 0.5.23: is_healthy()."""
+    eng = engine_of(request)
+    if not eng.profile.ping_reflects_health:
+        return web.Response(status=200)
+    return web.Response(status=200 if eng.status == "Up" else 503)
 
 
 async def ready(request: web.Request) -> web.Response:
+    """C-HEALTH-READY: not paused and healthy (tokenizer_manager.py:732-734@0.5.23)."""
     eng = engine_of(request)
-    ok = eng.status == "Up" and not eng.scheduler.is_pause
+    ok = eng.status == "Up" and not eng.tokenizer.is_pause
     return web.Response(status=200 if ok else 503)
 
 
@@ -61,84 +68,114 @@ async def model_info(request: web.Request) -> web.Response:
 
 
 async def server_info(request: web.Request) -> web.Response:
+    """Server args plus get_internal_state, one entry per DP rank: it needs the schedulers
+    (…/entrypoints/http_server.py:537-557@0.5.6)."""
     eng = engine_of(request)
     info = dict(eng.cfg.server_args)
+    async with eng.control("get_internal_state") as ranks:
+        states = [{"last_gen_throughput": rank.gen_throughput()} for rank in ranks]
     info.update(
         version=eng.profile.version,
         launch_command=eng.cfg.launch_command,
         max_total_num_tokens=eng.cfg.max_total_tokens,
         startup_time=eng.startup_time,
-        internal_states=[{"last_gen_throughput": eng.scheduler.gen_throughput()}],
+        internal_states=states,
     )
     return web.json_response(info)
 
 
-def _load(eng: Engine) -> dict[str, Any]:
-    s, cfg = eng.scheduler, eng.cfg
+def _load(eng: Engine, s: Scheduler) -> dict[str, Any]:
+    """One rank's load snapshot, core fields (…/managers/scheduler_components/load_inquirer.py:226-250
+    @0.5.23)."""
+    cfg = eng.cfg
     used = s.num_used_tokens()
     return {
-        "dp_rank": 0,
+        "dp_rank": s.dp_rank,
         "num_running_reqs": s.num_running(),
         "num_waiting_reqs": s.num_waiting(),
-        "num_waiting_uncached_tokens": 0,
+        "num_waiting_uncached_tokens": s.num_waiting_tokens(),
         "num_used_tokens": used,
-        "num_total_tokens": cfg.max_total_tokens,
+        "num_total_tokens": used + s.num_waiting_tokens(),  # load_inquirer.py:131-133@0.5.15.post1
         "num_active_tokens": used,
         "max_total_num_tokens": cfg.max_total_tokens,
         "max_running_requests": cfg.max_running_requests,
-        "token_usage": used / cfg.max_total_tokens,
-        "gen_throughput": s.gen_throughput(),
-        "cache_hit_rate": s.cache_hit_rate(),
-        "utilization": s.utilization(),
+        "token_usage": round(used / cfg.max_total_tokens, 4),
+        "gen_throughput": round(s.gen_throughput(), 2),
+        "cache_hit_rate": round(s.cache_hit_rate, 4),
+        # C-METRIC-UTILIZATION: computed only when max_running_requests_under_SLO > 0, which nothing sets
+        # (…/managers/scheduler_components/metrics_reporter.py:1303-1315@0.5.23): always 0.0
+        "utilization": 0.0,
         "timestamp": time.time(),
     }
 
 
 async def v1_loads(request: web.Request) -> web.Response:
+    """Read from the snapshots the schedulers publish, not a scheduler call (tokenizer_control_mixin.py:
+    1001-1029@0.5.23); one entry per DP rank, `?dp_rank=` filters."""
     eng = engine_of(request)
-    include = [x for x in request.query.get("include", "core").split(",") if x]
+    include = [x.strip() for x in request.query.get("include", "core").split(",") if x.strip()]
     bad = [x for x in include if x not in LOAD_INCLUDES]
     if bad:
         return bad_request(f"invalid include: {', '.join(bad)}")
-    load = _load(eng)
+    ranks = eng.ranks
+    if "dp_rank" in request.query:
+        try:
+            wanted = int(request.query["dp_rank"])
+        except ValueError:
+            return bad_request("dp_rank: Input should be a valid integer")
+        ranks = [r for r in ranks if r.dp_rank == wanted]
+    loads = [_load(eng, r) for r in ranks]
     if request.query.get("format") == "prometheus":
-        text = "".join(
-            f'sglang_{k}{{dp_rank="0"}} {float(v)}\n'
-            for k, v in load.items()
-            if k not in ("dp_rank", "timestamp")
-        )
-        return web.Response(text=text, content_type="text/plain")
+        lines: list[str] = []
+        for key in [k for k in (loads[0] if loads else {}) if k not in ("dp_rank", "timestamp")]:
+            lines.append(f"# TYPE sglang_{key} gauge")
+            lines += [f'sglang_{key}{{dp_rank="{ld["dp_rank"]}"}} {ld[key]}' for ld in loads]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
     return web.json_response(
         {
             "timestamp": time.time(),
             "version": eng.profile.version,
             "accelerator": "emulated",
             "num_accelerators": eng.cfg.gpus,
-            "loads": [load],
+            "loads": loads,
         }
     )
 
 
 async def get_load(request: web.Request) -> web.Response:
+    """0.5.6: a "watching" call to every scheduler (concurrent callers share one; a dead scheduler makes
+    every later call hang; tokenizer_communicator_mixin.py:215-216,717-719@0.5.6); items
+    {dp_rank, num_reqs, num_waiting_reqs, num_tokens} (scheduler_metrics_mixin.py:400-426@0.5.6).
+    0.5.15-0.5.20: a shim over the load snapshots (http_server.py:730-755@0.5.15.post1)."""
     eng = engine_of(request)
-    s = eng.scheduler
-    item: dict[str, Any] = {
-        "dp_rank": 0,
-        "num_reqs": s.num_running() + s.num_waiting(),
-        "num_waiting_reqs": s.num_waiting(),
-        "num_tokens": s.num_used_tokens(),
-    }
     if eng.profile.get_load == "shim":
-        item.update(num_pending_tokens=0, ts_tic=time.time())
-    return web.json_response([item])
+        ts = time.perf_counter()
+        return web.json_response(
+            [
+                {
+                    "dp_rank": r.dp_rank,
+                    "num_reqs": r.num_running() + r.num_waiting(),
+                    "num_waiting_reqs": r.num_waiting(),
+                    "num_tokens": r.num_used_tokens() + r.num_waiting_tokens(),
+                    "num_pending_tokens": r.num_waiting_tokens(),
+                    "ts_tic": ts,
+                }
+                for r in eng.ranks
+            ]
+        )
+    return web.json_response(await eng.get_load())
 
 
 async def get_weight_version(request: web.Request) -> web.Response:
     eng = engine_of(request)
     if eng.profile.get_weight_version == "deprecated":
+        # HTTPException(404) through SGLang's handler (http_server.py:456-500@0.5.15.post1)
+        detail = (
+            "Endpoint '/get_weight_version' or '/weight_version' is deprecated. "
+            "Please use '/model_info' instead."
+        )
         return web.json_response(
-            {"detail": "/get_weight_version is deprecated and removed; use /model_info (weight_version)."},
-            status=404,
+            {"object": "error", "message": detail, "type": "404", "param": None, "code": 404}, status=404
         )
     return web.json_response({"weight_version": eng.weight_version})
 

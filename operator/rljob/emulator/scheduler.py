@@ -1,8 +1,14 @@
-"""The request side of the emulated server: the tokenizer's pause gate, the model-update reader/writer
-lock, the scheduler's running/waiting queues, the idle predicate (contract §3.1) and token generation.
+"""The request side of the emulated server, split as SGLang splits it (row IDs of docs/sglang-conformance.md):
+
+- `Tokenizer`: one per server. The pause gate (`is_pause`), the model-update reader/writer lock, the
+  per-route control communicators (FIFO, C-DP-FANOUT) and the request counters of /metrics.
+- `Scheduler`: one per data-parallel rank (`--dp-size N`, C-DP-FANOUT). Its running/waiting requests,
+  `_engine_paused` (retract / in_place), its radix cache, its control inbox (one control message at a
+  time; a blocked inbox stalls generation too, C-REFIT-GROUP-BLOCK), the three idle predicates
+  (C-IDLE-FLUSH) and its load numbers (C-METRIC-*).
 
 One asyncio task per request stands in for SGLang's batch loop; the point is the observable contract
-(what blocks, what aborts, when the server is idle), not batching."""
+(what blocks, what aborts, when a rank is idle), not batching."""
 
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ from typing import Any
 
 from rljob.emulator import tokens
 from rljob.emulator.radix import PrefixCache
+from rljob.emulator.versions import IDLE_IGNORES_WAITING, IDLE_IGNORES_WAITING_WHEN_PAUSED, IDLE_STRICT
 
 
 @dataclass
@@ -25,6 +32,7 @@ class GenRequest:
     prompt: list[int]
     max_new_tokens: int
     sample: int
+    dp_rank: int = 0
     output: list[int] = field(default_factory=list)
     versions: list[str] = field(default_factory=list)  # weight_version that produced each output token
     cached_tokens: int = 0
@@ -40,74 +48,65 @@ class GenRequest:
 
 @dataclass
 class Counters:
+    """The tokenizer's Prometheus counters, bumped when a request finishes (observe_one_finished_request,
+    …/observability/metrics_collector.py:1639-1675@0.5.15.post1)."""
+
     num_requests: int = 0
     num_aborted: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
     cached_tokens: int = 0
-    # Since the last cache flush: the hit rate SGLang reports restarts with an empty radix tree.
-    window_prompt_tokens: int = 0
-    window_cached_tokens: int = 0
 
 
-class Scheduler:
-    def __init__(
-        self,
-        *,
-        tokens_per_second: float,
-        lag_seconds: float,
-        cache: PrefixCache,
-        max_running_requests: int,
-        memory_guard: Callable[[], None],
-        weights_id: Callable[[], tuple[str, bool]],
-        weight_version: Callable[[], str],
-        zero_throughput_on_retract: bool,
-    ) -> None:
-        self.tps = tokens_per_second
-        self.lag = lag_seconds
-        self.cache = cache
-        self.max_running_requests = max_running_requests
-        self._memory_guard = memory_guard  # dies when a kernel would touch released memory
-        self._weights_id = weights_id
-        self._weight_version = weight_version
-        self._zero_throughput_on_retract = zero_throughput_on_retract
-        self.requests: dict[str, GenRequest] = {}
-        self.is_pause = False  # tokenizer: new requests block
-        self.scheduler_paused = False  # retract / in_place: no progress
-        self.pause_mode: str | None = None
-        self.writer_active = False  # a refit holds the model-update writer lock
-        self.in_flight = 0  # admitted requests whose client has not been answered (reader lock holders)
-        self.counters = Counters()
-        self._changed = asyncio.Condition()
-        self._gen_events: deque[tuple[float, int]] = deque()
-        self._tasks: set[asyncio.Future[None]] = set()
+class _Changes:
+    """A condition to wait on a predicate over state that handlers change."""
 
-    # --- state change notification ---------------------------------------------------------------
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
 
-    async def _notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
+    async def notify(self) -> None:
+        async with self._cond:
+            self._cond.notify_all()
 
     async def wait_for(self, predicate: Callable[[], bool], timeout: float | None = None) -> bool:
         """Wait until `predicate()` holds; False on timeout."""
         try:
-            async with asyncio.timeout(timeout), self._changed:
-                await self._changed.wait_for(predicate)
+            async with asyncio.timeout(timeout), self._cond:
+                await self._cond.wait_for(predicate)
             return True
         except TimeoutError:
             return predicate()
 
-    # --- idle predicate (contract §3.1) ----------------------------------------------------------
 
-    def is_idle(self) -> bool:
-        for r in self.requests.values():
-            if r.phase != "waiting" or r.holds_kv:
-                return False  # running, or finished but not yet filtered out of the batch
-            if not self.scheduler_paused:
-                return False  # waiting requests count unless the scheduler is paused
-        return True
+class Tokenizer:
+    def __init__(self) -> None:
+        self.is_pause = False  # new requests block (C-DRAIN-*)
+        self.pause_mode: str | None = None
+        self.writer_active = False  # a refit holds the model-update writer lock (C-REFIT-LOCK)
+        self.in_flight = 0  # admitted requests whose client has not been answered (reader lock holders)
+        self.counters = Counters()
+        self.last_receive_tstamp = 0.0  # wall time of the last scheduler output (C-HEALTH-GENERATE)
+        self.changes = _Changes()
+        self._communicators: dict[str, asyncio.Lock] = {}
 
-    # --- admission (tokenizer) -------------------------------------------------------------------
+    async def wait_for(self, predicate: Callable[[], bool], timeout: float | None = None) -> bool:
+        return await self.changes.wait_for(predicate, timeout)
+
+    def communicator(self, route: str) -> asyncio.Lock:
+        """Calls to one control route are serialized FIFO (queueing_call, …/managers/communicator.py:38-58
+        @0.5.15.post1, …/managers/tokenizer_communicator_mixin.py:98-118@0.5.6)."""
+        return self._communicators.setdefault(route, asyncio.Lock())
+
+    def received(self) -> None:
+        self.last_receive_tstamp = time.time()
+
+    def finished(self, req: GenRequest) -> None:
+        c = self.counters
+        c.num_requests += 1
+        c.prompt_tokens += len(req.prompt)
+        c.generation_tokens += len(req.output)
+        c.cached_tokens += req.cached_tokens
+        c.num_aborted += int(req.aborted)
 
     async def admit(self) -> None:
         """New requests block while paused or while a refit holds the writer lock; they are not rejected."""
@@ -122,20 +121,112 @@ class Scheduler:
             yield
         finally:
             self.in_flight -= 1
-            await self._notify()
+            await self.changes.notify()
+
+    async def writer_lock_acquire(self, abort_all: Callable[[], None] | None) -> None:
+        """A refit outside a pause waits for every in-flight request (the writer lock)."""
+        self.writer_active = True
+        if abort_all is not None:
+            abort_all()
+        await self.wait_for(lambda: self.in_flight == 0)
+
+    async def writer_lock_release(self) -> None:
+        self.writer_active = False
+        await self.changes.notify()
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        dp_rank: int,
+        idle_predicate: str,
+        tokens_per_second: float,
+        lag_seconds: float,
+        cache: PrefixCache,
+        max_running_requests: int,
+        memory_guard: Callable[[], None],
+        weights_id: Callable[[], tuple[str, bool]],
+        weight_version: Callable[[], str],
+        retract_zeroes_throughput: bool,
+        tokenizer: Tokenizer,
+    ) -> None:
+        self.dp_rank = dp_rank
+        self.idle_predicate = idle_predicate
+        self.tps = tokens_per_second
+        self.lag = lag_seconds
+        self.cache = cache
+        self.max_running_requests = max_running_requests
+        self._memory_guard = memory_guard  # dies when a kernel would touch released memory
+        self._weights_id = weights_id
+        self._weight_version = weight_version
+        self._retract_zeroes_throughput = retract_zeroes_throughput
+        self.tokenizer = tokenizer
+        self.requests: dict[str, GenRequest] = {}
+        self.scheduler_paused = False  # `_engine_paused`: retract / in_place, never abort
+        self.blocked = False  # the event loop is stuck in a control call (group init) or dead: no progress
+        self.inbox = asyncio.Lock()  # one control message at a time, FIFO
+        self.cache_hit_rate = 0.0  # of the last prefill batch (C-METRIC-CACHE-HIT)
+        self._batch: list[int] | None = None  # [hit tokens, prompt tokens] of the batch being prefilled
+        self.changes = _Changes()
+        self._gen_events: deque[tuple[float, int]] = deque()
+        self._tasks: set[asyncio.Future[None]] = set()
+
+    async def _notify(self) -> None:
+        await self.changes.notify()
+
+    async def wait_for(self, predicate: Callable[[], bool], timeout: float | None = None) -> bool:
+        return await self.changes.wait_for(predicate, timeout)
+
+    async def set_blocked(self, blocked: bool) -> None:
+        self.blocked = blocked
+        await self._notify()
+
+    # --- idle predicates (C-IDLE-FLUSH, C-IDLE-RELEASE) ------------------------------------------
+
+    def _busy(self) -> bool:
+        """Running, or finished but not yet filtered out of the batch (the abort-pause race)."""
+        return any(r.phase != "waiting" or r.holds_kv for r in self.requests.values())
+
+    def _waiting(self) -> bool:
+        return any(r.phase == "waiting" for r in self.requests.values())
+
+    def is_fully_idle(self) -> bool:
+        """`is_fully_idle()` with no arguments: waiting requests always count. The deferred flush checks
+        this on every version that has it (flush_wrapper.py:33,45@0.5.23)."""
+        return not self._busy() and not self._waiting()
+
+    def is_idle(self) -> bool:
+        """The version's non-deferred predicate: the plain flush, the release assert, the post-refit flush."""
+        if self.idle_predicate == IDLE_IGNORES_WAITING:
+            return not self._busy()
+        if self.idle_predicate == IDLE_STRICT:
+            return self.is_fully_idle()
+        assert self.idle_predicate == IDLE_IGNORES_WAITING_WHEN_PAUSED
+        return not self._busy() and (self.scheduler_paused or not self._waiting())
+
+    def flush_cache(self) -> bool:
+        """The scheduler's flush_cache(): resets the radix cache only when idle."""
+        if not self.is_idle():
+            return False
+        self.reset_cache()
+        return True
+
+    # --- requests --------------------------------------------------------------------------------
 
     async def generate(
         self, prompt: list[int], max_new_tokens: int, sample: int, rid: str | None
     ) -> GenRequest:
         """Run one admitted request to completion (or abort) and return it."""
-        req = GenRequest(rid or uuid.uuid4().hex, prompt, max_new_tokens, sample)
+        req = GenRequest(rid or uuid.uuid4().hex, prompt, max_new_tokens, sample, dp_rank=self.dp_rank)
         self.requests[req.rid] = req
-        self.counters.num_requests += 1
         try:
             await self._run(req)
         finally:
             req.phase, req.holds_kv = "finished", False
             self.cache.insert(req.prompt + req.output)
+            self.tokenizer.finished(req)
+            self.tokenizer.received()
             req.done.set()
             asyncio.get_running_loop().call_later(self.lag, self._reap, req.rid)
         return req
@@ -147,6 +238,8 @@ class Scheduler:
         task.add_done_callback(self._tasks.discard)
 
     async def _run(self, req: GenRequest) -> None:
+        if self.blocked:
+            await self.wait_for(lambda: not self.blocked)
         self._prefill(req, first=True)
         await self._notify()
         while len(req.output) < req.max_new_tokens:
@@ -156,10 +249,10 @@ class Scheduler:
             if self.tps > 0:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(req.wake.wait(), 1.0 / self.tps)
+                if self.blocked or (self.scheduler_paused and not req.aborted):
+                    continue  # a stuck or paused scheduler emits nothing
                 if req.aborted:
                     break
-                if self.scheduler_paused:
-                    continue
             self._emit_token(req)
         req.finish_reason = (
             {"type": "abort", "message": "Abort in waiting queue" if not req.output else "Abort request"}
@@ -173,19 +266,34 @@ class Scheduler:
         cached = self.cache.match(seq)
         if first:
             req.cached_tokens = cached
-            c = self.counters
-            c.prompt_tokens += len(req.prompt)
-            c.cached_tokens += cached
-            c.window_prompt_tokens += len(req.prompt)
-            c.window_cached_tokens += min(cached, len(req.prompt))
+            self._log_prefill(min(cached, len(req.prompt)), len(req.prompt))
         self.cache.insert(req.prompt)
         req.phase, req.holds_kv = "running", True
+        self.tokenizer.received()
+
+    def _log_prefill(self, hit: int, prompt: int) -> None:
+        """Requests prefilled in the same loop pass form one prefill batch; cache_hit_rate is that batch's
+        hit / (input + hit) (…/managers/scheduler_metrics_mixin.py:157-173@0.5.6,
+        …/managers/scheduler_components/metrics_reporter.py:825-865@0.5.23). Re-prefills after a retract
+        are left out, as ≥0.5.15 nets out reprocessed tokens (metrics_reporter.py:608-625@0.5.15.post1)."""
+        if self._batch is None:
+            self._batch = [0, 0]
+            asyncio.get_running_loop().call_soon(self._close_batch)
+        self._batch[0] += hit
+        self._batch[1] += prompt
+        self.cache_hit_rate = self._batch[0] / self._batch[1] if self._batch[1] else 0.0
+
+    def _close_batch(self) -> None:
+        self._batch = None
 
     async def _step_gate(self, req: GenRequest) -> None:
-        """A paused scheduler makes no progress; a retracted request is re-prefilled on continue."""
-        while self.scheduler_paused and not req.aborted:
+        """A paused scheduler makes no progress; a retracted request is re-prefilled on continue. A blocked
+        one does not even process aborts."""
+        while self.blocked or (self.scheduler_paused and not req.aborted):
             req.wake.clear()
-            waiter = asyncio.ensure_future(self.wait_for(lambda: not self.scheduler_paused))
+            waiter = asyncio.ensure_future(
+                self.wait_for(lambda: not self.blocked and not self.scheduler_paused)
+            )
             woken = asyncio.ensure_future(req.wake.wait())
             _, pending = await asyncio.wait({waiter, woken}, return_when=asyncio.FIRST_COMPLETED)
             for t in pending:
@@ -199,33 +307,24 @@ class Scheduler:
         req.output.append(tokens.next_token(weights_id, req.prompt, len(req.output), req.sample))
         req.versions.append(self._weight_version())
         req.garbage = req.garbage or not valid
-        self.counters.generation_tokens += 1
         self._gen_events.append((time.monotonic(), 1))
+        self.tokenizer.received()
 
-    # --- pause / continue / abort ----------------------------------------------------------------
+    # --- control messages ------------------------------------------------------------------------
 
     async def pause(self, mode: str) -> None:
-        self.is_pause = True
-        self.pause_mode = mode
-        if mode == "abort":
-            # Abort-all, then wait up to 1 s for the readers to leave; repeat until none is left.
-            while self.in_flight > 0:
-                self.abort(abort_all=True)
-                await self.wait_for(lambda: self.in_flight == 0, timeout=1.0)
-        else:
-            self.scheduler_paused = True
-            if mode == "retract":
-                for r in self.requests.values():
-                    if r.phase == "running":
-                        r.phase, r.holds_kv = "waiting", False  # back to the queue; KV freed
-                if self._zero_throughput_on_retract:
-                    self._gen_events.clear()
+        """retract / in_place (abort never reaches the scheduler, C-DRAIN-ABORT)."""
+        self.scheduler_paused = True
+        if mode == "retract":
+            for r in self.requests.values():
+                if r.phase == "running":
+                    r.phase, r.holds_kv = "waiting", False  # back to the queue; KV freed
+            if self._retract_zeroes_throughput:
+                self._gen_events.clear()
         await self._notify()
 
     async def continue_generation(self) -> None:
-        self.is_pause = False
         self.scheduler_paused = False
-        self.pause_mode = None
         await self._notify()
 
     def abort(self, *, rid: str = "", abort_all: bool = False) -> int:
@@ -236,20 +335,8 @@ class Scheduler:
             if abort_all or (rid and r.rid.startswith(rid)):
                 r.aborted = True
                 r.wake.set()
-                self.counters.num_aborted += 1
                 n += 1
         return n
-
-    async def writer_lock_acquire(self, abort_all: bool) -> None:
-        """A refit outside a pause waits for every in-flight request (the writer lock)."""
-        self.writer_active = True
-        if abort_all:
-            self.abort(abort_all=True)
-        await self.wait_for(lambda: self.in_flight == 0)
-
-    async def writer_lock_release(self) -> None:
-        self.writer_active = False
-        await self._notify()
 
     # --- load numbers ----------------------------------------------------------------------------
 
@@ -262,19 +349,14 @@ class Scheduler:
     def num_used_tokens(self) -> int:
         return sum(len(r.prompt) + len(r.output) for r in self.requests.values() if r.holds_kv)
 
+    def num_waiting_tokens(self) -> int:
+        return sum(len(r.prompt) + len(r.output) for r in self.requests.values() if r.phase == "waiting")
+
     def gen_throughput(self, window: float = 2.0) -> float:
         now = time.monotonic()
         while self._gen_events and self._gen_events[0][0] < now - window:
             self._gen_events.popleft()
         return sum(n for _, n in self._gen_events) / window
 
-    def cache_hit_rate(self) -> float:
-        c = self.counters
-        return c.window_cached_tokens / c.window_prompt_tokens if c.window_prompt_tokens else 0.0
-
-    def utilization(self) -> float:
-        return min(1.0, self.num_running() / max(1, self.max_running_requests))
-
     def reset_cache(self) -> None:
         self.cache.reset()
-        self.counters.window_prompt_tokens = self.counters.window_cached_tokens = 0

@@ -8,8 +8,8 @@ import sys
 
 from aiohttp import web
 
-from rljob.emulator import routes_control, routes_debug, routes_serving
-from rljob.emulator.config import EmulatorConfig, parse_config
+from rljob.emulator import fatal, routes_control, routes_debug, routes_serving
+from rljob.emulator.config import EmulatorConfig, parse_config, startup_error
 from rljob.emulator.engine import Engine
 from rljob.emulator.http_common import ENGINE_KEY, sglang_middleware
 from rljob.emulator.memory import make_backend
@@ -19,6 +19,10 @@ log = logging.getLogger("sglang.emulator")
 
 
 def build_app(cfg: EmulatorConfig) -> web.Application:
+    """Raises fatal.StartupError where SGLang's scheduler fails to start."""
+    error = startup_error(cfg)
+    if error is not None:
+        raise fatal.StartupError(f"Scheduler hit an exception while starting: {error}")
     backend = make_backend(cfg)
     engine = Engine(cfg, backend)
     app = web.Application(middlewares=[sglang_middleware], client_max_size=64 << 20)
@@ -27,14 +31,27 @@ def build_app(cfg: EmulatorConfig) -> web.Application:
     routes_control.add_routes(app, cfg.profile)
     routes_serving.add_routes(app, cfg.profile, enable_metrics=cfg.enable_metrics)
     routes_debug.add_routes(app)
+    if cfg.scheduler_kill_after_s > 0:
+        app.on_startup.append(_kill_scheduler_later)
     return app
+
+
+async def _kill_scheduler_later(app: web.Application) -> None:
+    engine = app[ENGINE_KEY]
+    asyncio.get_running_loop().call_later(
+        engine.cfg.scheduler_kill_after_s, engine.kill_scheduler, "killed by --fault-scheduler-kill-after"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=logging.INFO, format="[%(asctime)s] %(levelname)s %(message)s", stream=sys.stderr
     )
-    cfg = parse_config(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = parse_config(sys.argv[1:] if argv is None else argv)
+    except fatal.StartupError as e:
+        log.error("%s", e)
+        raise SystemExit(1) from None
     log.info(
         "SGLang emulator %s on %s:%d (memory saver %s, weight cache %s, %d GPU(s))",
         cfg.profile.version,
@@ -46,7 +63,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     if cfg.startup_seconds > 0:
         asyncio.run(asyncio.sleep(cfg.startup_seconds))  # model loading: the port is not open yet
-    app = build_app(cfg)
+    try:
+        app = build_app(cfg)
+    except fatal.StartupError as e:
+        log.error("%s", e)
+        raise SystemExit(1) from None
     log.info("The server is fired up and ready to roll!")
     # SIGTERM: hung handlers (faults) must not hold the exit for aiohttp's default 60 s.
     web.run_app(app, host=cfg.host, port=cfg.port, print=None, access_log=None, shutdown_timeout=0.5)

@@ -1,12 +1,21 @@
-"""What changed between the emulated SGLang versions (contract §1). One profile per version string."""
+"""What changed between the emulated SGLang versions. One profile per version string.
+
+Every property cites the wheel source it was read from (`path:line@version`, path relative to the wheel
+root, `…/` = `sglang/srt/`); the row IDs are those of docs/sglang-conformance.md. Where a boundary falls
+between two versions that were read, the property uses the first version that has the behaviour."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
-SUPPORTED_VERSIONS = ("0.5.6", "0.5.15.post1", "0.5.21", "0.5.23")
+SUPPORTED_VERSIONS = ("0.5.6", "0.5.15.post1", "0.5.20", "0.5.21", "0.5.23")
 DEFAULT_VERSION = "0.5.23"
+
+# The three idle predicates of C-IDLE-FLUSH / C-IDLE-RELEASE.
+IDLE_IGNORES_WAITING = "ignores_waiting"  # 0.5.6 _is_no_request(): the waiting queue never counts
+IDLE_STRICT = "strict"  # is_fully_idle(): waiting requests always count
+IDLE_IGNORES_WAITING_WHEN_PAUSED = "ignores_waiting_when_paused"  # is_fully_idle(ignore_waiting=paused)
 
 
 def version_key(version: str) -> tuple[int, int, int]:
@@ -15,6 +24,12 @@ def version_key(version: str) -> tuple[int, int, int]:
     if not m:
         raise ValueError(f"not an SGLang version: {version!r}")
     return int(m.group(1)), int(m.group(2)), int(m.group(3))
+
+
+def post_release(version: str) -> int:
+    """`0.5.6.post2` -> 2, `0.5.6` -> 0."""
+    m = re.search(r"\.post(\d+)$", version)
+    return int(m.group(1)) if m else 0
 
 
 @dataclass(frozen=True)
@@ -28,63 +43,203 @@ class VersionProfile:
     def _at_least(self, patch: int) -> bool:
         return self.key >= (0, 5, patch)
 
+    # --- routes (C-ROUTE-*) ----------------------------------------------------------------------
+
     @property
     def get_weight_version(self) -> str:
-        """`/get_weight_version`: "ok" (≤0.5.6), "deprecated" (404 with a hint), "removed" (plain 404)."""
+        """C-ROUTE-WV-READ: "ok" (0.5.6), "deprecated" (404 naming /model_info), "removed" (plain 404)."""
+        # …/entrypoints/http_server.py:497-527@0.5.6; http_server.py:685-692@0.5.15.post1;
+        # http_server.py:798-799@0.5.20; absent from http_server.py@0.5.21
         if not self._at_least(15):
             return "ok"
         return "deprecated" if not self._at_least(21) else "removed"
 
     @property
     def get_load(self) -> str:
-        """`/get_load`: "list" (0.5.6), "shim" over /v1/loads (0.5.15 to 0.5.20), "removed" (≥0.5.21)."""
+        """C-METRIC-LOAD-ROUTE: "list" (0.5.6), "shim" over /v1/loads (0.5.15 to 0.5.20), "removed"."""
+        # http_server.py:560-562@0.5.6; http_server.py:730-755@0.5.15.post1; absent@0.5.21
         if not self._at_least(15):
             return "list"
         return "shim" if not self._at_least(21) else "removed"
 
     @property
-    def has_v1_loads(self) -> bool:  # inferred for 0.5.6: the legacy shim appeared with it
+    def has_v1_loads(self) -> bool:
+        # …/entrypoints/v1_loads.py:72@0.5.15.post1; no such route in http_server.py@0.5.6
         return self._at_least(15)
 
     @property
     def has_ready(self) -> bool:
+        # C-HEALTH-READY: http_server.py:662@0.5.20
+        return self._at_least(20)
+
+    @property
+    def ready_is_open(self) -> bool:
+        """`/ready*` needs no key (with /health* and /metrics*)."""
+        # …/utils/auth.py:101-106@0.5.20 (auth.py:100@0.5.15.post1 exempts only /health, /metrics)
         return self._at_least(20)
 
     @property
     def has_admin_api_key(self) -> bool:
+        # C-ROUTE-AUTH: …/utils/auth.py:100@0.5.15.post1; utils/common.py:1189-1200@0.5.6 has one key
         return self._at_least(15)
 
     @property
     def needs_weight_update_session(self) -> bool:
+        # C-ROUTE-SESSION: http_server.py:1400,1415@0.5.21
         return self._at_least(21)
 
     @property
+    def checker_get_and_default_action(self) -> bool:
+        """C-ROUTE-CHECKER: GET|POST and `action` defaulting to "checksum" (0.5.6: POST, action required)."""
+        # http_server.py:961@0.5.6, io_struct.py:1315-1316@0.5.6; http_server.py:1398@0.5.15.post1
+        return self._at_least(15)
+
+    @property
+    def update_weight_version_reaches_scheduler(self) -> bool:
+        """`/update_weight_version` waits for the scheduler (it records the change for the spans)."""
+        # tokenizer-only: http_server.py:896-923@0.5.6, http_server.py:1325-1345@0.5.15.post1;
+        # update_weight_version_communicator: …/managers/tokenizer_control_mixin.py:931-936@0.5.20
+        return self._at_least(20)
+
+    # --- drain and idle (C-DRAIN-*, C-IDLE-*) ----------------------------------------------------
+
+    @property
+    def idle_predicate(self) -> str:
+        """The non-deferred flush's predicate, which release and the post-refit flush assert too."""
+        # …/managers/scheduler.py:2205-2228@0.5.6 (_is_no_request: no waiting-queue clause);
+        # scheduler.py:3585-3603,3740-3742@0.5.15.post1 (is_fully_idle(): waiting counts), the same at
+        # scheduler.py:4808-4824,4981-4983@0.5.20; is_fully_idle appears in scheduler.py@0.5.10;
+        # scheduler.py:5011-5029,5187-5189@0.5.21 (ignore_waiting=_engine_paused)
+        if not self._at_least(10):
+            return IDLE_IGNORES_WAITING
+        return IDLE_STRICT if not self._at_least(21) else IDLE_IGNORES_WAITING_WHEN_PAUSED
+
+    @property
+    def idle_assert_text(self) -> str:
+        # …/managers/scheduler_update_weights_mixin.py:113-116@0.5.6;
+        # …/managers/scheduler_components/weight_updater.py:185-187@0.5.15.post1
+        if not self._at_least(10):
+            return "release_memory_occupation should be called only when no ongoing request."
+        return "release_memory_occupation should be called only when server is idle."
+
+    @property
+    def flush_cache_takes_timeout(self) -> bool:
+        """C-IDLE-FLUSH-DEFERRED: `?timeout=` defers the flush until idle; older versions ignore it."""
+        # io_struct.py:1125@0.5.10, http_server.py:720@0.5.10; http_server.py:862-877@0.5.15.post1;
+        # …/managers/scheduler_components/flush_wrapper.py:23-66@0.5.15.post1
+        return self._at_least(10)
+
+    @property
+    def retract_zeroes_gen_throughput(self) -> bool:
+        """A retract pause sets last_gen_throughput = 0.0 (an in_place pause returns before that)."""
+        # scheduler.py:4052@0.5.15.post1 (first in scheduler.py@0.5.14), scheduler.py:5928@0.5.23
+        return self._at_least(14)
+
+    # --- memory (C-MEM-*) ------------------------------------------------------------------------
+
+    @property
+    def has_weight_cache(self) -> bool:
+        # C-MEM-WEIGHT-CACHE: weight_updater.py:196-210@0.5.20 (no weight cache in 0.5.15.post1)
+        return self._at_least(19)
+
+    @property
+    def breakable_prefill_rejects_memory_saver_graph(self) -> bool:
+        """C-MEM-CUDAGRAPH-ENV: the default CUDA prefill backend is breakable, whose __init__ raises under
+        --enable-memory-saver with SGLANG_MEMORY_SAVER_CUDA_GRAPH=1."""
+        # …/model_executor/runner_backend/breakable_cuda_graph_backend.py:77-86@0.5.15.post1,
+        # …/model_executor/cuda_graph_config.py:95-101@0.5.15.post1; cuda_graph_config.py:119-123@0.5.23;
+        # 0.5.6 has no breakable backend (…/model_executor/cuda_graph_runner.py:515-527@0.5.6)
+        return self._at_least(15)
+
+    @property
+    def prefill_graph_backends(self) -> tuple[str, ...]:
+        """Choices of --cuda-graph-backend-prefill (the flag does not exist on 0.5.6)."""
+        # …/model_executor/cuda_graph_config.py:38-45@0.5.15.post1 (Backend.ALL),
+        # cuda_graph_config.py:47@0.5.21; cuda_graph_config.py:48@0.5.23 and
+        # …/arg_groups/fields/exec_.py:621-628@0.5.23: no tc_piecewise
+        if not self._at_least(15):
+            return ()
+        if not self._at_least(23):
+            return ("full", "breakable", "tc_piecewise", "disabled")
+        return ("full", "breakable", "disabled")
+
+    # --- refit (C-REFIT-*) -----------------------------------------------------------------------
+
+    @property
     def refit_flush_failure_is_fatal(self) -> bool:
-        """≤0.5.21 asserts "Cache flush failed after updating weights"; 0.5.23 returns success:false."""
+        """C-REFIT-FLUSH-FAIL: ≤0.5.21 asserts "Cache flush failed after updating weights"; from 0.5.22
+        the update returns success:false."""
+        # weight_updater.py:101-106@0.5.15.post1, weight_updater.py:117-122@0.5.21,
+        # weight_updater.py:120-132@0.5.22
         return not self._at_least(22)
+
+    @property
+    def refit_paused_sets_weight_version(self) -> bool:
+        """C-REFIT-WV-PAUSED: 0.5.6 returns before `_update_weight_version_if_provided` while paused."""
+        # …/managers/tokenizer_manager.py:1299-1316@0.5.6,
+        # tokenizer_communicator_mixin.py:418-436,479-495@0.5.6; fixed in tokenizer_manager.py:1214-1223
+        # @0.5.6.post2
+        return self.key > (0, 5, 6) or post_release(self.version) >= 2
+
+    @property
+    def dp_refit_allowed_with_dp_attention(self) -> bool:
+        """C-REFIT-DP: the tokenizer asserts `dp_size == 1 or enable_dp_attention` up to 0.5.21, then
+        `dp_size == 1`."""
+        # tokenizer_communicator_mixin.py:385-387,411-413,472-474@0.5.6;
+        # tokenizer_control_mixin.py:451,464,509,569@0.5.23
+        return not self._at_least(23)
 
     @property
     def has_weight_versions_spans(self) -> bool:
         return self._at_least(19)
 
-    @property
-    def has_weight_cache(self) -> bool:
-        return self._at_least(19)
+    # --- health and death (C-HEALTH-*, C-DEATH-*) -----------------------------------------------
 
     @property
-    def flush_cache_takes_timeout(self) -> bool:
+    def ping_reflects_health(self) -> bool:
+        """C-HEALTH-PING: `/ping` is a constant 200 through 0.5.22; 0.5.23 answers is_healthy()."""
+        # http_server.py:1315-1318@0.5.6, http_server.py:2095-2098@0.5.21; http_server.py:2190-2199@0.5.23
         return self._at_least(23)
 
     @property
-    def has_moe_ep_rank_label(self) -> bool:
-        return self._at_least(7)
+    def subprocess_watchdog(self) -> bool:
+        """C-DEATH-HARD: a scheduler that dies without a Python exception takes the server down (≥0.5.10);
+        on 0.5.6 the HTTP server stays up and every call to the scheduler hangs."""
+        # …/utils/watchdog.py:166-223@0.5.10, …/entrypoints/engine.py:743-746@0.5.10; absent@0.5.6
+        return self._at_least(10)
 
     @property
-    def has_weight_load_duration_metric(self) -> bool:
+    def health_skips_when_released(self) -> bool:
+        """C-HEALTH-RELEASED: the scheduler drops health probes while any tag is released."""
+        # scheduler.py:1173-1181@0.5.6 (len(self.offload_tags) > 0); gone in scheduler.py@0.5.10,
+        # scheduler.py:1677-1684@0.5.15.post1
+        return not self._at_least(10)
+
+    # --- metrics (C-METRIC-*) --------------------------------------------------------------------
+
+    @property
+    def has_moe_ep_rank_label(self) -> bool:
+        # scheduler labels: absent in scheduler_metrics_mixin.py:64-71@0.5.6, present in
+        # scheduler_metrics_mixin.py@0.5.8 and …/observability/metrics_collector.py:1061@0.5.15.post1
+        return self._at_least(8)
+
+    @property
+    def tokenizer_labels_have_engine_type(self) -> bool:
+        # tokenizer_manager.py:383-390@0.5.6 ({model_name}); tokenizer_manager.py:534-537@0.5.15.post1
         return self._at_least(15)
 
     @property
-    def idle_assert_text(self) -> str:
-        if not self._at_least(15):
-            return "release_memory_occupation should be called only when no ongoing request."
-        return "release_memory_occupation should be called only when server is idle."
+    def cached_tokens_have_cache_source(self) -> bool:
+        # metrics_collector.py:1509-1511,1655-1661@0.5.15.post1; collector.py:807-810@0.5.6 (no such label)
+        return self._at_least(15)
+
+    @property
+    def request_counters_have_is_streaming(self) -> bool:
+        # metrics_collector.py:1559-1566,1644-1646,1795-1799@0.5.20 (none in
+        # metrics_collector.py:1430-1437@0.5.15.post1)
+        return self._at_least(20)
+
+    @property
+    def has_weight_load_duration_metric(self) -> bool:
+        # C-METRIC-PROM: metrics_collector.py:399-400,1147@0.5.15.post1; not in …/metrics/collector.py@0.5.6
+        return self._at_least(15)

@@ -11,7 +11,7 @@ import json
 import time
 from typing import Any
 
-from rljob.emulator import fatal
+from rljob.emulator import fatal, rendezvous
 from rljob.emulator.engine import Engine
 from rljob.emulator.weights import LoadedWeights, WeightsLoadError, read_safetensors
 
@@ -115,13 +115,15 @@ class WeightUpdater:
             self._push_digest = None  # the version marks the end of this refit's pushes
         if eng.faults.refit_fail:
             return _fail(FLUSH_REFUSED)
-        if body.get("flush_cache", True):
-            if not eng.scheduler.is_idle():
-                if eng.profile.refit_flush_failure_is_fatal:
-                    fatal.scheduler_exception("AssertionError", "Cache flush failed after updating weights")
-                return _fail(FLUSH_REFUSED)
-            eng.scheduler.reset_cache()
-        if version is not None:
+        # C-REFIT-FLUSH-FAIL / C-REFIT-FLUSH-RETRACT: every DP rank flushes with the version's predicate
+        if body.get("flush_cache", True) and not eng.post_refit_flush(eng.ranks):
+            if eng.profile.refit_flush_failure_is_fatal:
+                fatal.scheduler_exception("AssertionError", "Cache flush failed after updating weights")
+            return _fail(FLUSH_REFUSED)
+        # C-REFIT-WV-PAUSED: 0.5.6 returns before recording weight_version when the refit ran paused
+        # (tokenizer_manager.py:1299-1316@0.5.6, tokenizer_communicator_mixin.py:418-436,479-495@0.5.6)
+        records_version = eng.profile.refit_paused_sets_weight_version or not eng.tokenizer.is_pause
+        if version is not None and records_version:
             eng.set_weight_version(version)
             message += f" Weight version updated to {version}."
         return 200, {"success": True, "message": message}
@@ -141,7 +143,23 @@ class WeightUpdater:
         self.session_open = False
         return 200, {"success": True, "message": "weight-update session closed"}
 
-    def init_group(self, body: dict[str, Any]) -> Reply:
+    async def init_group(self, body: dict[str, Any]) -> Reply:
+        """C-REFIT-GROUP-BLOCK: every TP rank joins group rank 0's store (rendezvous.join) and the call
+        answers only once all of them did (…/model_executor/model_runner_components/weight_updater.py:
+        100-143@0.5.23, utils/common.py:1752-1790@0.5.6)."""
+        eng = self.engine
+        ranks = [body["rank_offset"] + tp_rank for tp_rank in range(eng.cfg.tp_size)]
+        try:
+            await rendezvous.join(
+                body["master_address"],
+                body["master_port"],
+                ranks,
+                body["world_size"],
+                body["group_name"],
+                timeout=eng.cfg.weight_update_group_timeout,
+            )
+        except rendezvous.RendezvousError as e:
+            return _fail(f"Failed to initialize custom process group: {e}.")
         self.groups.add(body["group_name"])
         return 200, {"success": True, "message": "Succeeded to initialize custom process group."}
 
@@ -155,7 +173,7 @@ class WeightUpdater:
 
     def update_weight_version(self, body: dict[str, Any]) -> Reply:
         if body.get("abort_all_requests", True):
-            self.engine.scheduler.abort(abort_all=True)
+            self.engine.abort(abort_all=True)
         self.engine.set_weight_version(body["new_version"])
         v = body["new_version"]
         return 200, {"success": True, "message": f"Weight version updated to {v}", "new_version": v}
@@ -180,15 +198,19 @@ class _WriterLock:
     """Refits while paused skip the lock; otherwise they wait for every in-flight request (§2.4)."""
 
     def __init__(self, engine: Engine, abort_all: bool) -> None:
-        self.sched = engine.scheduler
+        self.engine = engine
+        self.tok = engine.tokenizer
         self.abort_all = abort_all
         self.taken = False
 
     async def __aenter__(self) -> None:
-        if not self.sched.is_pause:
-            await self.sched.writer_lock_acquire(self.abort_all)
+        if not self.tok.is_pause:
+            await self.tok.writer_lock_acquire(self._abort_all if self.abort_all else None)
             self.taken = True
 
     async def __aexit__(self, *exc: object) -> None:
         if self.taken:
-            await self.sched.writer_lock_release()
+            await self.tok.writer_lock_release()
+
+    def _abort_all(self) -> None:
+        self.engine.abort(abort_all=True)

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save, save_file
 
+from rljob.emulator.rendezvous import Rank0
 from rljob.emulator.tokens import GARBAGE_MARKER
 from rljob.trainer import Handoff
 
@@ -131,7 +132,18 @@ def push_refit(
             for name in names:  # one bucket per tensor; one payload per TP rank (TP=1 here)
                 window.push_tensors([base64.b64encode(save({name: tensors[name]})).decode()])
         else:
-            window.init_group("127.0.0.1", 29500, rank_offset=1, world_size=2)
+            # The trainer is group rank 0 and hosts the group's store; SGLang's init_weights_update_group
+            # answers only once its ranks joined it (C-REFIT-GROUP-BLOCK in docs/sglang-conformance.md),
+            # so rank 0 serves while the agent makes that call. TP=1 here: world size 2.
+            rank0 = Rank0(0, world_size=2)
+            with ThreadPoolExecutor(1) as pool:
+                joined = pool.submit(rank0.wait, timeout)
+                try:
+                    window.init_group("127.0.0.1", rank0.port, rank_offset=1, world_size=2)
+                except BaseException:
+                    rank0.cancel()
+                    raise
+                joined.result(timeout)
             for name in names:
                 t = tensors[name]
                 window.push_distributed([name], [str(t.dtype)], [list(t.shape)])
