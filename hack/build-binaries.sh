@@ -95,3 +95,4 @@ for cmd in kube-scheduler kube-controller-manager kubectl; do
   build "$cmd" "$K8S_VERSION" build_k8s "$cmd"
 done
 echo "build-binaries: done in $((SECONDS - total))s; cache $(du -sh "$CACHE/bin" | cut -f1) in $CACHE/bin"
+"$HACK/build-kueue.sh"  # Kueue for the e2e queueing tests (hack/kueue/go.mod pins it)
