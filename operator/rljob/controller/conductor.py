@@ -54,6 +54,7 @@ class _Parsed:
 class ConductorOptions:
     agent: AgentOptions = field(default_factory=AgentOptions)
     tick_seconds: float = TICK_SECONDS
+    finished_tick_seconds: float = 30.0  # finished jobs only wait for their TTL: a slow heartbeat is enough
 
 
 class Conductor:
@@ -137,8 +138,8 @@ class Conductor:
                         return
                     if decision.commands or decision.create_pods or decision.delete_pods:
                         continue  # effects usually change what we observe: look again at once
-                    # Finished jobs only wait for their TTL: a slow heartbeat is enough.
-                    tick = 30.0 if status.phase.terminal else self.options.tick_seconds
+                    options = self.options
+                    tick = options.finished_tick_seconds if status.phase.terminal else options.tick_seconds
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self.wake.wait(), tick)
             finally:
