@@ -1,0 +1,307 @@
+"""Kueue: admission by quota for RLJobs that name a LocalQueue (label `kueue.x-k8s.io/queue-name`).
+
+Kueue's supported way for a job kind it has no built-in integration for is an external controller that
+does what Kueue's job framework does for its own kinds (site/content/en/docs/tasks/dev/
+integrate_a_custom_job.md; pkg/controller/jobframework/reconciler.go@v0.17.0). The operator is that
+controller for RLJobs. Kueue admits, preempts and requeues; this module speaks its Workload protocol:
+
+- one Workload per RLJob, owned by it (controller ownerReference), with ONE pod set: `replicas` pods of
+  the gang's pod spec (agent sidecar included), so Kueue reserves the quota of the whole gang at once or
+  not at all (ConstructWorkload, reconciler.go:1375);
+- the gang is created only while the Workload is Admitted (reconciler.go:621, step 7);
+- Evicted (preemption, a stopped ClusterQueue, deactivation): the job stops its pods; once none is left
+  the owner clears the quota reservation, with the Requeued condition set as the job framework sets it
+  (reconciler.go:580-600: Requeued=True for Preempted/NodeFailures, QuotaReserved=False reason Pending,
+  no status.admission, Admitted=False); Kueue then queues it again;
+- spec.suspend is mirrored to spec.active (JobWithCustomWorkloadActivation, reconciler.go:450): a user
+  suspend gives the quota back, a resume queues again;
+- a finished job whose pods are gone sets Finished (workload.Finish, reconciler.go:487), which releases
+  its quota.
+
+Status writes are JSON merge patches carrying the resourceVersion read: a concurrent write by Kueue makes
+ours fail with 409 and it is retried from a fresh read, never applied over Kueue's.
+The functions below are pure; `Workloads` is the client (the only API calls to Kueue's objects).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from rljob.api.crd import GROUP as RLJOB_GROUP
+from rljob.api.crd import KIND as RLJOB_KIND
+from rljob.controller.children import LABEL_JOB, owner_reference
+from rljob.controller.metrics import API_CALLS
+
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"  # what Kueue's job framework labels its Workloads with
+GROUP = "kueue.x-k8s.io"
+VERSION = "v1beta2"
+PLURAL = "workloads"
+POD_SET = "main"  # kueue.DefaultPodSetName
+# Kueue's own limit for generated names (they are used as label values): pkg/controller/jobframework/
+# workload_names.go:33-41@v0.17.0.
+MAX_NAME = 63
+HASH_LENGTH = 5
+
+QUOTA_RESERVED = "QuotaReserved"
+ADMITTED = "Admitted"
+EVICTED = "Evicted"
+REQUEUED = "Requeued"
+FINISHED = "Finished"
+# Eviction reasons after which Kueue's job framework marks the workload Requeued=True (reconciler.go:590).
+REQUEUED_REASONS = ("Preempted", "NodeFailures")
+
+
+class Admission(StrEnum):
+    """What Kueue says about the job's quota (the lifecycle's input)."""
+
+    NOT_QUEUED = "NotQueued"  # no queue label: Kueue is not involved
+    PENDING = "Pending"  # queued, no quota (yet, or again)
+    ADMITTED = "Admitted"
+    EVICTED = "Evicted"  # quota being taken back: stop, then the reservation is released
+
+
+@dataclass(frozen=True)
+class AdmissionView:
+    admission: Admission
+    workload: str = ""
+    message: str = ""  # for status.message and the Queued condition; names the workload and queue
+    reason: str = ""  # Kueue's reason (e.g. Preempted, Pending, Inadmissible)
+
+
+def queue_name(body: Mapping[str, Any]) -> str | None:
+    labels = (body.get("metadata") or {}).get("labels") or {}
+    value = labels.get(QUEUE_LABEL)
+    return str(value) if value else None
+
+
+def workload_name(job: str, uid: str, kind: str = RLJOB_KIND, group: str = RLJOB_GROUP) -> str:
+    """Kueue's naming scheme for a job's Workload (GetWorkloadNameForOwnerWithGVK, workload_names.go:64-100):
+    `rljob-<name>-<hash>`, the hash (sha1) over kind, group, name and uid, the prefix truncated so the name
+    fits 63 characters."""
+    digest = hashlib.sha1(f"{kind}\n{group}\n{job}\n{uid}".encode()).hexdigest()
+    prefix = f"{kind.lower()}-{job}"[: MAX_NAME - 1 - HASH_LENGTH]
+    return f"{prefix}-{digest[:HASH_LENGTH]}"
+
+
+def workload_manifest(
+    job: str, uid: str, namespace: str, queue: str, replicas: int, pod: Mapping[str, Any], active: bool
+) -> dict[str, Any]:
+    """The Workload of an RLJob: one pod set of `replicas` copies of `pod` (a gang pod's manifest, the
+    agent sidecar included), so Kueue reserves every pod's requests at once."""
+    template = {
+        "metadata": {"labels": dict((pod.get("metadata") or {}).get("labels") or {})},
+        "spec": copy.deepcopy(pod["spec"]),
+    }
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "Workload",
+        "metadata": {
+            "name": workload_name(job, uid),
+            "namespace": namespace,
+            "labels": {LABEL_JOB: job, JOB_UID_LABEL: uid},
+            "ownerReferences": [owner_reference(job, uid)],
+        },
+        "spec": {
+            "queueName": queue,
+            "active": active,
+            "podSets": [{"name": POD_SET, "count": replicas, "template": template}],
+        },
+    }
+
+
+def condition(workload: Mapping[str, Any] | None, type_: str) -> dict[str, Any] | None:
+    for cond in ((workload or {}).get("status") or {}).get("conditions") or []:
+        if cond.get("type") == type_:
+            return dict(cond)
+    return None
+
+
+def is_true(workload: Mapping[str, Any] | None, type_: str) -> bool:
+    cond = condition(workload, type_)
+    return cond is not None and cond.get("status") == "True"
+
+
+def admission_of(queue: str | None, workload: Mapping[str, Any] | None) -> AdmissionView:
+    """The lifecycle's view of the job's Workload. A finished Workload admits nothing more: a job that
+    continues after it (iterations raised) waits for a new one."""
+    if queue is None:
+        return AdmissionView(Admission.NOT_QUEUED)
+    if workload is None:
+        return AdmissionView(Admission.PENDING, "", f"queued in LocalQueue {queue}: creating its Workload")
+    name = workload["metadata"]["name"]
+    where = f"Workload {name} in LocalQueue {queue}"
+    evicted = condition(workload, EVICTED)
+    if evicted is not None and evicted.get("status") == "True" and is_true(workload, QUOTA_RESERVED):
+        reason = str(evicted.get("reason") or EVICTED)
+        message = f"{where} evicted ({reason}): {evicted.get('message', '')}"
+        return AdmissionView(Admission.EVICTED, name, message, reason)
+    if is_true(workload, ADMITTED) and not is_true(workload, FINISHED):
+        cq = ((workload.get("status") or {}).get("admission") or {}).get("clusterQueue", "")
+        return AdmissionView(Admission.ADMITTED, name, f"{where} admitted by ClusterQueue {cq}", ADMITTED)
+    if is_true(workload, FINISHED):
+        return AdmissionView(Admission.PENDING, name, f"{where} is finished: queueing a new one", FINISHED)
+    reserved = condition(workload, QUOTA_RESERVED) or {}
+    why = str(reserved.get("message") or "waiting for quota")
+    if not (workload.get("spec") or {}).get("active", True):
+        why = "deactivated (the job is suspended)"
+    return AdmissionView(Admission.PENDING, name, f"{where}: {why}", str(reserved.get("reason") or "Pending"))
+
+
+def _stamp(now: datetime) -> str:
+    return now.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _set_condition(
+    conditions: list[dict[str, Any]], type_: str, status: bool, reason: str, message: str, now: str, gen: int
+) -> None:
+    """apimeta.SetStatusCondition: lastTransitionTime moves only when the status changes."""
+    value = "True" if status else "False"
+    old = next((c for c in conditions if c.get("type") == type_), None)
+    new = {
+        "type": type_,
+        "status": value,
+        "reason": reason,
+        "message": message[:32768],
+        "observedGeneration": gen,
+        "lastTransitionTime": old["lastTransitionTime"] if old and old.get("status") == value else now,
+    }
+    if old is None:
+        conditions.append(new)
+    else:
+        conditions[conditions.index(old)] = new
+
+
+def _status_patch(workload: Mapping[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+    return {"metadata": {"resourceVersion": workload["metadata"]["resourceVersion"]}, "status": status}
+
+
+def release_patch(workload: Mapping[str, Any], now: datetime) -> dict[str, Any] | None:
+    """The job stopped after an eviction (no pod left): give the quota back as Kueue's job framework does
+    (reconciler.go:587-600; workload.UnsetQuotaReservationWithCondition, SyncAdmittedCondition). None
+    when there is nothing to release."""
+    evicted = condition(workload, EVICTED)
+    if evicted is None or evicted.get("status") != "True" or not is_true(workload, QUOTA_RESERVED):
+        return None
+    stamp, gen = _stamp(now), int(workload["metadata"].get("generation") or 1)
+    reason, message = str(evicted.get("reason") or EVICTED), str(evicted.get("message") or "")
+    conditions = [dict(c) for c in (workload.get("status") or {}).get("conditions") or []]
+    _set_condition(conditions, REQUEUED, reason in REQUEUED_REASONS, reason, message, stamp, gen)
+    _set_condition(conditions, QUOTA_RESERVED, False, "Pending", message, stamp, gen)
+    status: dict[str, Any] = {"admission": None, "conditions": conditions}
+    admitted = condition(workload, ADMITTED)
+    if admitted is not None and admitted.get("status") == "True":
+        # The admitted time is accumulated as Kueue does when Admitted turns False (admissionchecks.go:73).
+        since = datetime.fromisoformat(str(admitted["lastTransitionTime"]).replace("Z", "+00:00"))
+        past = int((workload.get("status") or {}).get("accumulatedPastExecutionTimeSeconds") or 0)
+        status["accumulatedPastExecutionTimeSeconds"] = past + max(0, int((now - since).total_seconds()))
+        _set_condition(
+            conditions, ADMITTED, False, "NoReservation", "The workload has no reservation", stamp, gen
+        )
+    return _status_patch(workload, status)
+
+
+def finish_patch(
+    workload: Mapping[str, Any], succeeded: bool, message: str, now: str
+) -> dict[str, Any] | None:
+    """The job finished and none of its pods is left: Finished releases the quota (workload.Finish)."""
+    if is_true(workload, FINISHED):
+        return None
+    gen = int(workload["metadata"].get("generation") or 1)
+    conditions = [dict(c) for c in (workload.get("status") or {}).get("conditions") or []]
+    reason = "Succeeded" if succeeded else "Failed"
+    _set_condition(conditions, FINISHED, True, reason, message or reason, now, gen)
+    return _status_patch(workload, {"conditions": conditions})
+
+
+def spec_patch(workload: Mapping[str, Any], queue: str, active: bool) -> dict[str, Any] | None:
+    """spec.active follows the RLJob's suspend; the queue name follows its label while no quota is
+    reserved (Kueue refuses the change after that: the Workload CRD's CEL)."""
+    spec = workload.get("spec") or {}
+    patch: dict[str, Any] = {}
+    if bool(spec.get("active", True)) != active:
+        patch["active"] = active
+    if spec.get("queueName") != queue and not is_true(workload, QUOTA_RESERVED):
+        patch["queueName"] = queue
+    return {"spec": patch} if patch else None
+
+
+class Workloads:
+    """The Kueue client: Workloads of RLJobs (get, create, delete, merge patches of spec and status)."""
+
+    def __init__(self, api_client: client.ApiClient | None = None) -> None:
+        self.custom = client.CustomObjectsApi(api_client or client.ApiClient())
+
+    async def _call(self, verb: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        API_CALLS.labels(verb=verb).inc()
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+    async def get(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            result = await self._call(
+                "get_workload", self.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL,
+                name, _preload_content=False,
+            )  # fmt: skip
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+        got: dict[str, Any] = json.loads(result.data)
+        return got
+
+    async def create(self, manifest: dict[str, Any]) -> dict[str, Any] | None:
+        """The created Workload; None when one of that name exists already (read it back)."""
+        try:
+            result = await self._call(
+                "create_workload", self.custom.create_namespaced_custom_object, GROUP, VERSION,
+                manifest["metadata"]["namespace"], PLURAL, manifest, _preload_content=False,
+            )  # fmt: skip
+        except ApiException as err:
+            if err.status == 409:
+                return None
+            raise
+        created: dict[str, Any] = json.loads(result.data)
+        return created
+
+    async def delete(self, namespace: str, name: str) -> None:
+        try:
+            await self._call(
+                "delete_workload", self.custom.delete_namespaced_custom_object, GROUP, VERSION, namespace,
+                PLURAL, name,
+            )  # fmt: skip
+        except ApiException as err:
+            if err.status != 404:
+                raise
+
+    async def patch(
+        self, namespace: str, name: str, patch: dict[str, Any], status: bool
+    ) -> dict[str, Any] | None:
+        """A JSON merge patch (of the status subresource with `status`). None on 409/404: the Workload
+        changed or went since it was read; the caller reads it again."""
+        fn = (
+            self.custom.patch_namespaced_custom_object_status
+            if status
+            else self.custom.patch_namespaced_custom_object
+        )
+        try:
+            result = await self._call(
+                "patch_workload_status" if status else "patch_workload", fn, GROUP, VERSION, namespace,
+                PLURAL, name, patch, _content_type="application/merge-patch+json", _preload_content=False,
+            )  # fmt: skip
+        except ApiException as err:
+            if err.status in (404, 409):
+                return None
+            raise
+        patched: dict[str, Any] = json.loads(result.data)
+        return patched

@@ -1,0 +1,173 @@
+"""The Kueue Workload protocol of controller/queueing.py: the manifest, the admission the lifecycle sees,
+and the status writes that give quota back (after an eviction) or finish the workload."""
+
+from __future__ import annotations
+
+import copy
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from rljob.controller import queueing as q
+
+NOW = datetime(2026, 12, 1, 10, 0, 30, tzinfo=UTC)
+UID = "0a1b2c3d-0000-4000-8000-000000000001"
+
+
+def cond(
+    type_: str, status: str, reason: str, message: str = "", at: str = "2026-12-01T10:00:00Z"
+) -> dict[str, Any]:
+    return {
+        "type": type_,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": at,
+        "observedGeneration": 1,
+    }
+
+
+def workload(*conditions: dict[str, Any], admission: bool = False, active: bool = True) -> dict[str, Any]:
+    status: dict[str, Any] = {"conditions": list(conditions)}
+    if admission:
+        status["admission"] = {"clusterQueue": "cq", "podSetAssignments": [{"name": "main", "count": 2}]}
+    return {
+        "apiVersion": "kueue.x-k8s.io/v1beta2",
+        "kind": "Workload",
+        "metadata": {"name": "rljob-a-12345", "namespace": "ns", "resourceVersion": "42", "generation": 1},
+        "spec": {"queueName": "lq", "active": active, "podSets": []},
+        "status": status,
+    }
+
+
+ADMITTED = (
+    cond("QuotaReserved", "True", "QuotaReserved", "Quota reserved in ClusterQueue cq"),
+    cond("Admitted", "True", "Admitted", "The workload is admitted"),
+)
+PREEMPTED = cond(
+    "Evicted", "True", "Preempted", "Preempted to accommodate a workload", "2026-12-01T10:00:20Z"
+)
+
+
+def test_workload_name_follows_kueues_scheme() -> None:
+    name = q.workload_name("a", UID)
+    assert name.startswith("rljob-a-") and len(name) == len("rljob-a-") + 5
+    assert name == q.workload_name("a", UID)
+    assert name != q.workload_name("a", UID.replace("1", "2"))  # the uid is in the hash
+    long = q.workload_name("x" * 63, UID)
+    assert len(long) == 63 and long.startswith("rljob-xxx")
+
+
+def test_manifest_is_one_pod_set_of_the_whole_gang_owned_by_the_job() -> None:
+    pod = {
+        "metadata": {"name": "a-0", "labels": {"rljob.io/job": "a"}},
+        "spec": {"containers": [{"name": "sglang", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]},
+    }
+    wl = q.workload_manifest("a", UID, "ns", "lq", 4, pod, active=True)
+    assert wl["metadata"]["name"] == q.workload_name("a", UID)
+    assert (
+        wl["metadata"]["ownerReferences"][0] | {"kind": "RLJob", "name": "a", "uid": UID, "controller": True}
+        == (wl["metadata"]["ownerReferences"][0])
+    )
+    assert wl["metadata"]["labels"] == {"rljob.io/job": "a", q.JOB_UID_LABEL: UID}
+    (pod_set,) = wl["spec"]["podSets"]
+    assert pod_set["name"] == "main" and pod_set["count"] == 4
+    assert pod_set["template"]["spec"] == pod["spec"] and pod_set["template"]["spec"] is not pod["spec"]
+    assert wl["spec"]["queueName"] == "lq" and wl["spec"]["active"] is True
+
+
+@pytest.mark.parametrize(
+    ("wl", "expected", "in_message"),
+    [
+        (None, q.Admission.PENDING, "creating its Workload"),
+        (
+            workload(
+                cond("QuotaReserved", "False", "Pending", "insufficient unused quota for nvidia.com/gpu")
+            ),
+            q.Admission.PENDING,
+            "insufficient unused quota",
+        ),
+        (workload(*ADMITTED, admission=True), q.Admission.ADMITTED, "admitted by ClusterQueue cq"),
+        (workload(*ADMITTED, PREEMPTED, admission=True), q.Admission.EVICTED, "evicted (Preempted)"),
+        # Released after the eviction: Evicted stays True until Kueue admits it again.
+        (
+            workload(
+                cond("QuotaReserved", "False", "Pending"),
+                cond("Admitted", "False", "NoReservation"),
+                PREEMPTED,
+            ),
+            q.Admission.PENDING,
+            "rljob-a-12345 in LocalQueue lq",
+        ),
+        (workload(*ADMITTED, cond("Finished", "True", "Succeeded")), q.Admission.PENDING, "finished"),
+        (workload(active=False), q.Admission.PENDING, "deactivated"),
+    ],
+)
+def test_admission_seen_by_the_lifecycle(
+    wl: dict[str, Any] | None, expected: q.Admission, in_message: str
+) -> None:
+    view = q.admission_of("lq", wl)
+    assert view.admission == expected
+    assert in_message in view.message
+
+
+def test_no_queue_label_means_kueue_is_not_involved() -> None:
+    assert q.admission_of(None, workload(*ADMITTED)).admission == q.Admission.NOT_QUEUED
+    assert q.queue_name({"metadata": {"labels": {q.QUEUE_LABEL: "lq"}}}) == "lq"
+    assert q.queue_name({"metadata": {"labels": {}}}) is None
+
+
+def test_release_after_preemption_is_what_kueues_job_framework_writes() -> None:
+    evicted = workload(*ADMITTED, PREEMPTED, admission=True)
+    before = copy.deepcopy(evicted)
+    patch = q.release_patch(evicted, NOW)
+    assert evicted == before  # pure
+    assert patch is not None
+    assert patch["metadata"] == {"resourceVersion": "42"}  # optimistic concurrency against Kueue's writes
+    status = patch["status"]
+    assert status["admission"] is None
+    by_type = {c["type"]: c for c in status["conditions"]}
+    assert by_type["QuotaReserved"]["status"] == "False" and by_type["QuotaReserved"]["reason"] == "Pending"
+    assert by_type["QuotaReserved"]["lastTransitionTime"] == "2026-12-01T10:00:30Z"
+    assert by_type["Admitted"]["status"] == "False" and by_type["Admitted"]["reason"] == "NoReservation"
+    assert by_type["Requeued"]["status"] == "True" and by_type["Requeued"]["reason"] == "Preempted"
+    assert by_type["Evicted"] == PREEMPTED  # Kueue resets it when it admits again
+    assert status["accumulatedPastExecutionTimeSeconds"] == 30
+
+
+def test_release_after_deactivation_does_not_requeue() -> None:
+    deactivated = cond("Evicted", "True", "Deactivated", "The workload is deactivated")
+    patch = q.release_patch(workload(*ADMITTED, deactivated, admission=True), NOW)
+    assert patch is not None
+    requeued = next(c for c in patch["status"]["conditions"] if c["type"] == "Requeued")
+    assert requeued["status"] == "False" and requeued["reason"] == "Deactivated"
+
+
+def test_nothing_to_release_without_an_eviction_or_a_reservation() -> None:
+    assert q.release_patch(workload(*ADMITTED, admission=True), NOW) is None
+    released = workload(cond("QuotaReserved", "False", "Pending"), PREEMPTED)
+    assert q.release_patch(released, NOW) is None
+
+
+def test_finish_once() -> None:
+    patch = q.finish_patch(
+        workload(*ADMITTED, admission=True), True, "3 iterations done", "2026-12-01T10:01:00Z"
+    )
+    assert patch is not None
+    finished = next(c for c in patch["status"]["conditions"] if c["type"] == "Finished")
+    assert finished["status"] == "True" and finished["reason"] == "Succeeded"
+    assert finished["message"] == "3 iterations done"
+    failed = q.finish_patch(workload(*ADMITTED), False, "", "2026-12-01T10:01:00Z")
+    assert failed is not None and {c["type"]: c for c in failed["status"]["conditions"]}["Finished"][
+        "reason"
+    ] == ("Failed")
+    assert q.finish_patch(workload(cond("Finished", "True", "Succeeded")), True, "", "t") is None
+
+
+def test_spec_follows_suspend_and_the_queue_label() -> None:
+    assert q.spec_patch(workload(), "lq", active=True) is None
+    assert q.spec_patch(workload(), "lq", active=False) == {"spec": {"active": False}}
+    assert q.spec_patch(workload(), "other", active=True) == {"spec": {"queueName": "other"}}
+    # Kueue's CEL refuses a queue change while quota is reserved: only `active` is patched then.
+    assert q.spec_patch(workload(*ADMITTED), "other", active=False) == {"spec": {"active": False}}
