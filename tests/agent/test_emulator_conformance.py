@@ -25,7 +25,7 @@ from rljob.emulator.fatal import StartupError
 from rljob.emulator.rendezvous import Rank0
 from rljob.emulator.versions import SUPPORTED_VERSIONS as VERSIONS
 
-SHARED_FLAGS = ("--enable-metrics", "--health-check-timeout", "0.5", "--weight-update-group-timeout", "0.5")
+SHARED_FLAGS = ("--enable-metrics", "--health-check-timeout", "0.5", "--weight-update-group-timeout", "1")
 STRICT_IDLE = ("0.5.15.post1", "0.5.20")  # is_fully_idle(): retracted (waiting) requests always count
 GROUP = {"master_address": "127.0.0.1", "rank_offset": 1, "world_size": 2}
 
@@ -316,6 +316,43 @@ def test_c_refit_wv_paused(emu: Emulator, version: str, tmp_path: Path) -> None:
     assert emu.call("GET", "/model_info").body["weight_version"] == "u31"
 
 
+@_params()
+def test_c_route_continue_and_c_route_disk(emu: Emulator, version: str, tmp_path: Path) -> None:
+    """C-ROUTE-CONTINUE: `torch_empty_cache` (0.5.15.post1+) is accepted everywhere (0.5.6 ignores it).
+    C-ROUTE-DISK: reply {success, message, num_paused_requests}; a path that does not load is 400 and
+    the old weights stay."""
+    emu.call("POST", "/pause_generation", {"mode": "abort"})
+    assert emu.call("POST", "/continue_generation", {"torch_empty_cache": False}).status == 200
+    _idle(emu)
+    before = emu.weights()["checksum"]
+    r = emu.call("POST", "/update_weights_from_disk", {"model_path": str(tmp_path / "missing")})
+    assert r.status == 400 and r.body["success"] is False and "Failed to update weights" in r.body["message"]
+    assert emu.weights()["checksum"] == before
+    r = emu.call("POST", "/update_weights_from_disk", {"model_path": str(write_weights(tmp_path, "8"))})
+    assert r.status == 200 and set(r.body) == {"success", "message", "num_paused_requests"}
+
+
+@_params()
+def test_c_refit_lock(emu: Emulator, version: str, tmp_path: Path) -> None:
+    """C-REFIT-LOCK: a refit while not paused takes the model-update writer lock, so it waits for the
+    in-flight requests; while paused it runs at once."""
+    ckpt = str(write_weights(tmp_path, "9"))
+    job = _running(emu, 25)  # 0.5 s at 50 tokens/s
+    started = time.monotonic()
+    # flush_cache false: the finished request can still sit in the batch when the refit reaches the
+    # scheduler, and the flush assert would kill ≤0.5.21 (the emulator's --scheduler-lag-seconds)
+    r = emu.call("POST", "/update_weights_from_disk", {"model_path": ckpt, "flush_cache": False})
+    assert r.status == 200 and "result" in job and time.monotonic() - started > 0.2
+    _idle(emu)
+    emu.call("POST", "/pause_generation", {"mode": "abort"})
+    started = time.monotonic()
+    assert (
+        emu.call("POST", "/update_weights_from_disk", {"model_path": ckpt, "flush_cache": False}).status
+        == 200
+    )
+    assert time.monotonic() - started < 0.5
+
+
 # --- refit groups ----------------------------------------------------------------------------------
 
 
@@ -324,18 +361,18 @@ def test_c_refit_group_block(emu: Emulator, version: str) -> None:
     """C-REFIT-GROUP-BLOCK: init_weights_update_group answers only once the trainer side (group rank 0)
     hosts the store and every rank joined; meanwhile the scheduler is stuck, so other scheduler calls wait
     (tokenizer-only ones answer). Nobody at master_port: 400 "Failed to initialize custom process group"
-    after the timeout (0.5 s here)."""
+    after the timeout (1 s here)."""
     started = time.monotonic()
     r = emu.call("POST", "/init_weights_update_group", {**GROUP, "master_port": 1})
     assert r.status == 400 and r.body["message"].startswith("Failed to initialize custom process group: ")
-    assert time.monotonic() - started >= 0.5
+    assert time.monotonic() - started >= 1.0
     with Rank0(0, world_size=2) as rank0:
         init = _background(
             lambda: emu.call("POST", "/init_weights_update_group", {**GROUP, "master_port": rank0.port})
         )
-        time.sleep(0.2)
+        time.sleep(0.15)
         flush = _background(lambda: emu.call("POST", "/flush_cache"))
-        time.sleep(0.3)
+        time.sleep(0.2)
         assert "result" not in init and "result" not in flush  # both wait for the group
         assert emu.call("GET", "/model_info", timeout=2).status == 200  # the tokenizer alone answers
         assert rank0.wait(5) == [1]
@@ -343,6 +380,20 @@ def test_c_refit_group_block(emu: Emulator, version: str) -> None:
     flush["thread"].join(5)
     assert init["result"].status == 200 and init["result"].body["success"] is True
     assert flush["result"].status == 200
+    # C-ROUTE-DIST: with the group formed, a distributed refit (in a session from 0.5.21)
+    session = emu.call("POST", "/begin_weight_update", {}).status == 200
+    assert session == (version in ("0.5.21", "0.5.23"))
+    dist = {
+        "names": ["w"],
+        "dtypes": ["float32"],
+        "shapes": [[2]],
+        "flush_cache": False,
+        "weight_version": "g1",
+    }
+    r = emu.call("POST", "/update_weights_from_distributed", dist)
+    assert r.status == 200 and r.body["success"] is True, r.text
+    if session:
+        assert emu.call("POST", "/end_weight_update", {}).status == 200
     assert emu.call("POST", "/destroy_weights_update_group", {}).status == 200
 
 
