@@ -20,6 +20,8 @@ from typing import Any
 PY = sys.executable
 VERSIONS = ("0.5.6", "0.5.15.post1", "0.5.21", "0.5.23")
 ALL_TAGS = ["kv_cache", "weights", "cuda_graph"]
+# C-DRAIN-RETRACT: waiting requests always count there, so a retract drain never becomes idle
+RETRACT_REFUSED = ("0.5.15.post1", "0.5.20")
 
 
 def free_port() -> int:

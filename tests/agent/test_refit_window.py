@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from agent_procs import Agent, Conductor, Emulator
 
+from rljob.emulator.rendezvous import Rank0
 from rljob.trainer import AgentError, Handoff
 
 
@@ -140,8 +141,14 @@ def test_wrong_source_and_final_push_guards(
     assert _outcome(agent)["state"] == "Failed"
     _refit_async(agent, c, version="1", source="distributed")
     agent.wait_state(lambda s: s["trainer"].get("refitWindowVersion") == "1", 5)
-    group = {"masterAddress": "127.0.0.1", "masterPort": 29500, "rankOffset": 1, "worldSize": 2}
-    assert t("POST", "/v1/trainer/refit/group", group).status == 200
+    rank0 = Rank0(0, world_size=2)  # the trainer's side: SGLang's group init answers once it joined
+    group = {"masterAddress": "127.0.0.1", "masterPort": rank0.port, "rankOffset": 1, "worldSize": 2}
+    r = t("POST", "/v1/trainer/refit/group", group)  # answered at once; SGLang's side runs in the background
+    assert r.status == 202 and r.body["group"] == "Pending", r.text
+    r = t("POST", "/v1/trainer/refit/distributed", meta)
+    assert r.status == 409 and r.body["error"] == "Busy", r.text  # SGLang still waits in the rendezvous
+    assert rank0.wait(10) == [1]
+    assert t("GET", "/v1/trainer/refit?wait=10").body["group"] == "Ready"
     r = t("POST", "/v1/trainer/refit/distributed", {**meta, "names": ["w", "v"]})
     assert r.status == 422
     assert t("POST", "/v1/trainer/refit/distributed", {**meta, "last": True}).status == 200

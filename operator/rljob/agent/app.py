@@ -38,9 +38,9 @@ class Agent:
             call_timeout_s=cfg.call_timeout_s,
             observe=self.metrics.observe_sglang,
         )
-        self.windows = RefitWindows(self.store, self.client)
+        self.windows = RefitWindows(self.store, self.client, cfg.group_init_timeout_s)
         self.lease = LeaseDesk(self.store)
-        self.watch = SGLangWatch(self.store, self.client)
+        self.watch = SGLangWatch(self.store, self.client, probe_timeout_s=cfg.scheduler_probe_timeout_s)
         self.sampler = RolloutSampler(self.store, self.client, cfg.rollout_sample_s, cfg.rollout_report_s)
         ops = Operations(
             self.store,

@@ -23,6 +23,8 @@ class AgentConfig:
     call_timeout_s: float  # bound on SGLang calls made outside a command deadline
     rollout_sample_s: float
     rollout_report_s: float  # rollout-only changes bump the revision at most this often
+    group_init_timeout_s: float = 1860.0  # > torch's 30-min rendezvous timeout that SGLang uses
+    scheduler_probe_timeout_s: float = 5.0  # bounded /get_load when /ping cannot tell (C-DEATH-HARD)
 
 
 def parse_hostport(value: str) -> tuple[str, int]:
@@ -104,6 +106,20 @@ def _parser() -> argparse.ArgumentParser:
         default=10.0,
         help="rollout-only changes bump the state revision at most this often",
     )
+    p.add_argument(
+        "--group-init-timeout",
+        type=float,
+        default=1860.0,
+        help="seconds the background init_weights_update_group may take: longer than the 30 min SGLang's "
+        "rendezvous waits for the trainer, so that the agent hears SGLang's own answer",
+    )
+    p.add_argument(
+        "--scheduler-probe-timeout",
+        type=float,
+        default=5.0,
+        help="SGLang without a subprocess watchdog (0.5.6): client timeout of the /get_load probe; two "
+        "timeouts in a row with no control call in flight mean the scheduler is dead",
+    )
     return p
 
 
@@ -144,4 +160,6 @@ def parse_config(argv: list[str] | None = None) -> AgentConfig:
         call_timeout_s=args.call_timeout,
         rollout_sample_s=args.rollout_sample_seconds,
         rollout_report_s=args.rollout_report_seconds,
+        group_init_timeout_s=args.group_init_timeout,
+        scheduler_probe_timeout_s=args.scheduler_probe_timeout,
     )

@@ -112,7 +112,7 @@ ROUTES: tuple[Route, ...] = (
     Route(
         "get",
         "/v1/trainer/refit",
-        "Long-poll until a tensor/distributed refit window opens.",
+        "Long-poll until a tensor/distributed refit window opens and its weight-update group is not Pending.",
         {200: "RefitWindow"},
         query=(_WAIT,),
         trainer=True,
@@ -120,8 +120,10 @@ ROUTES: tuple[Route, ...] = (
     Route(
         "post",
         "/v1/trainer/refit/group",
-        "Forward init_weights_update_group (distributed windows).",
-        {200: "PushResult", 502: "Refusal", **_REFUSALS},
+        "Start init_weights_update_group in the background (distributed windows); answers at once. "
+        "SGLang joins the trainer's rendezvous: the trainer runs its own init_process_group (rank 0), "
+        "then waits on GET /v1/trainer/refit?wait= for group Ready or Failed.",
+        {202: "RefitWindow", **_REFUSALS},
         body="InitWeightsGroup",
         trainer=True,
     ),

@@ -98,6 +98,9 @@ class Operations:
         self.lease = lease
         self.metrics = metrics
         self.call_timeout_s = call_timeout_s
+        # How the engine was paused: after a retract the waiting queue holds the retracted requests, which
+        # decides the flush form and the per-rank idle proof (C-IDLE-FLUSH-DEFERRED, C-IDLE-RELEASE).
+        self.pause_mode: DrainMode | None = None
 
     async def execute(self, cmd: Command) -> None:
         if isinstance(cmd, DrainCommand):
@@ -125,6 +128,8 @@ class Operations:
     async def _pause(self, mode: DrainMode, dl: Deadline) -> None:
         with self.store.change() as s:
             s.sglang.paused = True  # from here on the engine may be paused: never assume otherwise
+        if self.pause_mode != DrainMode.RETRACT:  # a retract stays in effect until continue_generation
+            self.pause_mode = mode
         try:
             await self.client.pause(mode.value, timeout=dl.remaining())
         except TimeoutError as e:
@@ -136,28 +141,63 @@ class Operations:
             raise CommandFailed(str(e)) from e
 
     async def _idle_barrier(self, dl: Deadline, what: str) -> None:
-        """flush_cache succeeds only when the scheduler is fully idle: the same predicate release asserts."""
-        server_waits = self.client.quirks is not None and self.client.quirks.flush_takes_timeout
+        """flush_cache succeeds only when the scheduler is idle by the predicate release asserts (the plain
+        flush's, C-IDLE-RELEASE). The deferred `?timeout=` form saves round trips after an abort drain,
+        but its check always counts waiting requests (C-IDLE-FLUSH-DEFERRED, flush_wrapper.py:33,45
+        @0.5.23): after a retract it can only time out, so the plain flush is polled instead. With
+        dp_size > 1 one flush 200 is the first rank's answer only (C-DP-FLUSH-FIRST) while release asserts
+        on every rank (C-DP-RELEASE-ALL): every rank must report idle on the load route first."""
+        quirks = self.client.quirks
+        multi_rank = self.store.facts is not None and self.store.facts.dp_size > 1
+        server_waits = (
+            quirks is not None
+            and quirks.flush_takes_timeout
+            and self.pause_mode != DrainMode.RETRACT
+            and not multi_rank
+        )
         backoff = 0.02
+        busy = ""
         while True:
             remaining = dl.remaining()
             if remaining <= 0:
-                raise CommandFailed(f"{what}: SGLang did not become idle within {dl.seconds:g}s")
-            server_wait = min(FLUSH_SERVER_WAIT_CAP_S, remaining - 0.25) if server_waits else 0.0
+                detail = f" ({busy})" if busy else ""
+                raise CommandFailed(f"{what}: SGLang did not become idle within {dl.seconds:g}s{detail}")
             try:
-                if await self.client.flush_cache(max(0.0, server_wait), timeout=remaining):
-                    return
+                busy = await self._busy_ranks(remaining) if multi_rank else ""
+                if not busy:
+                    server_wait = min(FLUSH_SERVER_WAIT_CAP_S, remaining - 0.25) if server_waits else 0.0
+                    if await self.client.flush_cache(max(0.0, server_wait), timeout=remaining):
+                        return
             except TimeoutError as e:
-                raise CommandFailed(f"{what}: flush_cache did not answer within {dl.seconds:g}s") from e
+                raise CommandFailed(f"{what}: SGLang did not answer within {dl.seconds:g}s") from e
             except SGLangError as e:
                 raise CommandFailed(str(e)) from e
             await asyncio.sleep(min(backoff, dl.remaining()))
             backoff = min(backoff * 2, 0.5)
 
+    async def _busy_ranks(self, timeout: float) -> str:
+        """'' when every DP rank is idle by the release predicate, else which ranks are not. Waiting
+        requests count, except the retracted ones on versions whose release ignores them
+        (C-IDLE-RELEASE)."""
+        facts, quirks = self.store.facts, self.client.quirks
+        assert facts is not None and quirks is not None
+        ranks = await self.client.rank_loads(timeout=timeout)
+        retracted = self.pause_mode == DrainMode.RETRACT
+        ignore_waiting = retracted and quirks.release_ignores_waiting_when_retracted
+        busy = [
+            f"DP rank {rank}: {running} running, {waiting} waiting"
+            for rank, running, waiting in ranks
+            if running > 0 or (waiting > 0 and not ignore_waiting)
+        ]
+        if len({rank for rank, _, _ in ranks}) < facts.dp_size:
+            busy.append(f"{quirks.load_route} reports {len(ranks)} of {facts.dp_size} DP ranks")
+        return "; ".join(busy)
+
     # --- release ---------------------------------------------------------------------------------
 
     async def release(self, cmd: ReleaseCommand) -> None:
-        tags = [t.value for t in cmd.tags]
+        unique = list(dict.fromkeys(cmd.tags))  # duplicates are harmless (C-MEM-DUP-TAG-RELEASE); send once
+        tags = [t.value for t in unique]
         # Re-check idleness right before the call: release asserts it, and failing kills SGLang.
         await self._idle_barrier(Deadline(cmd.verify.timeout_seconds), "release")
         before = await self._sample()
@@ -173,7 +213,7 @@ class Operations:
         except SGLangError as e:
             raise CommandFailed(str(e)) from e  # refused in the tokenizer: nothing was released
         with self.store.change() as s:
-            s.released_tags = [*s.released_tags, *cmd.tags]
+            s.released_tags = [*s.released_tags, *unique]
         await self._verify_freed(before, cmd.verify, tags)
         with self.store.change() as s:
             s.stage = Stage.RELEASED
@@ -233,8 +273,17 @@ class Operations:
     # --- resume helpers --------------------------------------------------------------------------
 
     async def _resume_tags(self, tags: list[ReleaseTag], dl: Deadline) -> None:
+        """C-MEM-RESUME-UNRELEASED: SGLang removes each resumed tag from its released set, so a tag never
+        released, or twice in one list, is a KeyError in the scheduler: fatal
+        (scheduler_update_weights_mixin.py:152-153@0.5.6). Each tag goes once, and only if released."""
+        tags = list(dict.fromkeys(tags))
         if not tags:
             return
+        unreleased = [t.value for t in tags if t not in self.store.state.released_tags]
+        if unreleased:
+            raise CommandFailed(
+                f"not resuming {', '.join(unreleased)}: not released (a resume would kill SGLang)"
+            )
         names = [t.value for t in tags]
         try:
             await self.client.resume(names, timeout=dl.remaining())
@@ -272,6 +321,11 @@ class Operations:
                 await self.client.update_weights_from_disk(path, cmd.version, timeout=dl.remaining())
             else:
                 await self._refit_window(cmd, dl)
+            quirks = self.client.quirks
+            if quirks is not None and not quirks.refit_while_paused_records_version:
+                # C-REFIT-WV-PAUSED: the agent always refits paused, and 0.5.6 then drops weight_version;
+                # set it without a lock or an abort (C-ROUTE-WV-SET), then verify it below as everywhere.
+                await self.client.update_weight_version(cmd.version, timeout=max(1.0, dl.remaining()))
             served = await self.client.served_version(timeout=max(1.0, dl.remaining()))
         except SGLangError as e:
             raise CommandFailed(str(e)) from e
@@ -334,8 +388,11 @@ class Operations:
             raise CommandFailed("continue_generation did not answer before the deadline") from e
         except SGLangError as e:
             raise CommandFailed(str(e)) from e
+        self.pause_mode = None
         with self.store.change() as s:
             s.sglang.paused = False
+        # C-HEALTH-GENERATE / C-HEALTH-RELEASED: /health_generate only now, after continue_generation: while
+        # paused it 503s after 20 s and sets UnHealthy, which 0.5.23's /ping reports (C-HEALTH-PING).
         await self._wait_healthy(dl)
         expected = self.store.state.sglang.served_version
         try:

@@ -1,4 +1,6 @@
-"""What the agent must do differently per SGLang version (contract §1)."""
+"""What the agent must do differently per SGLang version. Each property names its row of
+docs/sglang-conformance.md and the wheel source it was read from (`path:line@version`, paths relative to
+the wheel's `sglang/srt/`). Versions between two checked ones take the safer side, said per property."""
 
 from __future__ import annotations
 
@@ -15,44 +17,69 @@ def parse_version(version: str) -> tuple[int, int, int]:
     return int(m.group(1)), int(m.group(2)), int(m.group(3))
 
 
+def parse_post(version: str) -> int:
+    """`0.5.6.post2` -> 2; 0 without a post suffix."""
+    m = re.search(r"\.post(\d+)", version)
+    return int(m.group(1)) if m else 0
+
+
 @dataclass(frozen=True)
 class SGLangQuirks:
     version: str
     key: tuple[int, int, int]
+    post: int = 0
 
     @classmethod
     def detect(cls, version: str) -> SGLangQuirks:
-        return cls(version, parse_version(version))
+        return cls(version, parse_version(version), parse_post(version))
 
     @property
     def supported(self) -> bool:
         return self.key >= OLDEST_SUPPORTED
 
     @property
-    def weight_version_route(self) -> str:
-        """`/get_weight_version` only up to 0.5.6; a 404 (deprecated, then removed) afterwards."""
-        return "/get_weight_version" if self.key < (0, 5, 15) else "/model_info"
-
-    @property
     def load_route(self) -> str:
-        """`/v1/loads` from 0.5.15; 0.5.6 only has the legacy `/get_load` list (no rates)."""
-        return "/get_load" if self.key < (0, 5, 15) else "/v1/loads"
+        """C-METRIC-LOAD-ROUTE: `/v1/loads` (one entry per DP rank) from 0.5.8 (entrypoints/v1_loads.py:130
+        @0.5.8); before, only `/get_load`, a list per DP rank of counts (http_server.py:560-562@0.5.6).
+        `/get_load` is removed in 0.5.21."""
+        return "/get_load" if self.key < (0, 5, 8) else "/v1/loads"
 
     @property
     def weight_update_session(self) -> bool:
-        """Tensor/distributed refits must sit between begin/end_weight_update (PR #28001, 0.5.21)."""
+        """C-ROUTE-SESSION: tensor/distributed refits must sit between /begin_weight_update and
+        /end_weight_update from 0.5.21 (http_server.py:1400,1415@0.5.21)."""
         return self.key >= (0, 5, 21)
 
     @property
     def flush_takes_timeout(self) -> bool:
-        """`/flush_cache?timeout=` defers the reply until idle (0.5.23); before, poll until 200."""
-        return self.key >= (0, 5, 23)
+        """C-ROUTE-FLUSH: `/flush_cache?timeout=` defers the reply until idle from 0.5.10
+        (http_server.py:720@0.5.10; absent at http_server.py:684@0.5.8). Its idle check always counts
+        waiting requests (C-IDLE-FLUSH-DEFERRED, scheduler_components/flush_wrapper.py:33,45@0.5.23), so
+        the agent sends it only after an abort drain."""
+        return self.key >= (0, 5, 10)
 
     @property
-    def refit_flush_kills_server(self) -> bool:
-        """≤0.5.21 asserts when the post-refit flush is refused: only refit while paused and idle."""
-        return self.key < (0, 5, 22)
+    def release_ignores_waiting_when_retracted(self) -> bool:
+        """C-IDLE-FLUSH / C-IDLE-RELEASE: the plain flush and the release assert ignore the waiting queue
+        that a retract fills: always up to 0.5.8 (`_is_no_request`, scheduler.py:2205-2228@0.5.6,
+        scheduler.py:2457-2475@0.5.8), while paused from 0.5.21 (`is_fully_idle(ignore_waiting=
+        _engine_paused)`, scheduler_components/weight_updater.py:320-322@0.5.21). In between waiting
+        always counts (scheduler.py:2900-2920@0.5.10, weight_updater.py:185-187@0.5.15.post1): a retract
+        drain with requests in flight never becomes idle there. 0.5.9 was not read: treated as strict."""
+        return self.key < (0, 5, 9) or self.key >= (0, 5, 21)
 
     @property
-    def has_weight_cache_flag(self) -> bool:
-        return self.key >= (0, 5, 19)
+    def refit_while_paused_records_version(self) -> bool:
+        """C-REFIT-WV-PAUSED: 0.5.6 returns from a disk/tensor/distributed refit while paused before
+        `_update_weight_version_if_provided` (tokenizer_manager.py:1299-1316@0.5.6); fixed in 0.5.6.post2
+        (tokenizer_manager.py:1214-1223@0.5.6.post2). Without it the agent sets the version with
+        `/update_weight_version` (C-ROUTE-WV-SET, http_server.py:896-923@0.5.6)."""
+        return self.key > (0, 5, 6) or (self.key == (0, 5, 6) and self.post >= 2)
+
+    @property
+    def subprocess_watchdog(self) -> bool:
+        """C-DEATH-HARD: from 0.5.10 a SubprocessWatchdog kills the server within ~1 s of a scheduler exit
+        (engine.py:743-746@0.5.10, utils/watchdog.py:166-223@0.5.15.post1), so a refused connection is
+        death. Before (0.5.6, 0.5.8 checked) a scheduler that dies hard leaves HTTP up and `/ping` 200
+        (http_server.py:1315-1318@0.5.6): the agent needs a bounded scheduler probe."""
+        return self.key >= (0, 5, 10)

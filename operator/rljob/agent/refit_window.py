@@ -1,6 +1,7 @@
 """The tensor/distributed refit window: opened by the refit command, used by the trainer to push weights
 through the agent (which adds flush_cache=false and puts weight_version on the final push), closed by the
-trainer. Pushes are forwarded one at a time, in arrival order."""
+trainer. Pushes are forwarded one at a time, in arrival order. A distributed window's group init runs in
+the background (C-REFIT-GROUP-BLOCK): SGLang answers it only once the trainer has joined the group."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ from typing import Any
 from rljob.agent.errors import Refused, conflict
 from rljob.agent.sglang_client import SGLangClient, SGLangError, SGLangUnreachable
 from rljob.agent.state import StateStore
-from rljob.api.agent import DistributedPush, InitWeightsGroup, PushResult, RefitWindow, TensorPush
+from rljob.api.agent import (
+    DistributedPush,
+    GroupState,
+    InitWeightsGroup,
+    PushResult,
+    RefitWindow,
+    TensorPush,
+)
 from rljob.api.spec import RefitSource
 
 
@@ -25,15 +33,26 @@ class OpenWindow:
     error: str | None = None
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    group: GroupState | None = None
+    group_error: str | None = None
+    group_task: asyncio.Task[None] | None = None
 
     def remaining(self) -> float:
         return max(0.0, self.deadline - asyncio.get_running_loop().time())
 
 
+# torch's default_pg_timeout (30 min), which SGLang's rendezvous uses (utils/common.py:1752-1790@0.5.6),
+# plus a margin: the agent must hear SGLang's own answer, not give up first and lose track of the scheduler.
+GROUP_INIT_TIMEOUT_S = 1800.0 + 60.0
+
+
 class RefitWindows:
-    def __init__(self, store: StateStore, client: SGLangClient) -> None:
+    def __init__(
+        self, store: StateStore, client: SGLangClient, group_timeout_s: float = GROUP_INIT_TIMEOUT_S
+    ) -> None:
         self._store = store
         self._client = client
+        self._group_timeout_s = group_timeout_s
         self.current: OpenWindow | None = None
 
     # --- agent side (the refit command) ----------------------------------------------------------
@@ -43,10 +62,12 @@ class RefitWindows:
         self.current = OpenWindow(version, source, loop.time() + seconds)
         with self._store.change() as s:
             s.trainer.refit_window_version = version
+            s.trainer.weights_group = None
         return self.current
 
     async def wait_closed(self, window: OpenWindow) -> None:
-        """Until the trainer closed the window and no push is in flight (TimeoutError at the deadline)."""
+        """Until the trainer closed the window and no push or group init is in flight (TimeoutError at
+        the deadline)."""
         async with asyncio.timeout(window.remaining()):
             await window.closed.wait()
             async with window.lock:
@@ -65,7 +86,14 @@ class RefitWindows:
         w = self.current
         if w is None:
             return RefitWindow(open=False)
-        return RefitWindow(open=not w.closed.is_set(), version=w.version, source=w.source, pushes=w.pushes)
+        return RefitWindow(
+            open=not w.closed.is_set(),
+            version=w.version,
+            source=w.source,
+            pushes=w.pushes,
+            group=w.group,
+            group_error=w.group_error,
+        )
 
     def _usable(self, source: RefitSource | None) -> OpenWindow:
         w = self.current
@@ -77,6 +105,10 @@ class RefitWindows:
             raise conflict("RefitWindowFailed", w.error)
         if w.final_pushed:
             raise conflict("FinalPushDone", "the final push (carrying the version) was already forwarded")
+        if w.group == GroupState.PENDING:
+            raise conflict(
+                "Busy", "init_weights_update_group is still waiting for the trainer to join the group"
+            )
         return w
 
     async def _forward(self, w: OpenWindow, last: bool, call: Any) -> PushResult:
@@ -120,18 +152,43 @@ class RefitWindows:
 
         return await self._forward(w, push.last, call)
 
-    async def init_group(self, body: InitWeightsGroup) -> PushResult:
+    def init_group(self, body: InitWeightsGroup) -> RefitWindow:
+        """Start SGLang's init_weights_update_group in the background and answer at once: the call blocks
+        until every rank has joined the trainer's rendezvous (C-REFIT-GROUP-BLOCK), so the trainer must be
+        free to run its own init_process_group meanwhile. While it is pending, pushes and commands are
+        refused Busy, and the watch's scheduler probe is suspended (a control call is in flight)."""
         w = self._usable(RefitSource.DISTRIBUTED)
-        async with w.lock:
+        facts = self._store.facts
+        if facts is not None and facts.dp_size > 1:  # a distributed window is refused first; kept explicit
+            raise conflict(
+                "DataParallelUnsupported", "init_weights_update_group is refused with dp_size > 1"
+            )
+        w.group, w.group_error = GroupState.PENDING, None
+        with self._store.change() as s:
+            s.trainer.weights_group = GroupState.PENDING
+        w.group_task = asyncio.create_task(self._run_group(w, body), name="init-weights-update-group")
+        return self.view()
+
+    async def _run_group(self, w: OpenWindow, body: InitWeightsGroup) -> None:
+        async with w.lock:  # wait_closed waits for this too: no end_weight_update while it blocks
             try:
-                message = await self._client.init_weights_update_group(
-                    body.model_dump(), timeout=max(0.1, w.remaining())
-                )
+                await self._client.init_weights_update_group(body.model_dump(), timeout=self._group_timeout_s)
+                w.group = GroupState.READY
             except SGLangError as e:
-                raise Refused(502, "SGLangRefused", e.message) from e
+                w.group, w.group_error = GroupState.FAILED, e.message
             except SGLangUnreachable as e:
-                raise Refused(502, "SGLangUnreachable", str(e)) from e
-        return PushResult(pushes=w.pushes, message=message)
+                w.group, w.group_error = GroupState.FAILED, str(e)
+            except TimeoutError:
+                w.group = GroupState.FAILED
+                w.group_error = (
+                    f"SGLang did not answer init_weights_update_group in {self._group_timeout_s:g}s"
+                )
+            except asyncio.CancelledError:
+                w.group, w.group_error = GroupState.FAILED, "the agent stopped"
+                raise
+            finally:
+                with self._store.change() as s:
+                    s.trainer.weights_group = w.group
 
     def trainer_close(self, error: str | None) -> RefitWindow:
         w = self.current

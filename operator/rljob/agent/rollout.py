@@ -19,7 +19,6 @@ class RolloutSampler:
         self._sample_s = sample_s
         self._report_s = report_s
         self._report: RolloutReport | None = None  # the report object the sums below belong to
-        self._util_sum = 0.0
         self._tput_sum = 0.0
         self._tput_busy = 0
 
@@ -43,13 +42,12 @@ class RolloutSampler:
             return
         report = self._store.state.rollout
         if report is not self._report:
-            self._report, self._util_sum, self._tput_sum, self._tput_busy = report, 0.0, 0.0, 0
+            self._report, self._tput_sum, self._tput_busy = report, 0.0, 0
         report.samples += 1
         if load["cache_hit_rate"] is not None:
             report.cache_hit_rate = min(1.0, max(0.0, load["cache_hit_rate"]))
-        if load["utilization"] is not None:
-            self._util_sum += max(0.0, load["utilization"])
-            report.utilization = self._util_sum / report.samples
+        # `utilization` is not read: SGLang never sets it (0.0, or -1 in PD prefill; C-METRIC-UTILIZATION,
+        # managers/scheduler_components/metrics_reporter.py:1303-1315@0.5.23).
         tput = load["gen_throughput"]
         if tput is not None and tput > 0:  # average over busy samples: idle tails say nothing
             self._tput_sum += tput

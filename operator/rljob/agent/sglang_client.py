@@ -27,8 +27,13 @@ ADMIN_OPTIONAL_ROUTES = frozenset(
         "/init_weights_update_group",
         "/begin_weight_update",
         "/end_weight_update",
+        "/update_weight_version",  # ADMIN_OPTIONAL from 0.5.15 (http_server.py:1325-1326@0.5.15.post1)
     }
 )
+
+# Calls that never occupy the scheduler's control inbox (tokenizer-only or the probe itself): they do not
+# count as control calls in flight, which is what suspends the scheduler probe (C-DEATH-HARD).
+PASSIVE_OPERATIONS = frozenset({"ping", "model_info", "weight_version", "scheduler_probe", "load"})
 
 
 class SGLangUnreachable(Exception):
@@ -73,6 +78,12 @@ class SGLangClient:
         self._admin_auth = {"Authorization": f"Bearer {admin}"} if admin else {}
         self._session: aiohttp.ClientSession | None = None
         self.quirks: SGLangQuirks | None = None  # set once /server_info answered
+        # Control calls in flight, and how many ever started: a scheduler probe that timed out counts as
+        # a sign of death only if no control call ran during it (a long release or a blocking group init
+        # keeps the scheduler busy, C-REFIT-GROUP-BLOCK).
+        self.control_in_flight = 0
+        self.control_started = 0
+        self._get_load_outstanding = False  # 0.5.6's /get_load hangs once the scheduler is dead
 
     async def start(self) -> None:
         # No connection pool limit: long-polling SGLang routes must not starve the probe or the liveness ping.
@@ -99,6 +110,10 @@ class SGLangClient:
     ) -> tuple[int, Any, str]:
         assert self._session is not None, "start() first"
         started = time.monotonic()
+        control = operation not in PASSIVE_OPERATIONS
+        if control:
+            self.control_in_flight += 1
+            self.control_started += 1
         try:
             async with self._session.request(
                 method,
@@ -115,6 +130,8 @@ class SGLangClient:
         except (aiohttp.ClientConnectionError, ConnectionError) as e:
             raise SGLangUnreachable(f"{operation}: {e.__class__.__name__}: {e}") from e
         finally:
+            if control:
+                self.control_in_flight -= 1
             elapsed = time.monotonic() - started
             self._observe(operation, elapsed)
             add_external(elapsed)
@@ -152,9 +169,22 @@ class SGLangClient:
         return info
 
     async def served_version(self, timeout: float | None = None) -> str:
-        route = self._q().weight_version_route
-        body = await self._ok("weight_version", "GET", route, timeout=timeout)
+        """C-ROUTE-WV-READ: `/model_info` has `weight_version` on every version (http_server.py:497-508
+        @0.5.6, 812-825@0.5.23); the older `/get_weight_version` is a 404 from 0.5.15."""
+        body = await self._ok("weight_version", "GET", "/model_info", timeout=timeout)
+        if not isinstance(body, dict) or "weight_version" not in body:
+            raise SGLangError("weight_version", 200, "no weight_version in /model_info")
         return str(body["weight_version"])
+
+    async def update_weight_version(self, version: str, timeout: float | None = None) -> None:
+        """C-ROUTE-WV-SET: sets the served version without touching weights or taking a lock
+        (http_server.py:896-923@0.5.6). abort_all_requests defaults to true there: always send false."""
+        body = {"new_version": version, "abort_all_requests": False}
+        reply = await self._ok(
+            "update_weight_version", "POST", "/update_weight_version", body=body, timeout=timeout
+        )
+        if not isinstance(reply, dict) or reply.get("success") is not True:
+            raise SGLangError("update_weight_version", 200, _message(reply, str(reply)))
 
     async def ping(self, timeout: float = 5.0) -> int:
         """Liveness only: any HTTP answer means the process is alive (/ping stays 200 while paused)."""
@@ -171,7 +201,10 @@ class SGLangClient:
         await self._ok("continue_generation", "POST", "/continue_generation", body={}, timeout=timeout)
 
     async def flush_cache(self, server_wait_s: float, timeout: float | None = None) -> bool:
-        """True once SGLang flushed (it was idle). `server_wait_s` is sent as ?timeout= where supported."""
+        """True once SGLang flushed (it was idle). `server_wait_s` is sent as ?timeout= where supported;
+        the caller passes 0 when the deferred form cannot succeed (after a retract, C-IDLE-FLUSH-DEFERRED).
+        A 400 is "not idle" on every version, 0.5.6 included, whose 400 carries the success text
+        (http_server.py:659-667@0.5.6)."""
         params = (
             {"timeout": f"{server_wait_s:.3f}"}
             if self._q().flush_takes_timeout and server_wait_s > 0
@@ -259,13 +292,60 @@ class SGLangClient:
         status, _, _ = await self._call("health_generate", "GET", "/health_generate", timeout=timeout)
         return status == 200
 
-    async def load(self, timeout: float = 5.0) -> dict[str, float | None]:
-        """cache_hit_rate, gen_throughput, utilization over the DP ranks; None where the version has none."""
+    async def rank_loads(self, timeout: float | None = None) -> list[tuple[int, int, int]]:
+        """(dp_rank, running, waiting) per DP rank (C-METRIC-LOAD-ROUTE): `/v1/loads?include=core` entries,
+        or 0.5.6's `/get_load` list, whose `num_reqs` is running + waiting
+        (scheduler_metrics_mixin.py:421-426@0.5.6)."""
         route = self._q().load_route
-        body = await self._ok("load", "GET", route, timeout=timeout)
+        params = {"include": "core"} if route == "/v1/loads" else None
+        body = await self._ok("rank_loads", "GET", route, params=params, timeout=timeout)
+        items = body.get("loads") if isinstance(body, dict) else body
+        if not isinstance(items, list) or not items:
+            raise SGLangError("rank_loads", 200, f"{route} returned no per-rank loads")
+        ranks: list[tuple[int, int, int]] = []
+        try:
+            for i, x in enumerate(items):
+                rank = int(x.get("dp_rank", i))
+                waiting = int(x["num_waiting_reqs"])
+                if "num_running_reqs" in x:
+                    running = int(x["num_running_reqs"])
+                else:
+                    running = int(x["num_reqs"]) - waiting
+                ranks.append((rank, running, waiting))
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise SGLangError("rank_loads", 200, f"{route}: unexpected entry: {e}") from e
+        return ranks
+
+    async def scheduler_probe(self, timeout: float) -> bool:
+        """C-DEATH-HARD: one bounded `/get_load`, answered from the scheduler's inbox loop even while paused
+        (scheduler.py:969-974@0.5.6). True: the scheduler answered; TimeoutError: it did not. False: not
+        sent, because a /get_load is still outstanding (once the scheduler is dead they all hang)."""
+        if self._get_load_outstanding:
+            return False
+        self._get_load_outstanding = True
+        try:
+            await self._call("scheduler_probe", "GET", "/get_load", timeout=timeout)
+        finally:
+            self._get_load_outstanding = False
+        return True
+
+    async def load(self, timeout: float = 5.0) -> dict[str, float | None]:
+        """cache_hit_rate (mean) and gen_throughput (sum) over the DP ranks; None where the version has none
+        (0.5.6's /get_load has counts only)."""
+        route = self._q().load_route
+        none: dict[str, float | None] = {"cache_hit_rate": None, "gen_throughput": None}
+        if route == "/get_load":  # scheduler-bound: share the one-outstanding rule with the probe
+            if self._get_load_outstanding:
+                return none
+            self._get_load_outstanding = True
+        try:
+            body = await self._ok("load", "GET", route, timeout=timeout)
+        finally:
+            if route == "/get_load":
+                self._get_load_outstanding = False
         loads = body.get("loads", []) if isinstance(body, dict) else body
         if not isinstance(loads, list) or not loads:
-            return {"cache_hit_rate": None, "gen_throughput": None, "utilization": None}
+            return none
 
         def mean(key: str) -> float | None:
             vals = [float(x[key]) for x in loads if isinstance(x, dict) and x.get(key) is not None]
@@ -275,7 +355,6 @@ class SGLangClient:
         return {
             "cache_hit_rate": mean("cache_hit_rate"),
             "gen_throughput": sum(tput) if tput else None,
-            "utilization": mean("utilization"),
         }
 
     # --- for plugins ---------------------------------------------------------------------------

@@ -23,6 +23,7 @@ class ServerFacts:
     memory_saver: bool
     weights_cpu_backup: bool
     dp_size: int
+    dp_attention: bool = False
 
     @property
     def weight_cache_active(self) -> bool:
@@ -35,7 +36,10 @@ class ServerFacts:
             weight_cache_mode=str(info.get("weight_cache_mode") or "off"),
             memory_saver=bool(info.get("enable_memory_saver", False)),
             weights_cpu_backup=bool(info.get("enable_weights_cpu_backup", False)),
+            # C-REFIT-DP / C-DP-FANOUT: /server_info spreads the resolved ServerArgs (http_server.py:540-557
+            # @0.5.6), so dp_size and enable_dp_attention are there on every version.
             dp_size=int(info.get("dp_size") or 1),
+            dp_attention=bool(info.get("enable_dp_attention", False)),
         )
 
 

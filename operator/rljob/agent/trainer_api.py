@@ -14,6 +14,7 @@ from rljob.agent.state import StateStore
 from rljob.api.agent import (
     AbandonRequest,
     DistributedPush,
+    GroupState,
     InitWeightsGroup,
     PublishRequest,
     RefitClose,
@@ -45,9 +46,12 @@ def build_trainer_app(
         return reply(lease.abandon((await read_body(request, ABANDON)).reason))
 
     async def get_refit(request: web.Request) -> web.Response:
+        """With `wait`: until a window is open and its weight-update group (if any) is no longer Pending."""
         wait = query_number(request, "wait", 0, lo=0, hi=MAX_WAIT_S)
         if wait > 0:
-            await store.wait_until(lambda: windows.view().open, wait)
+            await store.wait_until(
+                lambda: (v := windows.view()).open and v.group != GroupState.PENDING, wait
+            )
         return reply(windows.view())
 
     async def push_tensor(request: web.Request) -> web.Response:
@@ -57,7 +61,7 @@ def build_trainer_app(
         return reply(await windows.push_distributed(await read_body(request, DISTRIBUTED)))
 
     async def init_group(request: web.Request) -> web.Response:
-        return reply(await windows.init_group(await read_body(request, GROUP)))
+        return reply(windows.init_group(await read_body(request, GROUP)), 202)
 
     async def close_window(request: web.Request) -> web.Response:
         return reply(windows.trainer_close((await read_body(request, CLOSE)).error))

@@ -4,17 +4,20 @@ Pure functions of the state: a refusal here means nothing was sent to SGLang."""
 from __future__ import annotations
 
 from rljob.agent.errors import conflict
+from rljob.agent.quirks import SGLangQuirks
 from rljob.agent.state import ServerFacts
 from rljob.api.agent import (
     Action,
     AgentState,
     Command,
+    DrainCommand,
+    GroupState,
     RefitCommand,
     ReleaseCommand,
     ResumeCommand,
     Stage,
 )
-from rljob.api.spec import RefitSource, ReleaseTag
+from rljob.api.spec import DrainMode, RefitSource, ReleaseTag
 
 # Stages each action may start from.
 # Ready is a fresh server whose weights the operator has not verified yet: it may resume (already at the
@@ -41,6 +44,17 @@ def check(cmd: Command, state: AgentState, facts: ServerFacts | None) -> None:
         raise conflict("AgentFailed", f"the pod must be replaced: {state.fatal}")
     if state.stage == Stage.STARTING or facts is None:
         raise conflict("NotReady", "SGLang has not answered /server_info yet")
+    if state.trainer.weights_group == GroupState.PENDING:
+        # C-REFIT-GROUP-BLOCK: init_weights_update_group blocks the scheduler until every rank joined;
+        # any other control call would queue behind it (utils/common.py:1752-1790@0.5.6).
+        raise conflict("Busy", "init_weights_update_group is still waiting for the trainer to join the group")
+    if facts.dp_attention:
+        raise conflict(
+            "DataParallelAttentionUnsupported",
+            "SGLang runs --enable-dp-attention: control messages go to every tp_size-th worker "
+            "(C-DP-FANOUT, data_parallel_controller.py:246-252@0.5.23) and the per-rank idle proof is not "
+            "known to hold there, so the agent does not pause, release or refit it",
+        )
     allowed = ALLOWED_FROM[cmd.action]
     if state.stage not in allowed:
         raise conflict(
@@ -48,7 +62,9 @@ def check(cmd: Command, state: AgentState, facts: ServerFacts | None) -> None:
             f"{cmd.action.value} is not allowed in stage {state.stage.value} "
             f"(only from {', '.join(sorted(s.value for s in allowed))})",
         )
-    if isinstance(cmd, ReleaseCommand):
+    if isinstance(cmd, DrainCommand):
+        _check_drain(cmd, facts)
+    elif isinstance(cmd, ReleaseCommand):
         _check_release(cmd, state, facts)
     elif cmd.action == Action.GRANT and not state.memory.verified:
         raise conflict("NotVerified", "freed GPU memory was not verified on every GPU")
@@ -58,9 +74,22 @@ def check(cmd: Command, state: AgentState, facts: ServerFacts | None) -> None:
         _check_resume(state, facts)
 
 
+def _check_drain(cmd: DrainCommand, facts: ServerFacts) -> None:
+    quirks = SGLangQuirks.detect(facts.version)
+    if cmd.mode == DrainMode.RETRACT and not quirks.release_ignores_waiting_when_retracted:
+        raise conflict(
+            "RetractUnsupported",
+            f"SGLang {facts.version} counts retracted (waiting) requests as work in its flush and release "
+            "checks (C-IDLE-RELEASE, scheduler_components/weight_updater.py:185-187@0.5.15.post1): after a "
+            "retract with requests in flight it never becomes idle, and a release or a flushing refit "
+            "would kill it. Drain with mode abort on 0.5.9-0.5.20.",
+        )
+
+
 def _check_release(cmd: ReleaseCommand, state: AgentState, facts: ServerFacts) -> None:
     if len(set(cmd.tags)) != len(cmd.tags):
-        raise conflict("DuplicateTag", "a tag appears twice: releasing a tag twice kills SGLang")
+        # Harmless to SGLang (a set, C-MEM-DUP-TAG-RELEASE), but a malformed command: say so.
+        raise conflict("DuplicateTag", "a tag appears twice in one release")
     again = [t.value for t in cmd.tags if t in state.released_tags]
     if again:
         raise conflict(

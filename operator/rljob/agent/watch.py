@@ -1,6 +1,7 @@
 """SGLang's presence: detect the version and launch facts at start (stage Starting until /server_info
-answers, then Ready: rollout opens only when the operator resumes), then notice death (connection refused
-after it was up -> stage Failed, `fatal` set)."""
+answers, then Ready: rollout opens only when the operator resumes), then notice death (stage Failed,
+`fatal` set): a refused connection after it was up, and on versions without a subprocess watchdog (0.5.6)
+a scheduler that stopped answering while the HTTP server and its `/ping` live on (C-DEATH-HARD)."""
 
 from __future__ import annotations
 
@@ -15,18 +16,66 @@ from rljob.api.agent import SGLangInfo, Stage
 log = logging.getLogger("rljob.agent")
 
 
+SCHEDULER_PROBE_MISSES = 2  # consecutive unanswered probes, with no control call in flight, mean death
+
+
 class SGLangWatch:
-    def __init__(self, store: StateStore, client: SGLangClient, interval_s: float = 1.0) -> None:
+    def __init__(
+        self, store: StateStore, client: SGLangClient, interval_s: float = 1.0, probe_timeout_s: float = 5.0
+    ) -> None:
         self._store = store
         self._client = client
         self._interval = interval_s
+        self._probe_timeout = probe_timeout_s
+        self._probe_misses = 0
 
     async def run(self) -> None:
         if not await self._detect():
             return
+        quirks = self._client.quirks
+        probe = quirks is not None and not quirks.subprocess_watchdog
         while self._store.state.stage != Stage.FAILED:
             await asyncio.sleep(self._interval)
             await self.confirm_death("liveness check")
+            if probe and not self._failed():
+                await self.probe_scheduler()
+
+    def _failed(self) -> bool:
+        return self._store.state.stage == Stage.FAILED  # a method: mypy narrows the attribute otherwise
+
+    async def probe_scheduler(self) -> None:
+        """C-DEATH-HARD: on 0.5.6 a scheduler that died without a Python exception (a torch_memory_saver
+        `exit(1)`, an OOM kill) leaves `/ping` at 200 (http_server.py:1315-1318@0.5.6) and every
+        scheduler-bound call hanging. `/get_load` is answered from the scheduler's inbox loop even while
+        paused (scheduler.py:969-974@0.5.6), so it is a bounded probe, but only while no control call is
+        in flight: a release, a refit or a group init occupies the scheduler and would time it out."""
+        if self._client.control_in_flight:
+            return
+        started = self._client.control_started
+        try:
+            if await self._client.scheduler_probe(timeout=self._probe_timeout):
+                self._probe_misses = 0  # any HTTP answer: the scheduler replied
+            return
+        except TimeoutError:
+            if self._client.control_in_flight or self._client.control_started != started:
+                return  # a control call overlapped: the scheduler may just have been busy with it
+        except SGLangUnreachable as e:
+            await self.confirm_death(f"scheduler probe: {e}")
+            return
+        self._probe_misses += 1
+        log.warning(
+            "scheduler probe: /get_load did not answer within %gs (%d/%d)",
+            self._probe_timeout,
+            self._probe_misses,
+            SCHEDULER_PROBE_MISSES,
+        )
+        if self._probe_misses >= SCHEDULER_PROBE_MISSES:
+            self._store.fail(
+                f"scheduler dead: /get_load did not answer within {self._probe_timeout:g}s "
+                f"{SCHEDULER_PROBE_MISSES} times in a row with no control call in flight; SGLang "
+                f"{self._client.quirks.version if self._client.quirks else '?'} has no subprocess watchdog, "
+                "so its HTTP server (and /ping) outlive a dead scheduler"
+            )
 
     async def _detect(self) -> bool:
         warned = False

@@ -40,6 +40,14 @@ class Stage(StrEnum):
     FAILED = "Failed"  # SGLang died or a fatal error: the pod must be replaced
 
 
+class GroupState(StrEnum):
+    """The weight-update group a distributed refit window initialises (init_weights_update_group)."""
+
+    PENDING = "Pending"  # SGLang waits in the rendezvous until the trainer (group rank 0) has joined
+    READY = "Ready"
+    FAILED = "Failed"
+
+
 class CommandState(StrEnum):
     RUNNING = "Running"
     SUCCEEDED = "Succeeded"
@@ -101,7 +109,9 @@ class CommandStatus(WireModel):
         "`verify` asks): the job fails instead of restarting the gang.",
     )
     failure_reason: str | None = Field(
-        default=None, max_length=64, description="A typed reason for a permanent failure, e.g. ReleaseShortfall."
+        default=None,
+        max_length=64,
+        description="A typed reason for a permanent failure, e.g. ReleaseShortfall.",
     )
     started_at: float | None = Field(default=None, description="Agent clock, unix seconds.")
     seconds: float | None = Field(
@@ -148,6 +158,11 @@ class TrainerReport(WireModel):
     refit_window_version: WeightVersion | None = Field(
         default=None, description="Set while a tensor/distributed refit window is open for this version."
     )
+    weights_group: GroupState | None = Field(
+        default=None,
+        description="The window's init_weights_update_group: Pending while SGLang waits for the trainer to "
+        "join (every command is refused Busy meanwhile), then Ready or Failed.",
+    )
     error: str | None = Field(
         default=None,
         max_length=1024,
@@ -159,9 +174,19 @@ class RolloutReport(WireModel):
     """Sampled from SGLang's load endpoint during rollout."""
 
     samples: int = Field(default=0, ge=0)
-    cache_hit_rate: float | None = Field(default=None, ge=0, le=1)
+    cache_hit_rate: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="The last sample of SGLang's cache_hit_rate: the hit ratio of its last prefill batch "
+        "(C-METRIC-CACHE-HIT), not a running ratio.",
+    )
     generation_tokens_per_second: float | None = Field(default=None, ge=0)
-    utilization: float | None = Field(default=None, ge=0)
+    utilization: float | None = Field(
+        default=None,
+        ge=0,
+        description="Not reported: SGLang never sets its load utilization (0.0, C-METRIC-UTILIZATION).",
+    )
 
 
 class AgentState(WireModel):
@@ -234,10 +259,20 @@ class RefitWindow(WireModel):
     version: WeightVersion | None = None
     source: RefitSource | None = None
     pushes: int = Field(default=0, ge=0)
+    group: GroupState | None = Field(
+        default=None,
+        description="State of the window's weight-update group, once the trainer asked for one; "
+        "`?wait=` also waits while it is Pending.",
+    )
+    group_error: str | None = Field(default=None, max_length=1024, description="Why the group failed.")
 
 
 class InitWeightsGroup(WireModel):
-    """`POST /v1/trainer/refit/group`: forwarded to SGLang's /init_weights_update_group inside a window."""
+    """`POST /v1/trainer/refit/group`: forwarded to SGLang's /init_weights_update_group inside a
+    distributed window. The agent answers 202 at once and SGLang's call runs in the background: it
+    returns only after the trainer (group rank 0, hosting the rendezvous store at master_address:
+    master_port) has joined, so the trainer calls its own init_process_group next and then waits for
+    `group: Ready` on `GET /v1/trainer/refit?wait=`."""
 
     master_address: str = Field(min_length=1, max_length=256)
     master_port: int = Field(ge=1, le=65535)

@@ -7,6 +7,16 @@ with handoff.train(timeout=3600) as lease:   # asks for the GPU, returns once th
 
 with handoff.refit_window(timeout=600) as window:  # tensor/distributed refit only
     window.push_tensors([...])                     # forwarded to SGLang by the agent
+
+Distributed (NCCL) refit: SGLang's side of the weight-update group joins the trainer's rendezvous, so
+`init_group` only starts it and returns; the trainer then creates its own process group as rank 0 and
+waits for SGLang to be in it:
+
+with handoff.refit_window(timeout=600) as window:
+    window.init_group(addr, port, rank_offset=1, world_size=1 + sglang_tp_size)  # returns at once
+    group = init_process_group(backend="nccl", init_method=f"tcp://{addr}:{port}", rank=0, ...)
+    window.wait_group(timeout=600)                 # SGLang joined (raises if its side failed)
+    window.push_distributed(names, dtypes, shapes) # then broadcast the tensors over `group`
 """
 
 from __future__ import annotations
@@ -55,6 +65,7 @@ class RefitSession:
     source: str
     pushes: int = 0
     _held: tuple[str, dict[str, Any]] | None = field(default=None, repr=False)
+    _group_pending: bool = field(default=False, repr=False)  # init_group sent, SGLang not in the group yet
 
     def push_tensors(self, serialized_named_tensors: list[str], load_format: str | None = None) -> None:
         """One bucket: one serialized payload per TP rank (SGLang's MultiprocessingSerializer, base64)."""
@@ -70,7 +81,10 @@ class RefitSession:
         shapes: list[list[int]],
         group_name: str = "weight_update_group",
     ) -> None:
-        """Metadata of one NCCL broadcast; the trainer sends the tensors itself as group rank 0."""
+        """Metadata of one NCCL broadcast; the trainer sends the tensors itself as group rank 0. Waits for
+        a group started by `init_group` first."""
+        if self._group_pending:
+            self.wait_group()
         body = {"names": names, "dtypes": dtypes, "shapes": shapes, "groupName": group_name}
         self._hold("/v1/trainer/refit/distributed", body)
 
@@ -83,6 +97,9 @@ class RefitSession:
         group_name: str = "weight_update_group",
         backend: str = "nccl",
     ) -> None:
+        """Start SGLang's init_weights_update_group and return at once. SGLang's ranks join the rendezvous
+        that the trainer hosts as group rank 0 at master_address:master_port, so its reply comes only
+        after the trainer's own init_process_group; call that next, then `wait_group`."""
         self._client.call(
             "POST",
             "/v1/trainer/refit/group",
@@ -95,6 +112,26 @@ class RefitSession:
                 "backend": backend,
             },
         )
+        self._group_pending = True
+
+    def wait_group(self, timeout: float | None = None) -> None:
+        """Block until SGLang's side of the group is up; LeaseError if it failed or the window closed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
+            if left <= 0:
+                raise TimeoutError(f"SGLang did not join the weight-update group within {timeout}s")
+            window = self._client.call("GET", "/v1/trainer/refit", query={"wait": f"{max(0.1, left):g}"})
+            if not window.get("open"):
+                self._group_pending = False
+                raise LeaseError("the refit window closed while the weight-update group was pending")
+            group = window.get("group")
+            if group == "Ready":
+                self._group_pending = False
+                return
+            if group == "Failed":
+                self._group_pending = False
+                raise LeaseError(f"SGLang could not join the weight-update group: {window.get('groupError')}")
 
     def _hold(self, path: str, body: dict[str, Any]) -> None:
         self._send_held(last=False)
