@@ -8,6 +8,7 @@ make the e2e tests fail, never skip, unless `RLJOB_SKIP_E2E=1`.
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import uuid
@@ -17,10 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from rljob.testing.cluster import ControlPlaneError, LocalControlPlane, ensure_binaries
+from rljob.testing.harness import ROOT
 from rljob.testing.kubeaccess import KubeApi, Kubectl, create_namespace, delete_namespace, kubectl_env
 from rljob.testing.kubelet import Kubelet, Mapping, default_mapping
+from rljob.testing.pods import SIM_ARGS_ENV
 
 SKIP_E2E = os.environ.get("RLJOB_SKIP_E2E") == "1"
 
@@ -120,3 +124,33 @@ def kubelet_factory(admin_kubeconfig: Path, namespace: str, tmp_path: Path) -> I
 def kubelet(kubelet_factory: KubeletFactory) -> Kubelet:
     """A fake kubelet (2 GPU nodes) for the test's namespace that runs command + args as given."""
     return kubelet_factory()
+
+
+@pytest.fixture(scope="session")
+def rljob_crd(kubectl: Kubectl) -> None:
+    """The project's CRDs, applied (idempotent) and Established."""
+    kubectl("apply", "-f", str(ROOT / "crds"))
+    kubectl("wait", "--for=condition=Established", "crd/rljobs.rljob.io", "--timeout=30s")
+
+
+def simulated_rljob(
+    name: str, replicas: int = 2, iterations: int = 2, train_seconds: float = 0.5, sim_args: str = ""
+) -> dict[str, Any]:
+    """examples/rljob.yaml (one nvidia.com/gpu per pod) renamed, with its own claim and a quick emulator:
+    what a user applies, sized for a test."""
+    manifest = copy.deepcopy(yaml.safe_load((ROOT / "examples/rljob.yaml").read_text()))
+    manifest["metadata"] = {"name": name}
+    spec = manifest["spec"]
+    spec.update(replicas=replicas, iterations=iterations, podsAfterFinished="Keep")
+    spec["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] = f"{name}-weights"
+    sglang, trainer = spec["template"]["spec"]["containers"]
+    emulator = {"name": SIM_ARGS_ENV, "value": f"--tokens-per-second 0 {sim_args}"}
+    sglang["env"] = [*sglang.get("env", []), emulator]
+    trainer["args"] = ["--prompts", "2", "--samples-per-prompt", "2", "--train-seconds", str(train_seconds)]
+    return dict(manifest)
+
+
+@pytest.fixture
+def simulated_rljob_factory() -> Callable[..., dict[str, Any]]:
+    """simulated_rljob(name, replicas=, iterations=, train_seconds=, sim_args=) -> an RLJob manifest."""
+    return simulated_rljob

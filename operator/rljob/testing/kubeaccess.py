@@ -207,16 +207,24 @@ def delete_namespace(api: KubeApi, name: str, wait: float = 0.0) -> None:
         return
     if wait > 0:
 
+        left: list[str] = []
+
         def gone() -> bool:
             try:
-                api.get(f"/api/v1/namespaces/{name}")
+                ns = api.get(f"/api/v1/namespaces/{name}")
             except ApiError as exc:
                 if exc.status == 404:
                     return True
                 raise
+            # The namespace controller says what it still waits for (NamespaceContentRemaining, ...).
+            conditions = ns.get("status", {}).get("conditions") or []
+            left[:] = [c.get("message", "") for c in conditions if c.get("status") == "True"]
             return False
 
-        wait_for(gone, timeout=wait, interval=0.25, what=f"namespace {name} deleted")
+        try:
+            wait_for(gone, timeout=wait, interval=0.25, what=f"namespace {name} deleted")
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}: {'; '.join(left)}") from None
 
 
 def ensure_service_account(api: KubeApi, namespace: str, name: str) -> JsonObj:
@@ -358,9 +366,18 @@ class Kubectl:
         if namespace:
             argv.append(f"--namespace={namespace}")
         argv += args
-        done = subprocess.run(
-            argv, input=input, capture_output=True, text=True, timeout=timeout, env=kubectl_env()
-        )
+        deadline = time.monotonic() + timeout
+        while True:
+            done = subprocess.run(
+                argv, input=input, capture_output=True, text=True, timeout=timeout, env=kubectl_env()
+            )
+            # `kubectl wait --for=condition=...` fails instead of waiting on an object whose status has
+            # `conditions: null`, as a CRD's first revision does (pkg/cmd/wait/condition.go:54 in
+            # k8s.io/kubectl@v0.34.4): a moment later the conditions are there, so ask again.
+            racing = args[:1] == ("wait",) and ".status.conditions accessor error: <nil>" in done.stderr
+            if not racing or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         if check and done.returncode != 0:
             raise AssertionError(f"{' '.join(args)} failed ({done.returncode}):\n{done.stderr}{done.stdout}")
         return done
