@@ -1,10 +1,14 @@
 """Tensor/distributed refits through the agent's refit window, with the trainer SDK: sessions by version,
-the final push carrying the version, and every way a window can fail without leaving SGLang inconsistent."""
+the final push carrying the version, and every way a window can fail without leaving SGLang inconsistent.
+Tensor pushes are real flattened-bucket payloads (rljob.trainer.packing's writer, with a stand-in for the
+CUDA IPC reduction: no torch here), which the emulator's accounting backend reads as SGLang would."""
 
 from __future__ import annotations
 
 import base64
 import hashlib
+import importlib.util
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -13,7 +17,35 @@ import pytest
 from agent_procs import Agent, Conductor, Emulator
 
 from rljob.emulator.rendezvous import Rank0
-from rljob.trainer import AgentError, Handoff
+from rljob.trainer import AgentError, Handoff, packing
+from rljob.trainer.packing import TORCH_SIZE, Call, Global, TensorSpec, plan_buckets
+
+ITEMSIZE = {"bfloat16": 2, "float32": 4}
+
+
+def _ipc_stand_in(nbytes: int) -> Call:
+    """Shaped as reduced_tensor(<1-D uint8 CUDA tensor>) (checked against a real one in tests/unit)."""
+    return Call(
+        Global("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
+        (Global("torch", "Tensor"), Call(TORCH_SIZE, ((nbytes,),)), (1,), 0,
+         Global("torch.storage", "TypedStorage"), Global("torch", "uint8"), "GPU-0", b"h" * 64, nbytes, 0,
+         False, b"/torch_1", 0, b"e" * 64, True),
+    )  # fmt: skip
+
+
+def bucket_payloads(
+    named: list[tuple[str, str, tuple[int, ...]]], bucket_bytes: int = 1 << 20
+) -> list[bytes]:
+    """Flattened-bucket payloads (pickle bytes, one per bucket) for (name, dtype, shape) tensors."""
+    specs = [TensorSpec(n, d, shape, math.prod(shape) * ITEMSIZE[d]) for n, d, shape in named]
+    out = []
+    for plan in plan_buckets(specs, bucket_bytes):
+        entries = [
+            packing.metadata_entry(specs[p.index].name, specs[p.index].shape, plan.dtype, p.start, p.end)
+            for p in plan.placements
+        ]
+        out.append(packing.bucket_payload(_ipc_stand_in(plan.nbytes), entries))
+    return out
 
 
 def _to_trained(c: Conductor, version: str) -> None:
@@ -42,11 +74,14 @@ def test_tensor_window_pushes_in_order_and_last_carries_version(
     _to_trained(c, "1")
     _refit_async(agent, c, version="1", source="tensor")
     handoff = Handoff(agent.trainer_url)
+    named = [("embed", "bfloat16", (256, 64)), ("norm", "float32", (64,)), ("w", "bfloat16", (64, 64))]
+    chunks = bucket_payloads(named, bucket_bytes=40_000)  # embed | w | norm
+    assert len(chunks) == 3
     with handoff.refit_window(timeout=10) as w:
         assert (w.version, w.source) == ("1", "tensor")
         assert agent.state()["trainer"]["refitWindowVersion"] == "1"
-        for chunk in (b"alpha", b"beta", b"gamma"):
-            w.push_tensors([base64.b64encode(chunk).decode()])
+        for chunk in chunks:
+            w.push_tensors([packing.to_wire(chunk)], load_format="flattened_bucket")
         # held back until the next push shows it was not the last: SGLang saw 2 of 3 so far
         assert emu.stats()["calls"]["/update_weights_from_tensor"] == 2
         assert emu.call("GET", "/model_info").body["weight_version"] == "default"
@@ -55,7 +90,8 @@ def test_tensor_window_pushes_in_order_and_last_carries_version(
     st = agent.state()
     assert st["stage"] == "Refitted" and st["trainer"].get("refitWindowVersion") is None
     assert emu.stats()["calls"]["/update_weights_from_tensor"] == 3
-    assert emu.weights()["checksum"] == hashlib.sha256(b"alphabetagamma").hexdigest()
+    assert emu.weights()["checksum"] == hashlib.sha256(b"".join(chunks)).hexdigest()
+    assert emu.weights()["tensors"] == 3
     calls = emu.stats()["calls"]
     session = version != "0.5.15.post1"
     assert calls.get("/begin_weight_update", 0) == calls.get("/end_weight_update", 0) == int(session)
@@ -158,3 +194,60 @@ def test_wrong_source_and_final_push_guards(
     assert _outcome(agent)["state"] == "Succeeded"
     assert agent.state()["sglang"]["servedVersion"] == "1"
     assert agent.state()["releasedTags"] == ["kv_cache"]
+
+
+@pytest.mark.parametrize("version", ["0.5.6", "0.5.15.post1", "0.5.20", "0.5.21", "0.5.23"])
+def test_emulator_reads_flattened_buckets_on_every_version(
+    version: str, start_emulator: Callable[..., Emulator]
+) -> None:
+    emu = start_emulator(version)
+    emu.wait_ready()
+    chunks = bucket_payloads([("a", "bfloat16", (8, 8)), ("b", "bfloat16", (8,)), ("n", "float32", (8,))])
+    session = emu.call("POST", "/begin_weight_update", {}).status == 200  # 404 before 0.5.21
+    for i, chunk in enumerate(chunks):
+        body = {"serialized_named_tensors": [packing.to_wire(chunk)], "load_format": "flattened_bucket"}
+        if i == len(chunks) - 1:
+            body["weight_version"] = "7"
+        r = emu.call("POST", "/update_weights_from_tensor", {**body, "flush_cache": False})
+        assert r.status == 200 and r.body["success"], r.text
+    if session:
+        assert emu.call("POST", "/end_weight_update", {}).status == 200
+    w = emu.weights()
+    assert (w["source"], w["tensors"]) == ("tensor", 3)
+    assert w["checksum"] == hashlib.sha256(b"".join(chunks)).hexdigest()
+
+
+@pytest.mark.emulator_may_die
+def test_a_bucket_sglang_cannot_view_kills_it_and_fails_the_refit(
+    start_emulator: Callable[..., Emulator], start_agent: Callable[..., Agent]
+) -> None:
+    emu = start_emulator("0.5.23")
+    agent = start_agent(emu)
+    c = Conductor(agent)
+    _to_trained(c, "1")
+    _refit_async(agent, c, version="1", source="tensor")
+    # bfloat16 at an odd byte offset: tensor_bucket.py's view(dtype) raises in the scheduler
+    bad = packing.bucket_payload(_ipc_stand_in(8), [packing.metadata_entry("w", (3,), "bfloat16", 1, 7)])
+    handoff = Handoff(agent.trainer_url)
+    with pytest.raises(AgentError) as err, handoff.refit_window(timeout=10) as w:
+        w.push_tensors([packing.to_wire(bad)], load_format="flattened_bucket")
+    assert err.value.status == 502, err.value
+    assert emu.wait_exit(10) != 0
+    log = emu.log_text()
+    assert "Scheduler hit an exception" in log and "storage_offset() must be divisible by 2" in log
+    assert _outcome(agent)["state"] == "Failed"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is not None, reason="torch is installed")
+def test_push_named_tensors_without_torch_says_what_is_missing(
+    start_emulator: Callable[..., Emulator], start_agent: Callable[..., Agent]
+) -> None:
+    emu = start_emulator("0.5.23")
+    agent = start_agent(emu)
+    c = Conductor(agent)
+    _to_trained(c, "1")
+    _refit_async(agent, c, version="1", source="tensor")
+    handoff = Handoff(agent.trainer_url)
+    with pytest.raises(ModuleNotFoundError, match="needs torch"), handoff.refit_window(timeout=10) as w:
+        w.push_named_tensors([("w", object())])
+    assert _outcome(agent)["state"] == "Failed"

@@ -6,7 +6,9 @@ with CPU backup, as SGLang captures graphs). Release is `torch_memory_saver.paus
 is unmapped and NVML sees it come back. Resume is `resume(tag)`: new physical memory at the same addresses,
 so without CPU backup the contents are garbage (weights, contract §3.3) and a refit must follow; a disk
 refit copies the safetensors bytes into the weights region and the checksum the emulator then serves is
-computed over what the GPU holds, read back.
+computed over what the GPU holds, read back. A tensor refit (`tensor_refit.py`) copies each pushed bucket
+from the trainer's memory (CUDA IPC) into the weights region (`write_weights`); its checksum is computed on
+the GPU (`weights_checksum`), when first asked for or at the latest before the region is released.
 
 Every torch_memory_saver call is timed alone (devices synchronised before and after) and logged as one line
 `tms {json}`: the floor the agent's phase times are compared with. A delayed unmap (fault
@@ -18,7 +20,6 @@ torch and torch_memory_saver are imported here only, and this module only for `-
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -114,6 +115,8 @@ class CudaRegionBackend:
         self._unmapped = dict.fromkeys(REGIONS, False)  # what the GPU has: set once pause really ran
         self._pending: dict[str, threading.Thread] = {}
         self._probe: dict[str, str | None] = dict.fromkeys(REGIONS)
+        self._checksums: dict[int, str] = {}  # weights_checksum by byte count, for the current contents
+        self._checksum_due: int | None = None  # tensor pushes wrote this many bytes; not yet checksummed
         self.timings: list[dict[str, Any]] = []
         started = time.perf_counter()
         self._tensors: dict[str, list[Any]] = {
@@ -148,8 +151,15 @@ class CudaRegionBackend:
             self._torch.cuda.synchronize(g)
 
     def _digest(self, region: str, gpu: int = 0) -> str:
+        """Checksum of the region's first PROBE_BYTES, computed on the GPU: a readback and sha256 of them
+        cost ~25 ms inside the resume call the agent times, which SGLang does not spend."""
+        from rljob.emulator.tensor_refit import device_checksum
+
         t = self._tensors[region][gpu]
-        return hashlib.sha256(t[: min(t.numel(), PROBE_BYTES)].cpu().numpy()).hexdigest()
+        return device_checksum([t[: min(t.numel(), PROBE_BYTES)]])
+
+    def log_event(self, op: str, tag: str | None, seconds: float, **fields: Any) -> None:
+        self._event(op, tag, seconds, **fields)
 
     def _event(self, op: str, tag: str | None, seconds: float, **fields: Any) -> None:
         rec = {"op": op, "tag": tag, "seconds": round(seconds, 6), "at": round(time.time(), 6), **fields}
@@ -159,6 +169,8 @@ class CudaRegionBackend:
     # --- RegionBackend ---------------------------------------------------------------------------
 
     def pause(self, region: str, *, unmap_delay_s: float = 0.0) -> None:
+        if region == "weights" and self._checksum_due is not None and not self._unmapped["weights"]:
+            self.weights_checksum(self._checksum_due)  # the evidence must be read while it is there
         with self._lock:
             self._paused[region] = True
             if not self._saved[region] or not self.sizes[region]:
@@ -253,6 +265,8 @@ class CudaRegionBackend:
                 raise WeightsLoadError(f"GPU {g} holds other bytes than GPU 0 after the load")
         readback_s = time.perf_counter() - started
         self._probe["weights"] = self._digest("weights")
+        self._checksums.clear()
+        self._checksum_due = None
         self._event("weights_load", "weights", copy_s, bytes=total, readback_seconds=round(readback_s, 6))
         return self._timed_hash(back.numpy(), [len(b) for b in blobs])
 
@@ -263,3 +277,54 @@ class CudaRegionBackend:
             yield arr[off : off + n]
             off += n
         self._event("weights_hash", "weights", time.perf_counter() - started, bytes=off)
+
+    # --- tensor refits (tensor_refit.py) ---------------------------------------------------------
+
+    def write_weights(self, gpu: int, offset: int, sources: list[Any]) -> int:
+        """Copy the bytes of `sources` (CUDA tensors, e.g. opened from IPC handles) one after the other into
+        GPU `gpu`'s weights region from `offset`; returns the bytes written once the copies finished."""
+        torch = self._torch
+        if self._paused["weights"] or self._unmapped["weights"]:
+            raise WeightsLoadError("the weights region is released")
+        dst = self._tensors["weights"][gpu]
+        total = sum(int(s.numel()) * s.element_size() for s in sources)
+        if offset + total > self.sizes["weights"]:
+            raise WeightsLoadError(
+                f"pushed tensors reach byte {offset + total} of the weights region "
+                f"({self.sizes['weights']} bytes)"
+            )
+        at = offset
+        with torch.cuda.device(gpu):
+            for s in sources:
+                src = s.reshape(-1).view(torch.uint8)  # a copy only for a non-contiguous tensor
+                n = int(src.numel())
+                dst[at : at + n].copy_(src)
+                at += n
+            torch.cuda.synchronize(gpu)
+        if offset < PROBE_BYTES:
+            self._probe["weights"] = None  # known again when the checksum is computed
+        self._checksums.clear()
+        return total
+
+    def checksum_due(self, nbytes: int) -> None:
+        self._checksum_due = nbytes
+
+    def weights_checksum(self, nbytes: int) -> str:
+        """`tensor_refit.device_checksum` of the first `nbytes` of GPU 0's weights region, computed on the
+        GPU (timed, logged as `weights_checksum`); also records the contents probe for the next resume."""
+        from rljob.emulator.tensor_refit import device_checksum
+
+        if nbytes in self._checksums:
+            return self._checksums[nbytes]
+        if self._unmapped["weights"]:
+            raise WeightsLoadError("the weights region is released: its checksum is gone")
+        self._sync()
+        started = time.perf_counter()
+        value = device_checksum([self._tensors["weights"][0][:nbytes]])
+        seconds = time.perf_counter() - started
+        self._checksums[nbytes] = value
+        if self._checksum_due == nbytes:
+            self._checksum_due = None
+        self._probe["weights"] = self._digest("weights")
+        self._event("weights_checksum", "weights", seconds, bytes=nbytes, checksum=value)
+        return value

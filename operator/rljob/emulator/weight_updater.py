@@ -13,6 +13,7 @@ from typing import Any
 
 from rljob.emulator import fatal, rendezvous
 from rljob.emulator.engine import Engine
+from rljob.emulator.tensor_refit import TensorRefit
 from rljob.emulator.weights import LoadedWeights, WeightsLoadError, read_safetensors
 
 Reply = tuple[int, dict[str, Any]]
@@ -38,6 +39,7 @@ class WeightUpdater:
         self.groups: set[str] = set()
         self._push_digest: Any = None  # sha256 over the pushes of the refit in progress
         self._push_tensors = 0
+        self.tensor_pushes = TensorRefit(engine)  # reads (cuda: loads) update_weights_from_tensor pushes
 
     # --- disk ------------------------------------------------------------------------------------
 
@@ -73,7 +75,11 @@ class WeightUpdater:
                 payloads = [base64.b64decode(s, validate=True) for s in body["serialized_named_tensors"]]
             except (binascii.Error, ValueError) as e:
                 return _fail(f"Failed to update weights: cannot deserialize named tensors: {e}")
-            self._absorb("tensor", payloads)
+            failure = self.tensor_pushes.apply(
+                payloads, body.get("load_format"), final=body.get("weight_version") is not None
+            )
+            if failure is not None:
+                return _fail(failure)
             return self._finish(body, "tensor", started, "Succeeded to update parameter online from tensor.")
 
     async def from_distributed(self, body: dict[str, Any]) -> Reply:
@@ -106,6 +112,7 @@ class WeightUpdater:
     def start_new_refit(self) -> None:
         """Called when weights are resumed or a session begins: later pushes make a new checkpoint."""
         self._push_digest = None
+        self.tensor_pushes.reset()
 
     def _finish(self, body: dict[str, Any], source: str, started: float, message: str) -> Reply:
         eng = self.engine

@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rljob.trainer.client import AgentClient, AgentError, AgentUnavailable
+
+if TYPE_CHECKING:
+    from rljob.trainer.packing import BucketBuffers, PushReport
 
 POLL_S = 25.0  # each long-poll; the agent caps waits at 30 s
 
@@ -56,6 +60,14 @@ class Lease:
 
 
 @dataclass
+class _Held:
+    path: str
+    body: dict[str, Any]
+    report: PushReport | None = None
+    keepalive: Any = None  # a bucket buffer: referenced until SGLang answered its push
+
+
+@dataclass
 class RefitSession:
     """A tensor/distributed refit window. The final push must carry the version, so each push is held
     back until the next one (or the end of the window) shows whether it was the last."""
@@ -63,8 +75,9 @@ class RefitSession:
     _client: AgentClient
     version: str
     source: str
+    _buffers: Callable[[], BucketBuffers] | None = field(default=None, repr=False)
     pushes: int = 0
-    _held: tuple[str, dict[str, Any]] | None = field(default=None, repr=False)
+    _held: _Held | None = field(default=None, repr=False)
     _group_pending: bool = field(default=False, repr=False)  # init_group sent, SGLang not in the group yet
 
     def push_tensors(self, serialized_named_tensors: list[str], load_format: str | None = None) -> None:
@@ -72,7 +85,48 @@ class RefitSession:
         body: dict[str, Any] = {"serializedNamedTensors": list(serialized_named_tensors)}
         if load_format is not None:
             body["loadFormat"] = load_format
-        self._hold("/v1/trainer/refit/tensor", body)
+        self._hold(_Held("/v1/trainer/refit/tensor", body))
+
+    def push_named_tensors(
+        self,
+        named_tensors: Iterable[tuple[str, Any]],
+        *,
+        bucket_bytes: int | None = None,
+        tp_size: int = 1,
+    ) -> PushReport:
+        """Push CUDA tensors, e.g. `model.state_dict().items()`: packed into flat buckets of at most
+        `bucket_bytes` (default 1 GiB; one dtype per bucket), one payload per TP rank in the format
+        SGLang's `update_weights_from_tensor` reads (load_format "flattened_bucket"), sent one bucket at a
+        time through the agent, each packed while the previous one is in flight. The buckets are a ring of
+        buffers per device (2 with TP=1, else 3) kept by the Handoff and reused by every later refit
+        (`Handoff.free_refit_buffers()` gives them back). The tensors may be changed or
+        freed once this returns; the last bucket goes out, with the version, when the window closes.
+        Needs torch (imported here only). The returned report's `send_seconds` completes at that point."""
+        from rljob.trainer import packing
+
+        if self._buffers is None:
+            raise LeaseError("this refit session has no bucket buffers (open it with Handoff.refit_window)")
+        if self.source != "tensor":
+            raise LeaseError(f"the open refit window takes {self.source} pushes, not tensors")
+        size = bucket_bytes or packing.DEFAULT_BUCKET_BYTES
+        named, plans = packing.prepare(named_tensors, size, tp_size)
+        buffers, report = self._buffers(), packing.PushReport()
+        # Bucket k is packed and serialized while push k-1 is in flight: the sender thread waits on the
+        # agent and SGLang meanwhile. The ring of buffers makes that safe (packing module docstring).
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rljob-refit-push") as sender:
+            for plan in plans:
+                in_flight = None
+                if self._held is not None:  # another bucket follows: the held push is not the last
+                    held, self._held = self._held, None
+                    in_flight = sender.submit(self._post, held, False)
+                try:
+                    bucket = packing.pack_and_serialize(named, plan, buffers, size, tp_size, report)
+                finally:
+                    if in_flight is not None:
+                        in_flight.result()  # its error first: SGLang's answer says more than ours
+                body = {"serializedNamedTensors": bucket.payloads, "loadFormat": packing.LOAD_FORMAT}
+                self._held = _Held("/v1/trainer/refit/tensor", body, report, bucket.buffer)
+        return report
 
     def push_distributed(
         self,
@@ -86,7 +140,7 @@ class RefitSession:
         if self._group_pending:
             self.wait_group()
         body = {"names": names, "dtypes": dtypes, "shapes": shapes, "groupName": group_name}
-        self._hold("/v1/trainer/refit/distributed", body)
+        self._hold(_Held("/v1/trainer/refit/distributed", body))
 
     def init_group(
         self,
@@ -133,16 +187,22 @@ class RefitSession:
                 self._group_pending = False
                 raise LeaseError(f"SGLang could not join the weight-update group: {window.get('groupError')}")
 
-    def _hold(self, path: str, body: dict[str, Any]) -> None:
+    def _hold(self, held: _Held) -> None:
         self._send_held(last=False)
-        self._held = (path, body)
+        self._held = held
 
     def _send_held(self, *, last: bool) -> None:
-        if self._held is None:
+        held = self._held
+        if held is None:
             return
-        path, body = self._held
         self._held = None
-        self._client.call("POST", path, {**body, "last": last})
+        self._post(held, last)
+
+    def _post(self, held: _Held, last: bool) -> None:
+        started = time.perf_counter()
+        self._client.call("POST", held.path, {**held.body, "last": last})
+        if held.report is not None:
+            held.report.send_seconds.append(time.perf_counter() - started)
         self.pushes += 1
 
     def _finish(self) -> None:
@@ -154,6 +214,23 @@ class RefitSession:
 class Handoff:
     def __init__(self, agent_url: str | None = None) -> None:
         self.client = AgentClient(agent_url)
+        self._bucket_buffers: BucketBuffers | None = None
+
+    def _buffers(self) -> BucketBuffers:
+        if self._bucket_buffers is None:
+            from rljob.trainer.packing import BucketBuffers
+
+            self._bucket_buffers = BucketBuffers()
+        return self._bucket_buffers
+
+    def free_refit_buffers(self) -> int:
+        """Give back the bucket buffers push_named_tensors keeps between refits (the next refit allocates
+        them again, and its handles are new: a cold refit). Returns the bytes freed."""
+        if self._bucket_buffers is None:
+            return 0
+        freed = self._bucket_buffers.nbytes
+        self._bucket_buffers.free()
+        return freed
 
     def state(self, since: int | None = None, wait: float = 0.0) -> dict[str, Any]:
         """The agent's state (camelCase AgentState); long-polls past revision `since` when `wait` > 0."""
@@ -221,7 +298,7 @@ class Handoff:
     def refit_window(self, timeout: float | None = None) -> Iterator[RefitSession]:
         """Wait for the agent to open a tensor/distributed refit window; the final push carries the version
         when the block exits; an exception closes the window with the error (the refit fails)."""
-        session = RefitSession(self.client, *self._wait_window(timeout))
+        session = RefitSession(self.client, *self._wait_window(timeout), _buffers=self._buffers)
         try:
             yield session
             session._finish()

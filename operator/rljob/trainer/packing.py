@@ -1,0 +1,517 @@
+"""Packing a trainer's named tensors into the payloads SGLang's `update_weights_from_tensor` reads with
+`load_format="flattened_bucket"`, and the bucket buffers that are reused from one refit to the next.
+
+One push (one bucket) carries one payload per TP rank; each payload is
+
+    base64(pickle({"flattened_tensor": <1-D uint8 CUDA tensor>,
+                   "metadata": [FlattenedTensorMetadata(name, shape, dtype, start_idx, end_idx, numel)]}))
+
+which is what SGLang's scheduler deserializes (its own rank's entry, `tp_worker.py:194-200@0.5.23`;
+`tp_worker.py:164-172@0.5.6`) with `MultiprocessingSerializer.deserialize` (base64, then a restricted
+unpickler: `utils/common.py:3060-3099,3144-3370@0.5.23`; `utils/common.py:2176-2290@0.5.6`) and hands to
+`_update_weights_from_flattened_bucket` (`model_runner_components/weight_updater.py:343-410@0.5.23`;
+`model_runner.py:1237-1297@0.5.6`), which slices `flattened_tensor[start_idx:end_idx]`, views it as `dtype`
+and reshapes it to `shape` (`weight_sync/tensor_bucket.py:118-134@0.5.23`). `start_idx`, `end_idx` and
+`numel` count bytes of the uint8 buffer (`tensor_bucket.py:54-68@0.5.23`). The CUDA tensor is pickled as
+torch's own CUDA IPC reduction (`torch.multiprocessing.reductions.reduce_tensor`): a handle to the
+allocation, not its bytes, with the device given as its UUID, as SGLang's `monkey_patch_torch_reductions`
+sends it (`utils/patch_torch.py:41-91@0.5.23`): trainer and server containers may number the GPUs
+differently. Every version this project supports (0.5.6 to 0.5.23) reads this format.
+
+Two ways to write it: with `sglang` importable in the trainer, its own `FlattenedTensorMetadata` and
+`MultiprocessingSerializer`; without it, this module writes the same pickle itself (`dumps`: a small
+opcode writer, no torch needed for the envelope, so CI can check the format without torch). The class of
+the metadata must be named `sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata`: both SGLang
+allowlists accept it and the receiver reads its attributes.
+
+Buckets hold one dtype each: a slice of a uint8 buffer can only be viewed as a dtype at an offset that is
+a multiple of its size, and SGLang's own receive path refuses unaligned tensors
+(`tensor_bucket.py:86-105@0.5.23`).
+
+Bucket buffers: a ring per device, allocated once and reused for every bucket of every refit. The same
+allocation gives the same IPC handle, so the server side's per-handle work is the same each time, and no
+memory is allocated or freed while SGLang maps it. Each bucket is packed while the previous push is in
+flight (RefitSession sends from a thread), so the buffer it overwrites must be free while one push is
+still out. With TP=1 a push SGLang answered is done with its buffer (its only rank copied from it and
+dropped the mapping, after a stream sync, before answering): the buffer of the push before the one in
+flight will do, a ring of 2. With TP > 1 rank 0 answers once every rank passed the call's barrier, which
+comes before the other ranks copied and dropped theirs (`scheduler_components/weight_updater.py:232-263
+@0.5.23`); they are done with it only once the next push was answered too: a ring of 3 (`ring_size`).
+
+torch is imported only by the functions that touch tensors (`pack_and_serialize`, `BucketBuffers`).
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import struct
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_BUCKET_BYTES = 1 << 30
+LOAD_FORMAT = "flattened_bucket"
+REBUILD_CUDA_DEVICE_ARG = 6  # index of the device in reduce_tensor's rebuild args (patch_torch.py:64@0.5.23)
+
+# --- planning (no torch) ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What planning needs to know about one named tensor."""
+
+    name: str
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
+    shape: tuple[int, ...]
+    nbytes: int
+    device: str = ""  # buckets never mix devices
+
+
+@dataclass(frozen=True)
+class Placement:
+    index: int  # position of the tensor in the input
+    start: int  # byte offsets in the bucket, end exclusive
+    end: int
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    dtype: str
+    device: str
+    placements: tuple[Placement, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.placements[-1].end if self.placements else 0
+
+
+def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[BucketPlan]:
+    """Buckets of at most `bucket_bytes`, one (device, dtype) each, in first-seen order of (device, dtype)
+    and input order within; a tensor larger than `bucket_bytes` gets a bucket of its own. Offsets are
+    contiguous (no padding), as SGLang's FlattenedTensorBucket lays them out."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, not {bucket_bytes}")
+    if not specs:
+        raise ValueError("no tensors to push: SGLang refuses an empty bucket")
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, s in enumerate(specs):
+        if s.nbytes < 0:
+            raise ValueError(f"tensor {s.name!r} has a negative size")
+        groups.setdefault((s.device, s.dtype), []).append(i)
+    plans: list[BucketPlan] = []
+    for (device, dtype), indices in groups.items():
+        current: list[Placement] = []
+        offset = 0
+        for i in indices:
+            n = specs[i].nbytes
+            if current and offset + n > bucket_bytes:
+                plans.append(BucketPlan(dtype, device, tuple(current)))
+                current, offset = [], 0
+            current.append(Placement(i, offset, offset + n))
+            offset += n
+        plans.append(BucketPlan(dtype, device, tuple(current)))
+    return plans
+
+
+# --- the pickle, written without torch --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Global:
+    """A module-level name as pickle refers to it (GLOBAL opcode): a class, a function, a dtype."""
+
+    module: str
+    name: str
+
+
+@dataclass(frozen=True)
+class Call:
+    """`func(*args)` when unpickled (REDUCE): how torch.Size and rebuilt tensors are pickled."""
+
+    func: Global
+    args: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Instance:
+    """`cls.__new__(cls)` then `__dict__.update(state)` (NEWOBJ + BUILD): how pickle writes a dataclass
+    instance at protocol >= 2."""
+
+    cls: Global
+    state: dict[str, Any]
+
+
+METADATA_CLASS = Global("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
+TORCH_SIZE = Global("torch", "Size")
+
+_PROTO, _STOP, _MARK = b"\x80", b".", b"("
+_NONE, _TRUE, _FALSE = b"N", b"\x88", b"\x89"
+_BININT1, _BININT2, _BININT, _LONG1 = b"K", b"M", b"J", b"\x8a"
+_SHORT_BINUNICODE, _BINUNICODE = b"\x8c", b"X"
+_SHORT_BINBYTES, _BINBYTES = b"C", b"B"
+_EMPTY_TUPLE, _TUPLE, _TUPLE1, _TUPLE2, _TUPLE3 = b")", b"t", b"\x85", b"\x86", b"\x87"
+_EMPTY_LIST, _APPENDS, _EMPTY_DICT, _SETITEMS = b"]", b"e", b"}", b"u"
+_GLOBAL, _REDUCE, _NEWOBJ, _BUILD = b"c", b"R", b"\x81", b"b"
+
+
+def dumps(obj: Any) -> bytes:
+    """Protocol-4 pickle of None, bool, int, str, bytes, tuple, list, dict, Global, Call and Instance,
+    without memo entries (what the standard unpickler and SGLang's SafeUnpickler read)."""
+    out = [_PROTO, b"\x04"]
+    _write(obj, out)
+    out.append(_STOP)
+    return b"".join(out)
+
+
+def _write(obj: Any, out: list[bytes]) -> None:
+    if obj is None:
+        out.append(_NONE)
+    elif obj is True or obj is False:
+        out.append(_TRUE if obj else _FALSE)
+    elif isinstance(obj, int):
+        _write_int(obj, out)
+    elif isinstance(obj, str):
+        raw = obj.encode("utf-8", "surrogatepass")
+        out += (
+            [_SHORT_BINUNICODE, bytes([len(raw)]), raw]
+            if len(raw) < 256
+            else [
+                _BINUNICODE,
+                struct.pack("<I", len(raw)),
+                raw,
+            ]
+        )
+    elif isinstance(obj, bytes):
+        out += (
+            [_SHORT_BINBYTES, bytes([len(obj)]), obj]
+            if len(obj) < 256
+            else [
+                _BINBYTES,
+                struct.pack("<I", len(obj)),
+                obj,
+            ]
+        )
+    elif isinstance(obj, tuple):
+        if len(obj) <= 3:
+            for x in obj:
+                _write(x, out)
+            out.append((_EMPTY_TUPLE, _TUPLE1, _TUPLE2, _TUPLE3)[len(obj)])
+        else:
+            out.append(_MARK)
+            for x in obj:
+                _write(x, out)
+            out.append(_TUPLE)
+    elif isinstance(obj, list):
+        out.append(_EMPTY_LIST)
+        if obj:
+            out.append(_MARK)
+            for x in obj:
+                _write(x, out)
+            out.append(_APPENDS)
+    elif isinstance(obj, dict):
+        out.append(_EMPTY_DICT)
+        if obj:
+            out.append(_MARK)
+            for k, v in obj.items():
+                _write(k, out)
+                _write(v, out)
+            out.append(_SETITEMS)
+    elif isinstance(obj, Global):
+        if "\n" in obj.module or "\n" in obj.name:
+            raise ValueError(f"bad global {obj}")
+        out += [_GLOBAL, obj.module.encode(), b"\n", obj.name.encode(), b"\n"]
+    elif isinstance(obj, Call):
+        _write(obj.func, out)
+        _write(tuple(obj.args), out)
+        out.append(_REDUCE)
+    elif isinstance(obj, Instance):
+        _write(obj.cls, out)
+        out.append(_EMPTY_TUPLE)
+        out.append(_NEWOBJ)
+        _write(dict(obj.state), out)
+        out.append(_BUILD)
+    else:
+        raise TypeError(f"cannot pickle {type(obj).__name__} here")
+
+
+def _write_int(n: int, out: list[bytes]) -> None:
+    if 0 <= n < 0x100:
+        out += [_BININT1, bytes([n])]
+    elif 0 <= n < 0x10000:
+        out += [_BININT2, struct.pack("<H", n)]
+    elif -(1 << 31) <= n < (1 << 31):
+        out += [_BININT, struct.pack("<i", n)]
+    else:
+        raw = n.to_bytes((n.bit_length() + 8) // 8, "little", signed=True)
+        if len(raw) > 255:
+            raise ValueError("integer too large")
+        out += [_LONG1, bytes([len(raw)]), raw]
+
+
+def metadata_entry(name: str, shape: Sequence[int], dtype: str, start: int, end: int) -> Instance:
+    """One FlattenedTensorMetadata (`tensor_bucket.py:7-16@0.5.23`), attributes in its field order."""
+    return Instance(
+        METADATA_CLASS,
+        {
+            "name": name,
+            "shape": Call(TORCH_SIZE, (tuple(int(d) for d in shape),)),
+            "dtype": Global("torch", dtype),
+            "start_idx": start,
+            "end_idx": end,
+            "numel": end - start,  # bytes of the uint8 view, as SGLang's bucket counts them
+        },
+    )
+
+
+def bucket_payload(flattened_tensor: Any, metadata: list[Instance]) -> bytes:
+    """The pickled dict `_update_weights_from_flattened_bucket` reads; `flattened_tensor` is the tensor's
+    reduction (a Call) as `reduced_tensor` returns it."""
+    return dumps({"flattened_tensor": flattened_tensor, "metadata": metadata})
+
+
+def to_wire(payload: bytes) -> str:
+    """Base64, as MultiprocessingSerializer.serialize(output_str=True) and the JSON route expect."""
+    return base64.b64encode(payload).decode("ascii")
+
+
+# --- tensors (torch, imported lazily) ---------------------------------------------------------------
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError as e:
+        raise ModuleNotFoundError(
+            "push_named_tensors needs torch in the trainer (pip install 'rljob-operator[train]')",
+            name="torch",
+        ) from e
+    return torch
+
+
+def dtype_name(dtype: Any) -> str:
+    """torch.bfloat16 -> "bfloat16": the attribute of the torch module pickle refers to."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _reduced_arg(a: Any) -> Any:
+    torch = _torch()
+    if isinstance(a, torch.Size):
+        return Call(TORCH_SIZE, (tuple(int(d) for d in a),))
+    if isinstance(a, torch.dtype):
+        return Global("torch", dtype_name(a))
+    if isinstance(a, type):
+        return Global(a.__module__, a.__qualname__)
+    if a is None or isinstance(a, bool | int | str | bytes):
+        return a
+    if isinstance(a, tuple):
+        return tuple(_reduced_arg(x) for x in a)
+    raise TypeError(f"unexpected {type(a).__name__} in torch's tensor reduction")
+
+
+@functools.cache
+def device_uuid(index: int) -> str:
+    """What SGLang's patched reduction sends instead of the index (`patch_torch.py:85-86@0.5.23`)."""
+    return str(_torch().cuda.get_device_properties(index).uuid)
+
+
+def reduced_tensor(t: Any) -> Call:
+    """torch's ForkingPickler reduction of `t` (for a CUDA tensor: an IPC handle of its allocation, a
+    shared reference count and an event), as a Call; a CUDA device index becomes the device's UUID."""
+    from torch.multiprocessing import reductions
+
+    func, args = reductions.reduce_tensor(t)
+    args = list(args)
+    if func is reductions.rebuild_cuda_tensor and isinstance(args[REBUILD_CUDA_DEVICE_ARG], int):
+        args[REBUILD_CUDA_DEVICE_ARG] = device_uuid(args[REBUILD_CUDA_DEVICE_ARG])
+    return Call(Global(func.__module__, func.__name__), tuple(_reduced_arg(a) for a in args))
+
+
+@functools.cache  # Python does not cache a failed import: it was retried for every bucket
+def _sglang_codec() -> tuple[Any, Callable[[Any], str]] | None:
+    """SGLang's own metadata class and serializer when the trainer has sglang, else None."""
+    try:
+        from sglang.srt.utils import MultiprocessingSerializer  # type: ignore[import-not-found]
+        from sglang.srt.utils.patch_torch import (  # type: ignore[import-not-found]
+            monkey_patch_torch_reductions,
+        )
+        from sglang.srt.weight_sync.tensor_bucket import (  # type: ignore[import-not-found]
+            FlattenedTensorMetadata,
+        )
+    except ImportError:
+        return None
+    monkey_patch_torch_reductions()  # device UUIDs in the IPC reduction, as SGLang-based trainers send
+
+    def serialize(obj: Any) -> str:
+        return str(MultiprocessingSerializer.serialize(obj, output_str=True))
+
+    return FlattenedTensorMetadata, serialize
+
+
+def ring_size(tp_size: int) -> int:
+    """Bucket buffers per device for TP size `tp_size` (module docstring)."""
+    return 2 if tp_size == 1 else 3
+
+
+class BucketBuffers:
+    """The reused bucket buffers: a ring per device (uint8, at least `bucket_bytes` each), allocated on
+    first use and kept until `free()`. They cost `ring_size(tp) x bucket_bytes` of the trainer's GPU memory
+    per device for as long as they are kept: budget it, or free them after each refit (the next one is
+    then cold again)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, int], Any] = {}
+        self._next: dict[str, int] = {}
+        self.allocations = 0
+
+    def next_buffer(self, device: Any, nbytes: int, bucket_bytes: int, ring: int) -> Any:
+        torch = _torch()
+        key = str(device)
+        k = self._next.get(key, 0) % ring
+        self._next[key] = (k + 1) % ring
+        buf = self._buffers.get((key, k))
+        if buf is None or buf.numel() < nbytes:
+            self._buffers.pop((key, k), None)
+            buf = torch.empty(max(nbytes, bucket_bytes), dtype=torch.uint8, device=device)
+            self._buffers[(key, k)] = buf
+            self.allocations += 1
+        return buf
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(b.numel()) for b in self._buffers.values())
+
+    def free(self) -> None:
+        self._buffers.clear()
+        self._next.clear()
+
+
+@dataclass
+class PushReport:
+    """What one `push_named_tensors` did. `send_seconds` fills in as the pushes go out; the last one is
+    sent when the refit window closes (it carries the version)."""
+
+    codec: str = ""  # "sglang" (its own helpers) or "rljob" (this module's writer)
+    buckets: int = 0
+    tensors: int = 0
+    bytes: int = 0
+    order: list[str] = field(default_factory=list)  # names in the byte order the server receives them
+    new_buffers: int = 0  # bucket buffers allocated by this call (0: all reused)
+    pack_seconds: float = 0.0  # copies into the buckets, device synchronized
+    serialize_seconds: float = 0.0  # IPC handles, pickle, base64
+    ipc_share_seconds: float = 0.0  # of serialize_seconds: torch's reduction (handle, event, ref count)
+    send_seconds: list[float] = field(default_factory=list)  # each push's round trip through the agent
+
+
+@dataclass
+class PackedBucket:
+    payloads: list[str]  # one per TP rank
+    buffer: Any  # the bucket's buffer: kept referenced until the push was answered
+    nbytes: int
+
+
+def tensor_specs(named: Sequence[tuple[str, Any]]) -> list[TensorSpec]:
+    specs = []
+    for name, t in named:
+        if not isinstance(name, str):
+            raise TypeError(f"tensor names must be str, not {type(name).__name__}")
+        if getattr(t, "device", None) is None or t.device.type != "cuda":
+            where = getattr(getattr(t, "device", None), "type", type(t).__name__)
+            raise ValueError(
+                f"push_named_tensors sends CUDA IPC handles: {name!r} is on {where}; move it to the GPU "
+                "or serialize it yourself and use push_tensors"
+            )
+        specs.append(
+            TensorSpec(name, dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size(), str(t.device))
+        )
+    return specs
+
+
+def pack_and_serialize(
+    named: Sequence[tuple[str, Any]],
+    plan: BucketPlan,
+    buffers: BucketBuffers,
+    bucket_bytes: int,
+    tp_size: int,
+    report: PushReport,
+) -> PackedBucket:
+    """Copy the bucket's tensors into a reused buffer, wait for the copies, and serialize it once per TP
+    rank (each rank opens and releases its own copy of the handle, as SGLang's Engine does:
+    `entrypoints/engine.py:1743-1760@0.5.23`)."""
+    torch = _torch()
+    started = time.perf_counter()
+    before = buffers.allocations
+    device = named[plan.placements[0].index][1].device
+    buf = buffers.next_buffer(device, plan.nbytes, bucket_bytes, ring_size(tp_size))
+    report.new_buffers += buffers.allocations - before
+    for p in plan.placements:
+        name, t = named[p.index]
+        if p.end > p.start:
+            buf[p.start : p.end].view(t.dtype).view(t.shape).copy_(t)
+        report.order.append(name)
+    flat = buf[: plan.nbytes]
+    # The IPC reduction records an event the receiver waits on; synchronizing as well makes the bucket
+    # complete whatever the receiver does, and the packing time honest.
+    torch.cuda.synchronize(device)
+    packed_at = time.perf_counter()
+    codec = _sglang_codec()
+    if codec is not None:
+        metadata_cls, serialize = codec
+        report.codec = "sglang"
+        metas = [
+            metadata_cls(
+                name=named[p.index][0],
+                shape=named[p.index][1].shape,
+                dtype=named[p.index][1].dtype,
+                start_idx=p.start,
+                end_idx=p.end,
+                numel=p.end - p.start,
+            )
+            for p in plan.placements
+        ]
+        payloads = [serialize({"flattened_tensor": flat, "metadata": metas}) for _ in range(tp_size)]
+    else:
+        report.codec = "rljob"
+        entries = [
+            metadata_entry(named[p.index][0], named[p.index][1].shape, plan.dtype, p.start, p.end)
+            for p in plan.placements
+        ]
+        payloads = []
+        for _ in range(tp_size):
+            shared_at = time.perf_counter()
+            reduction = reduced_tensor(flat)
+            report.ipc_share_seconds += time.perf_counter() - shared_at
+            payloads.append(to_wire(bucket_payload(reduction, entries)))
+    report.pack_seconds += packed_at - started
+    report.serialize_seconds += time.perf_counter() - packed_at
+    report.buckets += 1
+    report.tensors += len(plan.placements)
+    report.bytes += plan.nbytes
+    return PackedBucket(payloads, buf, plan.nbytes)
+
+
+def prepare(
+    named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int, tp_size: int
+) -> tuple[list[tuple[str, Any]], list[BucketPlan]]:
+    """The named tensors as a list and their buckets; checks them (torch first: without it, say so)."""
+    _torch()
+    if tp_size < 1:
+        raise ValueError("tp_size must be at least 1")
+    named = list(named_tensors)
+    return named, plan_buckets(tensor_specs(named), bucket_bytes)
+
+
+def buckets(
+    named_tensors: Iterable[tuple[str, Any]],
+    buffers: BucketBuffers,
+    *,
+    bucket_bytes: int,
+    tp_size: int,
+    report: PushReport,
+) -> Iterable[PackedBucket]:
+    """The packed buckets in push order, one after the other (RefitSession overlaps packing and sending;
+    each bucket yielded here must have been answered before the next but one is packed)."""
+    named, plans = prepare(named_tensors, bucket_bytes, tp_size)
+    for plan in plans:
+        yield pack_and_serialize(named, plan, buffers, bucket_bytes, tp_size, report)
