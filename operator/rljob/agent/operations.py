@@ -6,7 +6,10 @@ unknown: that raises StateLost (the pod must be replaced) rather than guessing."
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from rljob.agent.errors import CommandFailed, PermanentFailure, StateLost
@@ -35,6 +38,7 @@ log = logging.getLogger("rljob.agent")
 RESUME_ORDER = (ReleaseTag.CUDA_GRAPH, ReleaseTag.WEIGHTS, ReleaseTag.KV_CACHE)
 FLUSH_SERVER_WAIT_CAP_S = 30.0
 HEALTH_ATTEMPT_CAP_S = 25.0  # SGLang's own health timeout is 20 s
+VERIFY_FIRST_POLL_S, VERIFY_MAX_POLL_S = 0.002, 0.1
 RELEASE_SHORTFALL = "ReleaseShortfall"
 FREED_STABLE_S = 1.0  # freed memory unchanged this long when verification times out: nothing is coming
 FREED_NOISE_BYTES = 64 << 20  # NVML's used memory moves a little on its own (allocator, context)
@@ -101,8 +105,10 @@ class Operations:
         # How the engine was paused: after a retract the waiting queue holds the retracted requests, which
         # decides the flush form and the per-rank idle proof (C-IDLE-FLUSH-DEFERRED, C-IDLE-RELEASE).
         self.pause_mode: DrainMode | None = None
+        self._probe_warmed: asyncio.Task[None] | None = None
 
     async def execute(self, cmd: Command) -> None:
+        self._warm_probe()
         if isinstance(cmd, DrainCommand):
             await self.drain(cmd)
         elif isinstance(cmd, ReleaseCommand):
@@ -198,9 +204,19 @@ class Operations:
     async def release(self, cmd: ReleaseCommand) -> None:
         unique = list(dict.fromkeys(cmd.tags))  # duplicates are harmless (C-MEM-DUP-TAG-RELEASE); send once
         tags = [t.value for t in unique]
-        # Re-check idleness right before the call: release asserts it, and failing kills SGLang.
-        await self._idle_barrier(Deadline(cmd.verify.timeout_seconds), "release")
-        before = await self._sample()
+        # Re-check idleness right before the call: release asserts it, and failing kills SGLang. The
+        # memory before is sampled meanwhile: a flush frees no GPU memory (the KV pool is static), and the
+        # probe's first call (NVML init) then costs the release nothing.
+        t0 = time.perf_counter()
+        sampling = asyncio.create_task(self._sample())
+        try:
+            await self._idle_barrier(Deadline(cmd.verify.timeout_seconds), "release")
+        except BaseException:
+            sampling.cancel()
+            raise
+        t1 = time.perf_counter()
+        before = await sampling
+        t2 = time.perf_counter()
         with self.store.change() as s:
             s.memory = MemoryReport(used_before_bytes=sum(g.used_bytes for g in before), gpus=len(before))
         try:
@@ -212,11 +228,26 @@ class Operations:
             ) from e
         except SGLangError as e:
             raise CommandFailed(str(e)) from e  # refused in the tokenizer: nothing was released
+        t3 = time.perf_counter()
         with self.store.change() as s:
             s.released_tags = [*s.released_tags, *unique]
-        await self._verify_freed(before, cmd.verify, tags)
+        samples = await self._verify_freed(before, cmd.verify, tags)
         with self.store.change() as s:
             s.stage = Stage.RELEASED
+        spent = {"barrier": t1 - t0, "before_sample_wait": t2 - t1, "release_call": t3 - t2}
+        spent["verify"] = time.perf_counter() - t3
+        timing = {f"{k}_s": round(v, 6) for k, v in spent.items()}
+        log.info("release timing %s", json.dumps({**timing, "verify_samples": samples}))
+
+    def _warm_probe(self) -> None:
+        """The probe's first call initialises its library (NVML: 15 ms on an H200 host): do it in the
+        background at the first command, not inside the first release. Errors show at a release's sample."""
+        if self._probe_warmed is None:
+            self._probe_warmed = asyncio.create_task(self._quiet_sample(), name="warm-gpu-probe")
+
+    async def _quiet_sample(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.probe.sample()
 
     async def _sample(self) -> list[GpuMemory]:
         try:
@@ -229,7 +260,7 @@ class Operations:
             raise CommandFailed("GPU probe sees no GPU")
         return gpus
 
-    async def _verify_freed(self, before: list[GpuMemory], verify: ReleaseVerify, tags: list[str]) -> None:
+    async def _verify_freed(self, before: list[GpuMemory], verify: ReleaseVerify, tags: list[str]) -> int:
         """Every GPU must free max(min_freed_bytes, fraction x used_before): release returns when rank 0
         is done, other ranks (and delayed unmaps) may still hold memory (slime#579, miles#86). A shortfall
         that stopped moving is permanent (PermanentFailure, ReleaseShortfall): a restart frees no more."""
@@ -240,9 +271,12 @@ class Operations:
             i: max(verify.min_freed_bytes, int(verify.min_freed_fraction * u)) for i, u in used_before.items()
         }
         history = FreedHistory()
-        pause = 0.02
+        # NVML shows an unmap within a millisecond: poll tightly at first (a release that returned with
+        # its memory freed costs one sample), then back off for slow ranks and delayed unmaps.
+        pause, samples = VERIFY_FIRST_POLL_S, 0
         while True:
             after = await self._sample()
+            samples += 1
             freed = {g.index: used_before.get(g.index, 0) - g.used_bytes for g in after}
             if set(freed) != set(need):
                 raise CommandFailed(f"GPU set changed during release: {sorted(need)} -> {sorted(freed)}")
@@ -251,7 +285,7 @@ class Operations:
             if ok or dl.remaining() <= 0:
                 break
             await asyncio.sleep(min(pause, dl.remaining()))
-            pause = min(pause * 2, 0.5)
+            pause = min(pause * 2, VERIFY_MAX_POLL_S)
         for i, f in freed.items():
             self.metrics.freed_bytes.labels(str(i)).set(max(0, f))
         with self.store.change() as s:
@@ -269,6 +303,7 @@ class Operations:
                     f"end of {verify.timeout_seconds}s (choose more release.tags or lower release.verify)",
                 )
             raise CommandFailed(f"release not verified within {verify.timeout_seconds}s: {short}")
+        return samples
 
     # --- resume helpers --------------------------------------------------------------------------
 
