@@ -817,6 +817,7 @@ def test_c_dp_fanout_and_c_dp_flush_first(dp: Emulator, version: str) -> None:
         assert [(x["dp_rank"], x["num_running_reqs"]) for x in loads] == [(0, 0), (1, 1)]
         assert [x["dp_rank"] for x in dp.call("GET", "/v1/loads?dp_rank=1").body["loads"]] == [1]
     assert len(dp.call("GET", "/server_info").body["internal_states"]) == 2
+    assert dp.call("GET", "/metrics").status == 404  # C-METRIC-PROM: only with --enable-metrics
     assert dp.call("POST", "/flush_cache").status == 200
 
 

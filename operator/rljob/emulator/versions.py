@@ -191,6 +191,7 @@ class VersionProfile:
 
     @property
     def has_weight_versions_spans(self) -> bool:
+        # …/utils/weight_versions.py@0.5.20 (absent@0.5.15.post1); spans end exclusive: :63-106@0.5.23
         return self._at_least(19)
 
     # --- health and death (C-HEALTH-*, C-DEATH-*) -----------------------------------------------
