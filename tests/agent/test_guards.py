@@ -48,9 +48,11 @@ def test_double_release_after_failed_verification_is_refused(
     agent = start_agent(emu)
     c = Conductor(agent)
     c.ok("drain")
-    # Verification asks for more than the GPU holds: SGLang released, the agent refuses to grant.
+    # Verification asks for more than the GPU holds: SGLang released, the agent refuses to grant. The
+    # freed amount stopped moving, so the failure is permanent (ReleaseShortfall), not retryable.
     failed = c.failed("release", tags=["kv_cache"], verify={"minFreedBytes": 2**49, "timeoutSeconds": 1})
-    assert "not verified" in failed["error"]
+    assert "cannot free what verify asks" in failed["error"]
+    assert failed["permanent"] is True and failed["failureReason"] == "ReleaseShortfall"
     st = agent.state()
     assert st["stage"] == "Drained" and st["releasedTags"] == ["kv_cache"] and not st["memory"]["verified"]
     c.refused("grant", "IllegalTransition", _emulator_url=emu.url)
