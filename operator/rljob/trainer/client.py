@@ -81,7 +81,7 @@ class AgentClient:
     ) -> tuple[int, bytes]:
         local = self._local
         conn: http.client.HTTPConnection | None = getattr(local, "conn", None)
-        fresh = conn is None or not reuse or time.monotonic() - local.used_at > IDLE_REOPEN_S
+        fresh = conn is None or not reuse or time.monotonic() - getattr(local, "used_at", 0.0) > IDLE_REOPEN_S
         if fresh:
             if conn is not None:
                 conn.close()
