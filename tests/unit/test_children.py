@@ -112,7 +112,8 @@ def test_the_longest_job_name_gives_valid_children_at_the_largest_index() -> Non
     assert all(len(v) <= 63 and label_value.match(v) for v in secret["metadata"]["labels"].values())
     service = headless_service(name, "u", demo_spec())
     assert len(service["metadata"]["name"]) <= 63 and re.match(DNS_1035_LABEL, service["metadata"]["name"])
-    pod = gang_pod(name, "u", demo_spec(), MAX_REPLICAS - 1, 0, AgentOptions(), None)
+    largest = demo_spec().model_copy(update={"replicas": MAX_REPLICAS})
+    pod = gang_pod(name, "u", largest, MAX_REPLICAS - 1, 0, AgentOptions(), None)
     hostname = pod["spec"]["hostname"]
     assert hostname == pod["metadata"]["name"] and len(hostname) == 63 and re.match(DNS_LABEL, hostname)
     assert all(len(v) <= 63 and label_value.match(v) for v in pod["metadata"]["labels"].values())

@@ -173,6 +173,14 @@ class Rollout(WireModel):
     container: str = Field(default="sglang", pattern=DNS_LABEL, max_length=63)
     port: int = Field(default=30000, ge=1, le=65535)
     drain: Drain = Field(default_factory=Drain)
+    pods_per_instance: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_REPLICAS,
+        description="Pods one SGLang instance spans (its --nnodes). Pod i is node rank i % podsPerInstance "
+        "of instance i // podsPerInstance; only node rank 0 serves SGLang's HTTP API. replicas must be a "
+        "multiple of it.",
+    )
 
 
 class ReleaseVerify(WireModel):
@@ -208,6 +216,19 @@ class Release(WireModel):
 
 class Trainer(WireModel):
     container: str = Field(default="trainer", pattern=DNS_LABEL, max_length=63)
+    processes_per_pod: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Trainer processes per pod (torchrun --nproc-per-node). With 1, the operator also sets "
+        "WORLD_SIZE, RANK and LOCAL_RANK; with more, torchrun sets them from the PET_* variables.",
+    )
+    master_port: int = Field(
+        default=29500,
+        ge=1,
+        le=65535,
+        description="Port of the trainer world's rendezvous (MASTER_PORT) on pod 0.",
+    )
 
 
 class Refit(WireModel):
@@ -239,6 +260,22 @@ class Agent(WireModel):
     port: int = Field(default=8471, ge=1, le=65535)
 
 
+REPLICAS_MULTIPLE_MESSAGE = (
+    "replicas must be a multiple of rollout.podsPerInstance: every SGLang instance spans that many pods"
+)
+TENSOR_ACROSS_PODS_MESSAGE = (
+    "refit.source tensor needs rollout.podsPerInstance 1: CUDA IPC handles cannot be opened on another "
+    "node (use disk or distributed)"
+)
+MASTER_PORT_MESSAGE = (
+    f"trainer.masterPort must differ from agent.port, rollout.port and {AGENT_TRAINER_PORT} (the agent's "
+    "trainer port): they share the pod's network"
+)
+SHARE_PROCESS_NAMESPACE_MESSAGE = (
+    "template.spec.shareProcessNamespace must not be false with refit.source tensor: CUDA IPC handles "
+    "cannot be opened from another PID namespace"
+)
+
 # Cross-field rules, enforced by the API server (CEL) and by RLJobSpec's validator alike.
 SPEC_RULES = [
     cel(
@@ -260,6 +297,21 @@ SPEC_RULES = [
         f"self.rollout.port != {AGENT_TRAINER_PORT}",
         f"rollout.port {AGENT_TRAINER_PORT} is the agent's trainer port in the same pod",
         ".rollout.port",
+    ),
+    cel(
+        "self.replicas % self.rollout.podsPerInstance == 0",
+        REPLICAS_MULTIPLE_MESSAGE,
+        ".rollout.podsPerInstance",
+    ),
+    cel(
+        "self.refit.source != 'tensor' || self.rollout.podsPerInstance == 1",
+        TENSOR_ACROSS_PODS_MESSAGE,
+        ".refit.source",
+    ),
+    cel(
+        f"!(self.trainer.masterPort in [self.agent.port, self.rollout.port, {AGENT_TRAINER_PORT}])",
+        MASTER_PORT_MESSAGE,
+        ".trainer.masterPort",
     ),
     cel(
         "!has(oldSelf.iterations) || (has(self.iterations) && self.iterations >= oldSelf.iterations)",
@@ -308,6 +360,16 @@ class RLJobSpec(WireModel):
                 raise ValueError(f"{role}.container {name!r} is not a container of template.spec.containers")
         if self.rollout.port == AGENT_TRAINER_PORT:
             raise ValueError(f"rollout.port {AGENT_TRAINER_PORT} is the agent's trainer port in the same pod")
+        # Each message names its field, as the CEL rule's fieldPath does.
+        if self.replicas % self.rollout.pods_per_instance:
+            raise ValueError(f"rollout.podsPerInstance: {REPLICAS_MULTIPLE_MESSAGE}")
+        tensor = self.refit.source == RefitSource.TENSOR
+        if tensor and self.rollout.pods_per_instance != 1:
+            raise ValueError(f"refit.source: {TENSOR_ACROSS_PODS_MESSAGE}")
+        if self.trainer.master_port in (self.agent.port, self.rollout.port, AGENT_TRAINER_PORT):
+            raise ValueError(f"trainer.masterPort: {MASTER_PORT_MESSAGE}")
+        if tensor and (self.template.spec.model_extra or {}).get("shareProcessNamespace") is False:
+            raise ValueError(f"template.spec.shareProcessNamespace: {SHARE_PROCESS_NAMESPACE_MESSAGE}")
         return self
 
 

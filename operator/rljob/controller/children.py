@@ -14,7 +14,8 @@ from typing import Any
 from rljob.api.crd import GROUP, KIND, VERSION
 
 # The names injected into every pod are reserved in the spec (api/spec.py refuses them in a template).
-from rljob.api.spec import AGENT_CONTAINER, AGENT_TRAINER_PORT, TOKEN_VOLUME, RLJobSpec
+from rljob.api.spec import AGENT_CONTAINER, AGENT_TRAINER_PORT, TOKEN_VOLUME, RefitSource, RLJobSpec
+from rljob.controller.topology import Topology
 
 LABEL_JOB = "rljob.io/job"
 LABEL_INDEX = "rljob.io/index"
@@ -93,6 +94,26 @@ def headless_service(job: str, uid: str, spec: RLJobSpec) -> dict[str, Any]:
 
 def _env(name: str, value: str) -> dict[str, Any]:
     return {"name": name, "value": value}
+
+
+NAMESPACE_ENV = "RLJOB_NAMESPACE"
+
+
+def topology(job: str, spec: RLJobSpec) -> Topology:
+    """The gang's layout. The stable names carry `$(RLJOB_NAMESPACE)`, which the kubelet expands from the
+    variable injected before them (a dependent env var), so the pods need no namespace at build time."""
+    return Topology(
+        job,
+        f"$({NAMESPACE_ENV})",
+        spec.replicas,
+        pods_per_instance=spec.rollout.pods_per_instance,
+        trainer_processes_per_pod=spec.trainer.processes_per_pod,
+        master_port=spec.trainer.master_port,
+    )
+
+
+def _env_list(values: Mapping[str, str]) -> list[dict[str, Any]]:
+    return [_env(k, v) for k, v in values.items()]
 
 
 def _with_env(container: dict[str, Any], env: list[dict[str, Any]]) -> None:
@@ -178,10 +199,16 @@ def gang_pod(
     meta = copy.deepcopy(template.get("metadata") or {})
     pod_spec: dict[str, Any] = copy.deepcopy(template["spec"])
     labels = {**meta.get("labels", {}), **job_labels(job), LABEL_INDEX: str(index), LABEL_GANG: str(gang)}
+    layout = topology(job, spec)
     common_env = [
+        {"name": NAMESPACE_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         _env("RLJOB_JOB_NAME", job),
         _env("RLJOB_POD_INDEX", str(index)),
         _env("RLJOB_REPLICAS", str(spec.replicas)),
+        # Where the pod stands in its SGLang instance, for every container: one SGLang command line for
+        # every pod, e.g. --nnodes $(RLJOB_NODES_PER_INSTANCE) --node-rank $(RLJOB_NODE_RANK)
+        # --dist-init-addr $(RLJOB_INSTANCE_LEADER):5000. The agent takes its role from it.
+        *_env_list(layout.instance_env(index)),
     ]
     for container in pod_spec["containers"]:
         if container["name"] == spec.trainer.container:
@@ -189,6 +216,7 @@ def gang_pod(
                 container,
                 [
                     *common_env,
+                    *_env_list(layout.trainer_env(index)),
                     _env("RLJOB_AGENT_URL", f"http://127.0.0.1:{TRAINER_PORT}"),
                     _env("RLJOB_SGLANG_URL", f"http://127.0.0.1:{spec.rollout.port}"),
                     _env("RLJOB_REFIT_SOURCE", spec.refit.source.value),
@@ -198,12 +226,22 @@ def gang_pod(
         elif container["name"] == spec.rollout.container:
             _with_env(container, common_env)
             container["livenessProbe"] = sglang_liveness(spec)
+        else:
+            _with_env(container, common_env)
     agent = agent_container(spec, options)
+    _with_env(agent, common_env)
     rollout = next(c for c in pod_spec["containers"] if c["name"] == spec.rollout.container)
     claims = (rollout.get("resources") or {}).get("claims")
     if claims:
         # DRA: containers of a pod can share a ResourceClaim, so NVML in the agent sees SGLang's GPUs.
         agent["resources"]["claims"] = copy.deepcopy(claims)
+    if spec.refit.source == RefitSource.TENSOR:
+        # CUDA IPC: the trainer opens handles into SGLang's allocations, which needs one PID namespace
+        # (legacy IPC handles cannot be opened from another, NVIDIA/nccl#360) and the same GPUs.
+        pod_spec["shareProcessNamespace"] = True
+        trainer = next(c for c in pod_spec["containers"] if c["name"] == spec.trainer.container)
+        if claims and not (trainer.get("resources") or {}).get("claims"):
+            trainer.setdefault("resources", {})["claims"] = copy.deepcopy(claims)
     _quantities_as_strings(pod_spec)
     pod_spec["containers"].append(agent)
     pod_spec.setdefault("volumes", []).append(
