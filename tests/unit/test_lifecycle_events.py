@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 from lifecycle_world import World, make_spec
@@ -92,3 +93,17 @@ def test_a_whole_run_posts_each_phase_change_once() -> None:
     assert counts[EventReason.COMPLETED] == 1
     assert counts[EventReason.PODS_CREATED] == 1
     assert all(e.type == EventType.NORMAL for d in world.decisions for e in d.events)
+
+
+def test_agent_refusals_become_one_warning_event_each_through_the_decision() -> None:
+    """The conductor hands each refusal to exactly one decision (controller/conductor.py); decide turns it
+    into a CommandRefused Warning, and a round without new refusals posts none."""
+    world = World(make_spec(iterations=3))
+    world.bring_up()
+    obs = dataclasses.replace(world.observe(), refusals=(("job-1", "Busy: a refit window is open"),))
+    refused = world.step(obs)
+    warnings = [e for e in refused.events if e.reason == EventReason.COMMAND_REFUSED]
+    assert [(e.type, e.message) for e in warnings] == [
+        (EventType.WARNING, "job-1: Busy: a refit window is open")
+    ]
+    assert all(e.reason != EventReason.COMMAND_REFUSED for e in world.step().events)
