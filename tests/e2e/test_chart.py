@@ -50,6 +50,9 @@ OPERATOR_RIGHTS = frozenset(
     + [("", "secrets", v) for v in ("get", "create", "delete")]
     + [("", "services", v) for v in ("create", "delete")]
     + [("", "events", "create")]
+    # Kueue: the Workloads of queued RLJobs (operator/rljob/controller/queueing.py).
+    + [("kueue.x-k8s.io", "workloads", v) for v in ("get", "list", "watch", "create", "patch", "delete")]
+    + [("kueue.x-k8s.io", "workloads/status", "patch")]
 )
 # kopf's read-only cluster observation (rbac.scanning, on by default): CRDs always, namespaces when the
 # operator is given namespaces. Without them kopf retries each forbidden call for ~1 min at start.

@@ -3,15 +3,22 @@ Kueue runs and admits by quota, all pods of a workload at once or none."""
 
 from __future__ import annotations
 
+import copy
 import re
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
+from rljob.controller import queueing
 from rljob.testing import kueue as kq
-from rljob.testing.kubeaccess import KubeApi, wait_for
+from rljob.testing.harness import ROOT, OperatorProcess, get_rljob, wait_rljob
+from rljob.testing.kubeaccess import KubeApi, Kubectl, wait_for
+from rljob.testing.pods import SIM_ARGS_ENV, rljob_mapping
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -106,3 +113,226 @@ def test_kueue_admits_whole_workloads_by_gpu_quota(
     assert waiting is not None and waiting["status"] == "False"
     assert f"insufficient unused quota for {kq.GPU}" in waiting["message"], waiting
     assert "admission" not in loser["status"]
+
+
+# --- RLJobs under Kueue ------------------------------------------------------------------------------
+EXAMPLE = yaml.safe_load((ROOT / "examples/rljob.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def rljob_crd(kubectl: Kubectl) -> None:
+    kubectl("apply", "-f", str(ROOT / "crds"))
+    kubectl("wait", "--for=condition=Established", "crd/rljobs.rljob.io", "--timeout=30s")
+
+
+@dataclass
+class Queued:
+    """The operator, a fake kubelet and Kueue, for one test namespace."""
+
+    api: KubeApi
+    kubectl: Kubectl
+    namespace: str
+    operator: OperatorProcess
+    scratch: Path  # the fake kubelet's scratch root
+
+    def get(self, name: str) -> dict[str, Any]:
+        return get_rljob(self.api, self.namespace, name)
+
+    def wait(
+        self, name: str, probe: Callable[[dict[str, Any]], bool], what: str, timeout: float = 120
+    ) -> dict[str, Any]:
+        return wait_rljob(
+            self.api, self.namespace, name, probe, timeout, what, on_timeout=self.operator.log_tail
+        )
+
+    def pods(self, name: str) -> list[dict[str, Any]]:
+        got = self.api.get(f"/api/v1/namespaces/{self.namespace}/pods", labelSelector=f"rljob.io/job={name}")
+        return list(got["items"])
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        got = self.api.get(
+            f"/api/v1/namespaces/{self.namespace}/events", fieldSelector=f"involvedObject.name={name}"
+        )
+        return sorted(got["items"], key=lambda e: e.get("firstTimestamp") or "")
+
+    def agent_log(self, pod: str, uid: str) -> str:
+        """What the agent of that pod logged (the fake kubelet keeps its containers' logs)."""
+        logs = list((self.scratch / self.namespace).glob(f"{pod}-{uid[:8]}/logs/rljob-agent.log"))
+        assert len(logs) == 1, logs
+        return logs[0].read_text(errors="replace")
+
+    def workload(self, name: str) -> dict[str, Any]:
+        workload = queueing.workload_name(name, self.get(name)["metadata"]["uid"])
+        return self.api.get(f"/apis/{kq.API_VERSION}/namespaces/{self.namespace}/workloads/{workload}")
+
+
+@pytest.fixture
+def queued(
+    kueue: kq.LocalKueue,
+    admin_kubeconfig: Path,
+    kube_api: KubeApi,
+    kubectl: Kubectl,
+    namespace: str,
+    kubelet_factory: Any,
+    rljob_crd: None,
+    tmp_path: Path,
+) -> Iterator[Queued]:
+    kubelet_factory(mapping=rljob_mapping(), scratch_root=tmp_path / "kubelet")
+    operator = OperatorProcess(admin_kubeconfig, [namespace], tmp_path / "operator.log").start()
+    try:
+        yield Queued(kube_api, kubectl, namespace, operator, tmp_path / "kubelet")
+    finally:
+        operator.stop()
+
+
+def rljob(
+    name: str, *, replicas: int = 2, iterations: int = 2, prompts: int = 4, sim_args: str = ""
+) -> dict[str, Any]:
+    manifest = copy.deepcopy(EXAMPLE)
+    manifest["metadata"] = {"name": name, "labels": {queueing.QUEUE_LABEL: "lq"}}
+    spec = manifest["spec"]
+    spec.update(replicas=replicas, iterations=iterations)
+    spec["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] = f"{name}-weights"
+    sglang, trainer = spec["template"]["spec"]["containers"]
+    sglang["env"] = [
+        *sglang.get("env", []),
+        {"name": SIM_ARGS_ENV, "value": f"--tokens-per-second 0 {sim_args}"},
+    ]
+    trainer["args"] = ["--prompts", str(prompts), "--samples-per-prompt", "2", "--train-seconds", "0.5"]
+    return manifest
+
+
+def phase_of(obj: dict[str, Any]) -> str:
+    return str(obj.get("status", {}).get("phase", "Pending"))
+
+
+def queued_condition(obj: dict[str, Any]) -> dict[str, Any] | None:
+    return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == "Queued"), None)
+
+
+def versions(obj: dict[str, Any]) -> list[str]:
+    return [w["version"] for w in obj["status"].get("weightHistory", [])]
+
+
+@pytest.mark.e2e
+def test_two_rljobs_over_the_gpu_quota_run_one_after_the_other(queued: Queued, kube_api: KubeApi) -> None:
+    """3 GPUs of quota, two RLJobs of 2 pods x 1 GPU: the second waits with no pod and a Queued condition
+    naming its Workload while the first runs to Succeeded, then runs itself."""
+    queues(kube_api, queued.namespace, gpus=3)
+    queued.kubectl.apply(rljob("first"), namespace=queued.namespace)
+    queued.wait(
+        "first",
+        lambda o: phase_of(o) not in ("Pending", "Suspending", "Suspended"),
+        "first admitted and started",
+    )
+    queued.kubectl.apply(rljob("second"), namespace=queued.namespace)
+    # Kueue's own reason reaches the condition once Kueue has tried to admit it.
+    waiting = queued.wait(
+        "second",
+        lambda o: (
+            phase_of(o) == "Suspended" and "insufficient" in (queued_condition(o) or {}).get("message", "")
+        ),
+        "second queued with Kueue's reason",
+    )
+    cond = queued_condition(waiting)
+    assert cond is not None and cond["status"] == "True" and cond["reason"] == "WaitingForQuota", cond
+    workload = queued.workload("second")["metadata"]["name"]
+    assert f"Workload {workload} in LocalQueue lq" in cond["message"], cond
+    assert f"insufficient unused quota for {kq.GPU}" in cond["message"], cond
+    assert waiting["status"]["reason"] == "WaitingForQuota" and queued.pods("second") == []
+    # While the first runs, the second never has a pod.
+    while phase_of(first := queued.get("first")) != "Succeeded":
+        assert queued.pods("second") == []
+        assert phase_of(first) != "Failed", first["status"]
+        time.sleep(0.3)
+    done = queued.wait("second", lambda o: phase_of(o) == "Succeeded", "second Succeeded", timeout=150)
+    assert done["status"]["weightVersion"] == "2" and versions(done) == ["0", "1", "2"]
+    assert kq.is_true(queued.workload("first"), "Finished")  # set once its pods were gone: quota released
+    cond = queued_condition(done)
+    assert cond is not None and cond["status"] == "False" and cond["reason"] == "Admitted", cond
+
+
+def urgent_job(namespace: str, priority_class: str) -> dict[str, Any]:
+    """A batch Job that Kueue's own batch/job integration admits: 1 GPU at high priority. Created
+    suspended, as Kueue's Job webhook (not registered here) would make it."""
+    container = {"name": "work", "image": "busybox", "command": ["sleep", "3"]}
+    container["resources"] = {"limits": {kq.GPU: "1"}}
+    labels = {queueing.QUEUE_LABEL: "lq", "kueue.x-k8s.io/priority-class": priority_class}
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": "urgent", "namespace": namespace, "labels": labels},
+        "spec": {
+            "suspend": True,
+            "backoffLimit": 0,
+            "template": {"spec": {"restartPolicy": "Never", "containers": [container]}},
+        },
+    }
+
+
+@pytest.mark.e2e
+def test_preempted_in_rollout_drains_keeps_its_weights_and_finishes_after_readmission(
+    queued: Queued, kube_api: KubeApi
+) -> None:
+    """2 GPUs of quota, an RLJob of 2 pods in Rollout; a high-priority batch Job asks for 1 GPU: Kueue
+    preempts the RLJob, which drains (Suspending: every agent drains) before its pods go and keeps its
+    committed weights; the Job runs; the RLJob is admitted again and finishes with a continuous weight
+    history."""
+    ns = queued.namespace
+    queues(kube_api, ns, gpus=2)
+    kq.apply(kube_api, kq.workload_priority_class("rljob-e2e-high", 1000))
+    queued.kubectl.apply(
+        rljob("low", iterations=3, prompts=20, sim_args="--tokens-per-second 100"), namespace=ns
+    )
+    queued.wait(
+        "low",
+        lambda o: o.get("status", {}).get("iteration", 0) >= 2 and phase_of(o) == "Rollout",
+        "in rollout of iteration 2",
+    )
+    gang = {p["metadata"]["name"]: p["metadata"]["uid"] for p in queued.pods("low")}
+    kube_api.post(f"/apis/batch/v1/namespaces/{ns}/jobs", urgent_job(ns, "rljob-e2e-high"))
+
+    stopped = queued.wait("low", lambda o: phase_of(o) == "Suspended", "preempted and suspended", timeout=60)
+    status = stopped["status"]
+    kept = status["weightVersion"]
+    assert kept in ("1", "2"), status  # an iteration that was committing when Kueue evicted commits first
+    assert [w["version"] for w in status["weightHistory"]][-1] == kept
+    phases = [s["phase"] for s in status["timeline"]]
+    assert "Suspending" in phases and phases.index("Suspending") > phases.index("Rollout"), phases
+    assert status["reason"] in ("Evicted", "WaitingForQuota"), status
+    evicted = [e for e in queued.events("low") if e["reason"] == "Evicted"]
+    assert evicted and "(Preempted)" in evicted[0]["message"], evicted
+    assert queued.pods("low") == []
+    # Every agent of the gang drained at the Suspending epoch, and only then was its pod stopped.
+    for name, uid in gang.items():
+        log = queued.agent_log(name, uid)
+        drained = log.find(f"command drain epoch={status['epoch']} succeeded")
+        assert 0 <= drained < log.find("rljob-agent stopping"), log[-2000:]
+
+    # The Job Kueue admitted in the RLJob's place runs to completion (Kueue's own batch/job integration:
+    # its Workload is named by the scheme queueing.workload_name follows).
+    job = kube_api.get(f"/apis/batch/v1/namespaces/{ns}/jobs/urgent")
+    job_workload = queueing.workload_name("urgent", job["metadata"]["uid"], kind="Job", group="batch")
+    job_workload_path = f"/apis/{kq.API_VERSION}/namespaces/{ns}/workloads/{job_workload}"
+    wait_for(
+        lambda: kq.is_true(kube_api.get(job_workload_path), "Admitted"),
+        timeout=30,
+        what=f"the Job's Workload {job_workload} admitted once the RLJob gave its quota back",
+    )
+
+    def job_done() -> bool:
+        job = kube_api.get(f"/apis/batch/v1/namespaces/{ns}/jobs/urgent")
+        conditions = job.get("status", {}).get("conditions", [])
+        return any(c["type"] == "Complete" and c["status"] == "True" for c in conditions)
+
+    wait_for(job_done, timeout=60, what="the urgent Job completes")
+    done = queued.wait(
+        "low", lambda o: phase_of(o) == "Succeeded", "Succeeded after readmission", timeout=150
+    )
+    assert done["status"]["weightVersion"] == "3"
+    assert versions(done) == ["0", "1", "2", "3"]  # continuous: resumed from the kept version
+    assert done["status"]["restarts"] == 0  # an eviction is not a failure
+    messages = [e["message"] for e in queued.events("low")]
+    assert any(f"loading committed weights {kept}" in m for m in messages), messages
+    workload = queued.workload("low")
+    assert (kq.condition(workload, "Requeued") or {}).get("reason") == "Preempted", workload["status"]

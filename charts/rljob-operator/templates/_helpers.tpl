@@ -87,7 +87,7 @@ app.kubernetes.io/part-of: rljob
 {{- end }}
 
 {{/* The rules both the Role and the ClusterRole grant: exactly the calls the operator makes
-     (operator/rljob/controller/kube.py, plus kopf's own watches and patches). */}}
+     (operator/rljob/controller/kube.py and queueing.py, plus kopf's own watches and patches). */}}
 {{- define "rljob-operator.rules" -}}
 # RLJobs: kopf lists and watches them, patches its annotations and finalizer onto them; the conductor
 # reads them via the watch, and deletes a finished job when ttlSecondsAfterFinished expires.
@@ -121,4 +121,14 @@ app.kubernetes.io/part-of: rljob
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+# Kueue (operator/rljob/controller/queueing.py), for RLJobs labelled kueue.x-k8s.io/queue-name: each
+# such job's Workload is created (and deleted, to queue again after it finished), read, watched to follow
+# admission and eviction, and its spec (active, queueName) merge-patched. Harmless without Kueue.
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# Its status: the quota given back after an eviction, Finished when the job ends (merge patches).
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads/status"]
+  verbs: ["patch"]
 {{- end }}

@@ -43,6 +43,7 @@ class ConditionType(StrEnum):
     SUSPENDED = "Suspended"
     COMPLETE = "Complete"
     FAILED = "Failed"
+    QUEUED = "Queued"  # only for jobs that name a queue (Kueue): True while it holds the gang back
 
 
 class ConditionStatus(StrEnum):

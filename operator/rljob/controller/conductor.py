@@ -28,9 +28,10 @@ from rljob.controller.children import (
 )
 from rljob.controller.kube import ChildRefused, Kube
 from rljob.controller.observe import pod_ip, pod_observation
+from rljob.controller.queueing import AdmissionView, JobQueue, Workloads, queue_name, workload_manifest
 from rljob.controller.status_writer import StatusWriter
 from rljob.lifecycle.machine import decide
-from rljob.lifecycle.model import Decision, EventReason, Observation
+from rljob.lifecycle.model import Admission, Decision, EventReason, Observation
 
 log = logging.getLogger(__name__)
 TICK_SECONDS = 2.0  # time-based decisions (deadlines) need a heartbeat; everything else wakes us
@@ -64,6 +65,7 @@ class Conductor:
         body: Mapping[str, Any],
         options: ConductorOptions,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        workloads: Workloads | None = None,
     ) -> None:
         meta = body["metadata"]
         self.kube = kube
@@ -80,6 +82,20 @@ class Conductor:
         self._parsed: _Parsed | None = None
         self._children_ready = False  # the token Secret and the Service exist
         self._accepted: set[tuple[str, str, int]] = set()  # (pod uid, action, epoch) an agent took
+        self._workloads = workloads
+        self._queue: JobQueue | None = None  # the job's Kueue Workload, once it names a queue
+        self._pods_left = 0  # pods seen by the last round, before its deletions
+
+    def job_queue(self) -> JobQueue:
+        if self._queue is None:
+            workloads = self._workloads or Workloads(self.kube.api)
+            self._queue = JobQueue(workloads, self.namespace, self.name, self.uid)
+        return self._queue
+
+    def workload_seen(self, workload: Mapping[str, Any], deleted: bool = False) -> None:
+        """A watch event for this job's Kueue Workload (controller/handlers.py)."""
+        self.job_queue().seen(workload, deleted)
+        self.poke()
 
     def poke(self) -> None:
         self.wake.set()
@@ -133,6 +149,7 @@ class Conductor:
                     except ChildRefused as refused:  # what a dry run could not foresee
                         parsed.refused(refused)
                         continue
+                    await self._settle_workload(decision.status)
                     if decision.delete_job:
                         await self.kube.delete_job(self.namespace, self.name)
                         return
@@ -159,14 +176,43 @@ class Conductor:
             # A report counts only for the pod it came from: a recreated pod has a new uid.
             fresh = watch is not None and watch.endpoint.uid == pod["metadata"]["uid"]
             states[pod["metadata"]["name"]] = watch.latest if fresh and watch else None
+        self._pods_left = len(pods)
+        queued = await self._admission(parsed, status)
         obs = Observation(
             now=self.clock(),
             pods=tuple(pod_observation(p) for p in pods),
             agents=states,
             generation=self.body.get("metadata", {}).get("generation"),
             spec_error=parsed.error,
+            admission=queued.admission,
+            admission_message=queued.message,
         )
         return decide(parsed.spec, status, obs)
+
+    async def _admission(self, parsed: _Parsed, status: RLJobStatus) -> AdmissionView:
+        """Kueue's word on the job (controller/queueing.py), creating its Workload when it has none."""
+        queue = queue_name(self.body)
+        if queue is None:
+            return AdmissionView(Admission.NOT_QUEUED)
+        spec = parsed.spec if parsed.error is None else None
+
+        def manifest() -> dict[str, Any]:
+            assert spec is not None and queue is not None
+            pod = self._pod(spec, 0, status.restarts)
+            return workload_manifest(
+                self.name, self.uid, self.namespace, queue, spec.replicas, pod, active=not spec.suspend
+            )
+
+        return await self.job_queue().admission(queue, manifest if spec else None, status.phase.terminal)
+
+    async def _settle_workload(self, status: RLJobStatus) -> None:
+        """Tell Kueue what the job did this round: quota given back after an eviction, finished."""
+        queue = queue_name(self.body)
+        if queue is None or self._queue is None:
+            return
+        spec = self._parsed.spec if self._parsed is not None else None
+        suspend = spec is not None and spec.suspend
+        await self._queue.settle(queue, status.phase, status.message or "", suspend, self._pods_left)
 
     def _sync_watches(self, agents: AgentClient, spec: RLJobSpec | None, pods: list[dict[str, Any]]) -> None:
         """One watch per running agent; none while the spec is invalid (the job is failing)."""

@@ -9,6 +9,7 @@ from typing import Any
 import kopf
 
 from rljob.api.crd import GROUP, PLURAL, VERSION
+from rljob.controller import queueing
 from rljob.controller.children import LABEL_JOB, token_secret_name
 from rljob.controller.conductor import Conductor, ConductorOptions
 from rljob.controller.kube import Kube
@@ -58,6 +59,15 @@ def job_changed(namespace: str, name: str, **_: Any) -> None:
     conductor = CONDUCTORS.get((namespace, name))
     if conductor is not None:
         conductor.poke()
+
+
+@kopf.on.event(queueing.GROUP, queueing.VERSION, queueing.PLURAL, labels={LABEL_JOB: kopf.PRESENT})
+def workload_changed(namespace: str, labels: kopf.Labels, event: kopf.RawEvent, **_: Any) -> None:
+    """Kueue admitted, evicted or requeued a job's Workload: its conductor looks at once. Where Kueue is
+    not installed kopf finds no such resource and watches nothing."""
+    conductor = CONDUCTORS.get((namespace, labels.get(LABEL_JOB, "")))
+    if conductor is not None:
+        conductor.workload_seen(event["object"], deleted=event.get("type") == "DELETED")
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, retries=5, backoff=2.0)

@@ -29,10 +29,10 @@ import asyncio
 import copy
 import hashlib
 import json
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import datetime
-from enum import StrEnum
+from datetime import UTC, datetime
 from typing import Any
 
 from kubernetes import client
@@ -40,8 +40,10 @@ from kubernetes.client.exceptions import ApiException
 
 from rljob.api.crd import GROUP as RLJOB_GROUP
 from rljob.api.crd import KIND as RLJOB_KIND
+from rljob.api.status import Phase
 from rljob.controller.children import LABEL_JOB, owner_reference
 from rljob.controller.metrics import API_CALLS
+from rljob.lifecycle.model import Admission
 
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"  # what Kueue's job framework labels its Workloads with
@@ -61,15 +63,6 @@ REQUEUED = "Requeued"
 FINISHED = "Finished"
 # Eviction reasons after which Kueue's job framework marks the workload Requeued=True (reconciler.go:590).
 REQUEUED_REASONS = ("Preempted", "NodeFailures")
-
-
-class Admission(StrEnum):
-    """What Kueue says about the job's quota (the lifecycle's input)."""
-
-    NOT_QUEUED = "NotQueued"  # no queue label: Kueue is not involved
-    PENDING = "Pending"  # queued, no quota (yet, or again)
-    ADMITTED = "Admitted"
-    EVICTED = "Evicted"  # quota being taken back: stop, then the reservation is released
 
 
 @dataclass(frozen=True)
@@ -305,3 +298,98 @@ class Workloads:
             raise
         patched: dict[str, Any] = json.loads(result.data)
         return patched
+
+
+def _resource_version(workload: Mapping[str, Any] | None) -> int:
+    try:
+        return int((workload or {}).get("metadata", {}).get("resourceVersion") or 0)
+    except ValueError:
+        return 0
+
+
+class JobQueue:
+    """One RLJob's Workload as its conductor follows it: created when the job is queued, kept current
+    from the watch (`seen`) with a re-read now and then, and told what the job did (`settle`)."""
+
+    REREAD_SECONDS = 10.0  # a missed watch event costs at most this much delay
+
+    def __init__(
+        self,
+        workloads: Workloads,
+        namespace: str,
+        job: str,
+        uid: str,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.workloads = workloads
+        self.namespace = namespace
+        self.job = job
+        self.uid = uid
+        self.name = workload_name(job, uid)
+        self.clock = clock
+        self.workload: dict[str, Any] | None = None
+        self._read_at: float | None = None  # None: never read (or a write lost a race): read first
+
+    def seen(self, workload: Mapping[str, Any] | None, deleted: bool = False) -> None:
+        """A watch event for this job's Workload."""
+        if workload is None or (workload.get("metadata") or {}).get("name") != self.name:
+            return
+        if deleted:
+            if self.workload is not None and self.workload["metadata"].get("uid") == workload["metadata"].get(
+                "uid"
+            ):
+                self.workload = None
+            return
+        if _resource_version(workload) >= _resource_version(self.workload):
+            self.workload = dict(workload)
+            self._read_at = self.clock()
+
+    def _store(self, workload: dict[str, Any] | None) -> None:
+        if workload is None:  # a conflict or a 404: what we hold is stale
+            self._read_at = None
+        else:
+            self.workload = workload
+            self._read_at = self.clock()
+
+    async def admission(
+        self, queue: str | None, manifest: Callable[[], dict[str, Any]] | None, finished: bool
+    ) -> AdmissionView:
+        """The admission the lifecycle sees this round. Creates the Workload of a queued job that has
+        none (`manifest`: its Workload; None while the spec is invalid), except for a finished job."""
+        if queue is None:
+            return AdmissionView(Admission.NOT_QUEUED)
+        now = self.clock()
+        if self._read_at is None or now - self._read_at > self.REREAD_SECONDS:
+            self.workload, self._read_at = await self.workloads.get(self.namespace, self.name), now
+        if self.workload is None and manifest is not None and not finished:
+            try:
+                created = await self.workloads.create(manifest())
+                self._store(created or await self.workloads.get(self.namespace, self.name))
+            except ApiException as err:  # Kueue not installed (404), no RBAC (403), refused (422)
+                why = f"cannot create Workload {self.name}: HTTP {err.status} {err.reason}"
+                return AdmissionView(Admission.PENDING, self.name, f"queued in LocalQueue {queue}: {why}")
+        return admission_of(queue, self.workload)
+
+    async def settle(
+        self, queue: str | None, phase: Phase, message: str, suspend: bool, pods_left: int
+    ) -> None:
+        """After the round's effects: spec.active follows suspend; with no pod left, a Suspended job gives
+        back quota Kueue evicted and a finished job finishes its Workload; a job that continues after its
+        Workload finished (iterations raised) gets a new one next round."""
+        wl = self.workload
+        if queue is None or wl is None:
+            return
+        patch = spec_patch(wl, queue, active=not suspend)
+        if patch is not None:
+            self._store(await self.workloads.patch(self.namespace, self.name, patch, status=False))
+            return  # settle the status from the patched object next round
+        status: dict[str, Any] | None = None
+        if pods_left == 0 and phase == Phase.SUSPENDED:
+            status = release_patch(wl, datetime.now(UTC))
+        elif pods_left == 0 and phase.terminal:
+            status = finish_patch(wl, phase == Phase.SUCCEEDED, message, _stamp(datetime.now(UTC)))
+        if status is not None:
+            self._store(await self.workloads.patch(self.namespace, self.name, status, status=True))
+        elif is_true(wl, FINISHED) and not phase.terminal:
+            await self.workloads.delete(self.namespace, self.name)
+            self.workload, self._read_at = None, self.clock()

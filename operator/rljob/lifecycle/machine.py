@@ -40,6 +40,7 @@ from rljob.lifecycle import timeline
 from rljob.lifecycle.clock import parse, seconds_between, stamp
 from rljob.lifecycle.conditions import refresh_phase_conditions, set_condition
 from rljob.lifecycle.model import (
+    Admission,
     Decision,
     Event,
     EventReason,
@@ -114,6 +115,31 @@ class _Step:
             if agent is not None and (agent.fatal or agent.stage == Stage.FAILED):
                 return f"pod {pod.name}: {agent.fatal or 'agent reports Failed'}"
         return None
+
+    # --- the queue --------------------------------------------------------------------------------
+
+    def held(self) -> bool:
+        """A queue holds the job back: no quota yet, or it takes the quota back. No pod may be created;
+        running pods drain and go (at the next rollout: the iteration in flight commits first)."""
+        return self.obs.admission in (Admission.PENDING, Admission.EVICTED)
+
+    def queue_reason(self) -> tuple[EventReason, str]:
+        evicted = self.obs.admission == Admission.EVICTED
+        reason = EventReason.EVICTED if evicted else EventReason.WAITING_FOR_QUOTA
+        return reason, self.obs.admission_message or (
+            "evicted by its queue" if evicted else "waiting for quota"
+        )
+
+    def stop_for_queue(self) -> bool:
+        """Held by the queue: stop (Suspending drains the gang first). True when it did."""
+        if not self.held():
+            return False
+        reason, message = self.queue_reason()
+        if self.obs.pods:
+            self.enter(Phase.SUSPENDING, reason, message)
+        else:  # nothing to drain: straight to Suspended, without a Suspending span in the timeline
+            self.enter(Phase.SUSPENDED, reason, message)
+        return True
 
     # --- status helpers ---------------------------------------------------------------------------
 
@@ -350,9 +376,12 @@ def _delete_gang_then_suspend(step: _Step, agents: list[AgentState]) -> None:
     """Suspending drained (or gave up draining): delete the gang; Suspended once no pod is left."""
     asked = [p for p in step.obs.pods if not p.deleting]
     if step.delete_all_pods():
-        step.enter(
-            Phase.SUSPENDED, EventReason.SUSPENDED, f"suspended at weights {step.status.weight_version}"
-        )
+        at = f"suspended at weights {step.status.weight_version}"
+        if step.held() and not step.spec.suspend:
+            reason, message = step.queue_reason()
+            step.enter(Phase.SUSPENDED, reason, f"{at}; {message}")
+        else:
+            step.enter(Phase.SUSPENDED, EventReason.SUSPENDED, at)
     elif asked:  # pods already terminating were announced when they were asked to go
         step.event(EventReason.PODS_DELETED, "deleting the gang to suspend")
 
@@ -495,6 +524,8 @@ def _pending(step: _Step) -> None:
     if step.spec.suspend:
         step.enter(Phase.SUSPENDING, EventReason.SUSPENDED, "suspend requested before start")
         return
+    if step.stop_for_queue():
+        return
     if _restart_gang_if_timed_out(step, step.spec.phase_timeout_seconds.initializing):
         return
     gang = step.gang()
@@ -514,6 +545,8 @@ def _pending(step: _Step) -> None:
 def _initializing(step: _Step) -> None:
     if step.spec.suspend:
         step.enter(Phase.SUSPENDING, EventReason.SUSPENDED, "suspend requested")
+        return
+    if step.stop_for_queue():
         return
     lost = step.lost_member()
     if lost:
@@ -566,6 +599,8 @@ def _rollout(step: _Step) -> None:
     if step.spec.suspend:
         step.enter(Phase.SUSPENDING, EventReason.SUSPENDED, "suspend requested during rollout")
         return
+    if step.stop_for_queue():
+        return
     if _restart_gang_if_timed_out(step, step.spec.phase_timeout_seconds.rollout):
         return
     epoch = step.status.epoch
@@ -579,10 +614,22 @@ def _rollout(step: _Step) -> None:
 
 
 def _suspended(step: _Step) -> None:
-    if step.delete_all_pods() and not step.spec.suspend:
-        step.enter(
-            Phase.PENDING, EventReason.RESUMED, f"resuming at committed weights {step.committed().version}"
-        )
+    gone = step.delete_all_pods()
+    st = step.status
+    if step.spec.suspend:
+        return
+    if step.held():
+        # Waiting in the queue: status says what the queue says now, without an event per change of words.
+        reason, message = step.queue_reason()
+        st.reason, st.message = reason.value, message[:MAX_MESSAGE]
+        return
+    if not gone:
+        return
+    resume = f"resuming at committed weights {step.committed().version}"
+    if st.reason in (EventReason.WAITING_FOR_QUOTA, EventReason.EVICTED):
+        step.enter(Phase.PENDING, EventReason.ADMITTED, f"{step.obs.admission_message}: {resume}")
+    else:
+        step.enter(Phase.PENDING, EventReason.RESUMED, resume)
 
 
 def _recovering(step: _Step) -> None:
@@ -652,6 +699,11 @@ def decide(spec: RLJobSpec | None, status: RLJobStatus, obs: Observation) -> Dec
         if (st.phase, st.epoch) != entered and row is not None:
             _send_and_collect(step, row)  # a new lock-step phase sends its commands in the same decision
     refresh_phase_conditions(st, step.now)
+    if obs.admission != Admission.NOT_QUEUED and not st.phase.terminal:
+        reason, message = (
+            step.queue_reason() if step.held() else (EventReason.ADMITTED, obs.admission_message)
+        )
+        set_condition(st, ConditionType.QUEUED, step.held(), reason.value, message, step.now)
     return step.freeze()
 
 

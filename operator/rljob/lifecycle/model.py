@@ -28,6 +28,15 @@ class PodObservation:
         return self.phase == "Running" and not self.deleting and self.broken is None
 
 
+class Admission(StrEnum):
+    """What a queue (Kueue) says about the quota of the whole gang."""
+
+    NOT_QUEUED = "NotQueued"  # the job names no queue: nothing holds it back
+    PENDING = "Pending"  # queued without quota: no pod of it may exist
+    ADMITTED = "Admitted"  # the quota of every pod is reserved: the gang may run
+    EVICTED = "Evicted"  # the quota is being taken back (preemption, a stopped queue): stop, then queue again
+
+
 @dataclass(frozen=True)
 class Observation:
     """Everything the machine may look at. `agents` maps pod name -> the latest state that pod's agent
@@ -40,6 +49,10 @@ class Observation:
     # The spec the API server accepted but the models refuse, or a child object the API server refused:
     # "field.path: message". decide() then fails the job (reason InvalidSpec); spec may be None.
     spec_error: str | None = None
+    # The queue's word on the job's quota, and what to tell the user about it (the Workload, its queue and
+    # the queue's own reason): status.message and the Queued condition carry it.
+    admission: Admission = Admission.NOT_QUEUED
+    admission_message: str = ""
 
 
 class EventType(StrEnum):
@@ -70,6 +83,9 @@ class EventReason(StrEnum):
     ITERATIONS_RAISED = "IterationsRaised"  # spec.iterations raised after Succeeded: the job continues
     INVALID_SPEC = "InvalidSpec"
     RELEASE_SHORTFALL = "ReleaseShortfall"  # the released tags can never free what release.verify asks
+    WAITING_FOR_QUOTA = "WaitingForQuota"  # queued: no pod until the queue admits the whole gang
+    EVICTED = "Evicted"  # the queue takes the quota back: the gang drains and goes, the job queues again
+    ADMITTED = "Admitted"  # the queue admitted the whole gang
 
 
 @dataclass(frozen=True)
