@@ -11,7 +11,7 @@ import copy
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-from rljob.agent import transitions
+from rljob.agent import follower, transitions
 from rljob.agent.errors import Refused
 from rljob.agent.state import ServerFacts
 from rljob.api.agent import (
@@ -22,6 +22,7 @@ from rljob.api.agent import (
     MemoryReport,
     RefitCommand,
     ReleaseCommand,
+    ResumeCommand,
     RolloutReport,
     SGLangInfo,
     Stage,
@@ -48,7 +49,10 @@ def make_spec(**overrides: object) -> RLJobSpec:
 
 @dataclass
 class FakeAgent:
-    served_version: str
+    """A follower (node_rank > 0) follows agent/follower.py: its own guards, no SGLang to read a version
+    from (it reports what the refit and resume commands say the leader serves)."""
+
+    served_version: str | None
     weight_cache_mode: str = "off"
     stage: Stage = Stage.READY
     epoch: int = 0
@@ -68,12 +72,14 @@ class FakeAgent:
     revision: int = 1
     refusals: list[str] = field(default_factory=list)
     release_calls: list[tuple[str, ...]] = field(default_factory=list)
+    node_rank: int = 0
 
     def report(self) -> AgentState:
         return AgentState(
             revision=self.revision,
             boot_id="boot",
             stage=self.stage,
+            node_rank=self.node_rank,
             epoch=self.epoch,
             last_command=copy.deepcopy(self.last),
             released_tags=list(self.released),
@@ -127,8 +133,9 @@ class FakeAgent:
             return
         # The agent's own guards (legal stage, double release, weight cache, grant before verification,
         # ...): the world refuses exactly what the real agent refuses.
+        check = follower.check if self.node_rank > 0 else transitions.check
         try:
-            transitions.check(cmd, self.report(), self.facts())  # type: ignore[arg-type]
+            check(cmd, self.report(), self.facts())  # type: ignore[arg-type]
         except Refused as refused:
             self._refuse(f"{refused.error}: {refused.reason}")
             return
@@ -171,6 +178,9 @@ class FakeAgent:
             self.kv_flushed_after_refit = True  # refit flushes (flush_cache=true / explicit flush)
             self.stage = Stage.REFITTED
         elif action == Action.RESUME:
+            assert isinstance(cmd, ResumeCommand)
+            if self.node_rank > 0 and cmd.version is not None:
+                self.served_version = cmd.version
             self.released = []
             self.verified, self.stage = False, Stage.SERVING
 
@@ -266,8 +276,11 @@ class World:
             if pod.phase == "Pending":
                 pod.phase = "Running"
                 committed = self.spec.weights.initial_version
+                node_rank = pod.index % self.spec.rollout.pods_per_instance
                 self.agents[name] = FakeAgent(
-                    served_version=committed, weight_cache_mode=self.weight_cache_mode
+                    served_version=None if node_rank else committed,
+                    weight_cache_mode="off" if node_rank else self.weight_cache_mode,
+                    node_rank=node_rank,
                 )
 
     def pods_terminate(self) -> None:
@@ -294,34 +307,41 @@ class World:
     def refusals(self) -> list[str]:
         return [r for a in self.agents.values() for r in a.refusals]
 
+    def settle(self) -> None:
+        """Finish and decide until the phase changes: with followers, a row that waits for the leader
+        takes one more decision (the followers' commands go out once their leader finished)."""
+        phase = self.status.phase
+        for _ in range(4):
+            self.tick()
+            self.finish_all()
+            self.step()
+            if self.status.phase != phase:
+                return
+
     def run_iteration(self, version: str) -> None:
         """Drive one full iteration from Rollout back to Rollout (or Succeeded)."""
         assert self.status.phase == Phase.ROLLOUT, self.status.phase
         self.trainers_request()
         self.tick(10)
         self.step()  # -> Draining, drain sent
-        for _ in range(3):  # drain, release, grant
-            self.tick()
-            self.finish_all()
-            self.step()
+        self.settle()  # drain -> Releasing
+        self.settle()  # release -> Training
+        self.tick()
+        self.finish_all()  # grant
+        self.step()
         assert self.status.phase == Phase.TRAINING, self.status.phase
         self.tick(20)
         self.trainers_publish(version)
         self.step()  # -> Refitting
-        self.tick()
-        self.finish_all()
-        self.step()  # -> Resuming
-        self.tick()
-        self.finish_all()
-        self.step()  # -> Rollout / Succeeded
+        self.settle()  # -> Resuming
+        self.settle()  # -> Rollout / Succeeded
 
     def bring_up(self) -> None:
         self.step()  # creates pods
         self.start_pods()
         self.step()  # -> Initializing
         self.step()  # -> Resuming (every pod already serves the initial weights)
-        self.finish_all()
-        self.step()  # -> Rollout
+        self.settle()  # -> Rollout
 
 
 def release_commands(decision: Decision) -> list[ReleaseCommand]:

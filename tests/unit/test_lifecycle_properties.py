@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from lifecycle_world import FakeAgent, World, make_spec
 
-from rljob.api.agent import GrantCommand, RefitCommand, ReleaseCommand, Stage
+from rljob.api.agent import CommandState, GrantCommand, RefitCommand, ReleaseCommand, ResumeCommand, Stage
 from rljob.api.status import Phase
 from rljob.lifecycle.machine import LOCK_STEPS
 from rljob.lifecycle.model import Decision, Observation
@@ -20,6 +20,7 @@ from rljob.lifecycle.model import Decision, Observation
 PODS = st.integers(min_value=0, max_value=2)
 RARELY = st.sampled_from([True] + [False] * 4)
 NOT_PAUSED = (Stage.STARTING, Stage.READY, Stage.SERVING)
+SEQUENCED = (ReleaseCommand, RefitCommand, ResumeCommand)  # a follower gets these after its leader
 
 
 class LifecycleMachine(RuleBasedStateMachine):
@@ -30,9 +31,13 @@ class LifecycleMachine(RuleBasedStateMachine):
         iterations=st.one_of(st.none(), st.integers(min_value=1, max_value=4)),
         backoff=st.integers(min_value=0, max_value=3),
         cache=st.sampled_from(["off"] * 9 + ["daemon"]),
+        per=st.sampled_from([1, 1, 2]),  # pods per SGLang instance: 2 = leaders and followers
     )
-    def setup(self, replicas: int, iterations: int | None, backoff: int, cache: str) -> None:
-        spec = make_spec(replicas=replicas, iterations=iterations, backoffLimit=backoff)
+    def setup(self, replicas: int, iterations: int | None, backoff: int, cache: str, per: int) -> None:
+        replicas = per * -(-replicas // per)  # a multiple of podsPerInstance
+        spec = make_spec(
+            replicas=replicas, iterations=iterations, backoffLimit=backoff, rollout={"podsPerInstance": per}
+        )
         self.world = World(spec, weight_cache_mode=cache)
         self.history: dict[str, list] = {}  # pod -> earlier reports, for stale replays
         self.terminal: Phase | None = None
@@ -89,6 +94,23 @@ class LifecycleMachine(RuleBasedStateMachine):
         row = LOCK_STEPS.get(st_.phase)
         if row is not None:
             assert all(c.action == row.action and c.epoch == st_.epoch for c in commands), commands
+        # a follower's release, refit and resume follow its leader's: the leader's SGLang call is what acts
+        # on the follower's ranks (C-NODE), so the leader finished that very epoch first
+        per = w.spec.rollout.pods_per_instance
+        for pc in decision.commands:
+            pod = w.pods.get(pc.pod)
+            if pod is None or pod.index % per == 0 or not isinstance(pc.command, SEQUENCED):
+                continue
+            leader = next(
+                (
+                    w.agents.get(n)
+                    for n, p in w.pods.items()
+                    if p.gang == pod.gang and p.index == pod.index - pod.index % per
+                ),
+                None,
+            )
+            assert leader is not None and leader.last is not None, pc
+            assert (leader.last.epoch, leader.last.state) == (pc.command.epoch, CommandState.SUCCEEDED), pc
         # terminal phases are sticky
         if self.terminal is not None:
             assert st_.phase == self.terminal

@@ -9,6 +9,7 @@ import signal
 
 from aiohttp import web
 
+from rljob.agent import follower, transitions
 from rljob.agent.commands import CommandDesk
 from rljob.agent.config import AgentConfig
 from rljob.agent.gpu_probe import make_probe
@@ -52,7 +53,15 @@ class Agent:
             cfg.call_timeout_s,
             before_drain=self.sampler.final_sample,
         )
-        self.desk = CommandDesk(self.store, ops, self.metrics, self.watch.confirm_death)
+        self.store.state.node_rank = cfg.node_rank
+        check = transitions.check
+        if cfg.node_rank > 0:  # a follower pod: no SGLang API, its own GPUs only (agent/follower.py)
+            self.watch = follower.FollowerWatch(self.store, self.client)  # type: ignore[assignment]
+            ops = follower.FollowerOperations(
+                self.store, self.client, ops.probe, self.windows, self.lease, self.metrics, cfg.call_timeout_s
+            )
+            check = follower.check
+        self.desk = CommandDesk(self.store, ops, self.metrics, self.watch.confirm_death, check=check)
         self._runners: list[web.AppRunner] = []
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -81,7 +90,11 @@ class Agent:
         )
         self._tasks = [
             asyncio.create_task(self.watch.run(), name="sglang-watch"),
-            asyncio.create_task(self.sampler.run(), name="rollout-sampler"),
+            *(
+                [asyncio.create_task(self.sampler.run(), name="rollout-sampler")]
+                if self.cfg.node_rank == 0  # a follower's SGLang serves no load route
+                else []
+            ),
         ]
 
     async def stop(self) -> None:

@@ -13,9 +13,9 @@ from rljob.agent.errors import CommandFailed, PermanentFailure, StateLost, confl
 from rljob.agent.metrics import AgentMetrics
 from rljob.agent.operations import Operations
 from rljob.agent.sglang_client import SGLangError, SGLangUnreachable
-from rljob.agent.state import StateStore
+from rljob.agent.state import ServerFacts, StateStore
 from rljob.agent.timing import measure_external
-from rljob.api.agent import Command, CommandState, CommandStatus
+from rljob.api.agent import AgentState, Command, CommandState, CommandStatus
 
 log = logging.getLogger("rljob.agent")
 
@@ -27,7 +27,9 @@ class CommandDesk:
         operations: Operations,
         metrics: AgentMetrics,
         confirm_death: Callable[[str], Awaitable[None]],
+        check: Callable[[Command, AgentState, ServerFacts | None], None] = transitions.check,
     ) -> None:
+        self._check = check  # a follower's agent has its own guards (agent/follower.py)
         self._store = store
         self._ops = operations
         self._metrics = metrics
@@ -49,7 +51,7 @@ class CommandDesk:
             )
         if last is not None and last.state == CommandState.RUNNING:
             raise conflict("Busy", f"{last.action.value} (epoch {last.epoch}) is still running")
-        transitions.check(cmd, st, self._store.facts)
+        self._check(cmd, st, self._store.facts)
         status = CommandStatus(
             epoch=cmd.epoch, action=cmd.action, state=CommandState.RUNNING, started_at=time.time()
         )

@@ -23,6 +23,7 @@ class AgentConfig:
     call_timeout_s: float  # bound on SGLang calls made outside a command deadline
     rollout_sample_s: float
     rollout_report_s: float  # rollout-only changes bump the revision at most this often
+    node_rank: int = 0  # the pod's SGLang node rank (RLJOB_NODE_RANK): 0 leads, > 0 follows
     group_init_timeout_s: float = 1860.0  # > torch's 30-min rendezvous timeout that SGLang uses
     scheduler_probe_timeout_s: float = 5.0  # bounded /get_load when /ping cannot tell (C-DEATH-HARD)
 
@@ -107,6 +108,13 @@ def _parser() -> argparse.ArgumentParser:
         help="rollout-only changes bump the state revision at most this often",
     )
     p.add_argument(
+        "--node-rank",
+        type=int,
+        default=int(_env("RLJOB_NODE_RANK", "0") or 0),
+        help="the pod's SGLang node rank in its instance (env RLJOB_NODE_RANK, set by the operator): 0 leads "
+        "and calls SGLang; a follower (> 0) has no SGLang API and only checks its own GPUs",
+    )
+    p.add_argument(
         "--group-init-timeout",
         type=float,
         default=1860.0,
@@ -160,6 +168,7 @@ def parse_config(argv: list[str] | None = None) -> AgentConfig:
         call_timeout_s=args.call_timeout,
         rollout_sample_s=args.rollout_sample_seconds,
         rollout_report_s=args.rollout_report_seconds,
+        node_rank=args.node_rank,
         group_init_timeout_s=args.group_init_timeout,
         scheduler_probe_timeout_s=args.scheduler_probe_timeout,
     )

@@ -88,6 +88,11 @@ class RefitCommand(_CommandBase):
 class ResumeCommand(_CommandBase):
     action: Literal[Action.RESUME] = Action.RESUME
     timeout_seconds: float = Field(default=300, gt=0, le=86400)
+    version: WeightVersion | None = Field(
+        default=None,
+        description="To a follower: the version its instance's leader verified, which it reports as served "
+        "(a follower has no SGLang API to read it from). A leader reads the version from SGLang.",
+    )
 
 
 Command = Annotated[
@@ -195,6 +200,12 @@ class AgentState(WireModel):
     revision: int = Field(ge=0)
     boot_id: str = Field(max_length=64, description="Changes when the agent process restarts.")
     stage: Stage
+    node_rank: int = Field(
+        default=0,
+        ge=0,
+        description="The pod's SGLang node rank (RLJOB_NODE_RANK). 0 leads its instance and calls SGLang; "
+        "a follower (> 0) only checks its own GPUs and SGLang's liveness.",
+    )
     epoch: int = Field(default=0, ge=0, description="Last accepted command epoch.")
     last_command: CommandStatus | None = None
     released_tags: list[ReleaseTag] = Field(default_factory=list, max_length=3)

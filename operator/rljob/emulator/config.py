@@ -58,6 +58,9 @@ class EmulatorConfig:
     memory_saver_hook_mode: str = "preload"  # torch_memory_saver hook: preload (SGLang's) | torch
     prefill_graph_backend: str = "none"  # resolved prefill CUDA graph backend ("none": 0.5.6 has none)
     scheduler_kill_after_s: float = 0.0  # fault: the scheduler process dies this long after startup
+    nnodes: int = 1  # nodes (pods) of the instance; only node rank 0 serves HTTP (emulator/nodes.py)
+    node_rank: int = 0
+    dist_init_addr: str | None = None  # HOST:PORT of node 0, where the nodes meet
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -79,6 +82,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--tp-size", "--tp", type=int, default=1)
     s.add_argument("--dp-size", "--dp", type=int, default=1)
     s.add_argument("--enable-dp-attention", action="store_true")
+    s.add_argument("--nnodes", type=int, default=1)
+    s.add_argument("--node-rank", type=int, default=0)
+    s.add_argument("--dist-init-addr", default=None)
     s.add_argument("--max-total-tokens", type=int, default=65536)
     s.add_argument("--max-running-requests", type=int, default=256)
     s.add_argument("--load-format", default="auto")
@@ -141,6 +147,11 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--fault-resume-oom", action="append", default=[], metavar="TAG")
     f.add_argument("--fault-refit-fail", action="store_true")
     f.add_argument(
+        "--fault-release-ignore",
+        action="store_true",
+        help="this node's ranks acknowledge a release and free nothing (a follower that keeps its memory)",
+    )
+    f.add_argument(
         "--fault-scheduler-kill-after",
         type=float,
         default=0.0,
@@ -191,7 +202,7 @@ def parse_config(argv: list[str]) -> EmulatorConfig:
         enable_dp_attention=args.enable_dp_attention,
         max_total_tokens=args.max_total_tokens,
         max_running_requests=args.max_running_requests,
-        gpus=args.gpus or args.tp_size * args.dp_size,
+        gpus=args.gpus or max(1, args.tp_size * args.dp_size // max(1, args.nnodes)),
         gpu_total_bytes=args.gpu_total_bytes,
         baseline_bytes=args.baseline_bytes,
         region_sizes={
@@ -216,12 +227,14 @@ def parse_config(argv: list[str]) -> EmulatorConfig:
             release_unmap_delay_s=args.fault_release_unmap_delay,
             resume_oom_tags=set(args.fault_resume_oom),
             refit_fail=args.fault_refit_fail,
+            release_ignore=args.fault_release_ignore,
         ),
     )
     cfg.memory_backend = args.memory_backend
     cfg.memory_saver_hook_mode = args.memory_saver_hook_mode
     cfg.prefill_graph_backend = _prefill_graph_backend(profile, args)
     cfg.scheduler_kill_after_s = args.fault_scheduler_kill_after
+    cfg.nnodes, cfg.node_rank, cfg.dist_init_addr = args.nnodes, args.node_rank, args.dist_init_addr
     cfg.server_args = _server_args(cfg, args)
     cfg.launch_command = "python -m sglang.launch_server " + " ".join(argv)
     return cfg
@@ -250,7 +263,11 @@ def _prefill_graph_backend(profile: VersionProfile, args: argparse.Namespace) ->
 def startup_error(cfg: EmulatorConfig) -> str | None:
     """C-MEM-CUDAGRAPH-ENV: BreakableCudaGraphBackend.__init__ raises when the memory saver would hold the
     graphs (…/model_executor/runner_backend/breakable_cuda_graph_backend.py:77-86@0.5.15.post1,
-    breakable_cuda_graph_backend.py:84-93@0.5.23): the scheduler dies while starting, launch fails."""
+    breakable_cuda_graph_backend.py:84-93@0.5.23): the scheduler dies while starting, launch fails. And the
+    multi-node checks of ServerArgs (C-NODE)."""
+    nodes = _nodes_error(cfg)
+    if nodes is not None:
+        return nodes
     if (
         cfg.profile.breakable_prefill_rejects_memory_saver_graph
         and cfg.enable_memory_saver
@@ -258,6 +275,25 @@ def startup_error(cfg: EmulatorConfig) -> str | None:
         and cfg.prefill_graph_backend == "breakable"
     ):
         return "NotImplementedError: Breakable CUDA graph is not compatible with memory saver mode"
+    return None
+
+
+def _nodes_error(cfg: EmulatorConfig) -> str | None:
+    """…/server_args.py:3975,3985,4437-4447@0.5.6; arg_groups/validation_hook.py:179,199-202@0.5.23."""
+    if cfg.nnodes < 1 or not 0 <= cfg.node_rank < cfg.nnodes:
+        return f"AssertionError: node_rank {cfg.node_rank} is not in [0, nnodes={cfg.nnodes})"
+    if cfg.nnodes == 1:
+        return None
+    if cfg.dist_init_addr is None:
+        return "AssertionError: please provide --dist-init-addr as host:port of head node"
+    if cfg.tp_size % cfg.nnodes:
+        return "AssertionError: tp_size must be divisible by number of nodes"
+    # DP replicas cannot span nodes on any version (0.5.23 refuses them with DP attention too).
+    if cfg.dp_size > 1 and not cfg.enable_dp_attention:
+        return (
+            "AssertionError: multi-node data-parallel replicas are not supported; use attention DP "
+            "(--attn-dp-size) across nodes"
+        )
     return None
 
 
@@ -277,6 +313,9 @@ def _server_args(cfg: EmulatorConfig, args: argparse.Namespace) -> dict[str, Any
         "tp_size": cfg.tp_size,
         "dp_size": cfg.dp_size,
         "enable_dp_attention": cfg.enable_dp_attention,
+        "nnodes": args.nnodes,
+        "node_rank": args.node_rank,
+        "dist_init_addr": args.dist_init_addr,
         "load_format": args.load_format,
         "skip_server_warmup": args.skip_server_warmup,
         "disable_cuda_graph": args.disable_cuda_graph,

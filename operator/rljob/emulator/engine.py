@@ -10,7 +10,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rljob.emulator import fatal
 from rljob.emulator.config import EmulatorConfig
@@ -18,6 +18,9 @@ from rljob.emulator.memory import REGIONS, RegionBackend
 from rljob.emulator.radix import PrefixCache
 from rljob.emulator.scheduler import Scheduler, Tokenizer
 from rljob.emulator.weights import LoadedWeights, launch_weights
+
+if TYPE_CHECKING:
+    from rljob.emulator.nodes import NodeLink
 
 log = logging.getLogger("sglang.emulator")
 
@@ -64,6 +67,8 @@ class Engine:
         self._round_robin = 0
         self._get_load: asyncio.Future[list[dict[str, Any]]] | None = None
         self._tasks: set[asyncio.Future[None]] = set()
+        # With --nnodes > 1 on node 0: the other nodes' ranks, reached as SGLang's TP broadcast does.
+        self.nodes: NodeLink | None = None
 
     @property
     def scheduler(self) -> Scheduler:
@@ -271,6 +276,8 @@ class Engine:
                     self.weights.lose_contents()  # sglang#6367: resume brings back addresses, not contents
             if "cuda_graph" in tags:
                 self._pause_region("cuda_graph")  # graphs are captured with CPU backup
+            if self.nodes is not None:  # every node's ranks release theirs (C-NODE, C-TP-REPLY)
+                await self.nodes.broadcast("release", tags=list(dict.fromkeys(tags)))
 
     async def resume(self, tags: list[str] | None) -> None:
         """Tags are removed from offload_tags one by one: a tag never released, or repeated in the list,
@@ -298,6 +305,8 @@ class Engine:
                     self.refuse_under_weight_cache("resume_memory_occupation(weights)")
                 if self._effective(tag):
                     self.backend.resume(tag)
+            if self.nodes is not None:
+                await self.nodes.broadcast("resume", tags=tags)
 
     # --- health (C-HEALTH-GENERATE, C-HEALTH-RELEASED) -------------------------------------------
 

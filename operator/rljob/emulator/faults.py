@@ -14,6 +14,7 @@ class Faults:
     release_unmap_delay_s: float = 0.0  # release returns at once, memory is freed this much later
     resume_oom_tags: set[str] = field(default_factory=set)  # resume of these tags OOMs and hangs (#14092)
     refit_fail: bool = False  # refits update weights but answer success:false (0.5.23 flush refusal)
+    release_ignore: bool = False  # a follower node acknowledges a release and frees nothing (nodes.py)
 
     def update(self, patch: dict[str, Any]) -> None:
         """Replace the given fields; unknown keys are an error so a typo in a test is caught."""

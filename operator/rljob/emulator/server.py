@@ -8,7 +8,7 @@ import sys
 
 from aiohttp import web
 
-from rljob.emulator import fatal, routes_control, routes_debug, routes_serving
+from rljob.emulator import fatal, nodes, routes_control, routes_debug, routes_serving
 from rljob.emulator.config import EmulatorConfig, parse_config, startup_error
 from rljob.emulator.engine import Engine
 from rljob.emulator.http_common import ENGINE_KEY, sglang_middleware
@@ -27,6 +27,10 @@ def build_app(cfg: EmulatorConfig) -> web.Application:
     engine = Engine(cfg, backend)
     app = web.Application(middlewares=[sglang_middleware], client_max_size=64 << 20)
     app[ENGINE_KEY] = engine
+    if cfg.nnodes > 1:  # node 0 of a multi-node instance: the port opens once every node joined
+        engine.nodes = nodes.NodeLink(cfg)
+        app.on_startup.append(engine.nodes.start)
+        app.on_cleanup.append(engine.nodes.stop)
     app[routes_control.UPDATER_KEY] = WeightUpdater(engine)
     routes_control.add_routes(app, cfg.profile)
     routes_serving.add_routes(app, cfg.profile, enable_metrics=cfg.enable_metrics)
@@ -64,10 +68,15 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.startup_seconds > 0:
         asyncio.run(asyncio.sleep(cfg.startup_seconds))  # model loading: the port is not open yet
     try:
-        app = build_app(cfg)
+        follower = cfg.nnodes > 1 and cfg.node_rank > 0  # only the dummy health server (C-NODE)
+        app = nodes.build_follower_app(cfg) if follower else build_app(cfg)
     except fatal.StartupError as e:
         log.error("%s", e)
         raise SystemExit(1) from None
     log.info("The server is fired up and ready to roll!")
     # SIGTERM: hung handlers (faults) must not hold the exit for aiohttp's default 60 s.
-    web.run_app(app, host=cfg.host, port=cfg.port, print=None, access_log=None, shutdown_timeout=0.5)
+    try:
+        web.run_app(app, host=cfg.host, port=cfg.port, print=None, access_log=None, shutdown_timeout=0.5)
+    except fatal.StartupError as e:  # the nodes of a multi-node instance did not meet
+        log.error("%s", e)
+        raise SystemExit(1) from None

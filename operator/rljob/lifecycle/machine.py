@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from rljob.api.agent import (
     Action,
@@ -92,6 +93,13 @@ class _Step:
 
     def agent(self, pod: PodObservation) -> AgentState | None:
         return self.obs.agents.get(pod.name)
+
+    def role(self, pod: PodObservation) -> Role:
+        return role_of(pod.index, self.spec.rollout.pods_per_instance)
+
+    def leaders(self) -> list[AgentState | None]:
+        """The latest report of every instance leader of the gang (None: not reported yet)."""
+        return [self.agent(p) for p in self.gang().values() if self.role(p) == Role.LEADER]
 
     def gang_agents(self) -> list[AgentState]:
         """The latest report of every gang member that has one."""
@@ -217,11 +225,26 @@ SpanRecord = Callable[[list[PhaseSpan], PhaseSpan, int, Sequence[AgentState]], N
 """Numbers a phase's span keeps when it closes: (timeline, closed span, iteration, gang agents)."""
 
 
+class Role(StrEnum):
+    """A pod's part in its SGLang instance (spec.rollout.podsPerInstance pods each). Only node rank 0 runs
+    SGLang's HTTP server (C-NODE in docs/sglang-conformance.md: the other nodes serve /ping, /health and
+    /health_generate only and get release, resume and refit through the TP broadcast from node 0)."""
+
+    LEADER = "leader"  # node rank 0: its agent makes the instance's SGLang calls
+    FOLLOWER = "follower"  # node rank > 0: its agent never calls SGLang's lifecycle routes, checks its GPUs
+
+
+def role_of(index: int, pods_per_instance: int) -> Role:
+    return Role.LEADER if index % pods_per_instance == 0 else Role.FOLLOWER
+
+
 @dataclass(frozen=True)
 class LockStep:
-    """One lock-step phase: every pod gets `command(step, pod, agent)` stamped with the phase's epoch;
-    the phase is done when every pod's agent reports that epoch's `action` Succeeded and `done(step,
-    agent)` holds; then `then(step, agents)` moves the job on.
+    """One lock-step phase: every pod gets `command(step, pod, agent, role)` stamped with the phase's
+    epoch; the phase is done when every pod's agent reports that epoch's `action` Succeeded and `done(step,
+    agent)` holds; then `then(step, agents)` moves the job on. With `after_leader`, a follower gets its
+    command only once its instance's leader finished the same epoch with the row's evidence: the leader's
+    SGLang call is what acts on the follower's ranks, and the follower then checks its own GPUs.
 
     A lost member, a phase running past `deadline` or a failed command restarts the gang (a permanent
     failure fails the job), unless `best_effort`: the pods are going away anyway, so a lost member or
@@ -229,28 +252,34 @@ class LockStep:
 
     action: Action
     deadline: Callable[[PhaseTimeouts], int | None]
-    command: Callable[[_Step, PodObservation, AgentState], Command]
+    command: Callable[[_Step, PodObservation, AgentState, Role], Command]
     done: Callable[[_Step, AgentState], bool]
     then: Callable[[_Step, list[AgentState]], None]
     record: SpanRecord | None = None
     best_effort: bool = False
+    after_leader: bool = False
 
 
-def _drain(step: _Step, pod: PodObservation, agent: AgentState) -> Command:
+# The command builders. A follower's agent reads each command by its own role (docs/agent.md, "Leader and
+# followers"): a drain takes its GPUs' before-sample, a release verifies its GPUs against it, a refit and a
+# resume record what the leader's SGLang call did (and a resume checks that the memory came back).
+
+
+def _drain(step: _Step, pod: PodObservation, agent: AgentState, role: Role) -> Command:
     drain = step.spec.rollout.drain
     return DrainCommand(epoch=step.status.epoch, mode=drain.mode, timeout_seconds=drain.timeout_seconds)
 
 
-def _release(step: _Step, pod: PodObservation, agent: AgentState) -> Command:
+def _release(step: _Step, pod: PodObservation, agent: AgentState, role: Role) -> Command:
     release = step.spec.release
     return ReleaseCommand(epoch=step.status.epoch, tags=list(release.tags), verify=release.verify)
 
 
-def _grant(step: _Step, pod: PodObservation, agent: AgentState) -> Command:
+def _grant(step: _Step, pod: PodObservation, agent: AgentState, role: Role) -> Command:
     return GrantCommand(epoch=step.status.epoch)
 
 
-def _refit(step: _Step, pod: PodObservation, agent: AgentState) -> Command:
+def _refit(step: _Step, pod: PodObservation, agent: AgentState, role: Role) -> Command:
     target = step.status.target_weights
     assert target is not None
     # After training each pod loads what its own trainer published; a rejoin loads the committed path.
@@ -265,9 +294,11 @@ def _refit(step: _Step, pod: PodObservation, agent: AgentState) -> Command:
     )
 
 
-def _resume(step: _Step, pod: PodObservation, agent: AgentState) -> Command:
+def _resume(step: _Step, pod: PodObservation, agent: AgentState, role: Role) -> Command:
     timeout = float(step.spec.phase_timeout_seconds.resuming or 300)
-    return ResumeCommand(epoch=step.status.epoch, timeout_seconds=timeout)
+    # A follower has no SGLang API to read the served version from: it reports what its leader verified.
+    version = _target_version(step) if role == Role.FOLLOWER else None
+    return ResumeCommand(epoch=step.status.epoch, timeout_seconds=timeout, version=version)
 
 
 def _command_succeeded(step: _Step, agent: AgentState) -> bool:
@@ -402,6 +433,7 @@ LOCK_STEPS: dict[Phase, LockStep] = {
         done=_memory_verified,
         then=_advance_to(Phase.TRAINING, "memory freed and verified on every pod"),
         record=timeline.record_freed_bytes,
+        after_leader=True,
     ),
     Phase.TRAINING: LockStep(
         action=Action.GRANT,
@@ -416,6 +448,7 @@ LOCK_STEPS: dict[Phase, LockStep] = {
         command=_refit,
         done=_serves_target,
         then=_advance_to(Phase.RESUMING),
+        after_leader=True,
     ),
     Phase.RESUMING: LockStep(
         action=Action.RESUME,
@@ -423,6 +456,7 @@ LOCK_STEPS: dict[Phase, LockStep] = {
         command=_resume,
         done=_serving_target,
         then=_commit_and_open_rollout,
+        after_leader=True,
     ),
     Phase.SUSPENDING: LockStep(
         action=Action.DRAIN,  # drain first, so in-flight requests end cleanly before their pods go
@@ -462,14 +496,20 @@ def _send_and_collect(step: _Step, row: LockStep) -> list[AgentState] | None:
     st = step.status
     finished: list[AgentState] = []
     waiting = False
-    for pod in sorted(step.gang().values(), key=lambda p: p.index):
+    leaders_done: set[int] = set()  # indices of leaders that finished this epoch with the row's evidence
+    per = step.spec.rollout.pods_per_instance
+    for pod in sorted(step.gang().values(), key=lambda p: p.index):  # a leader before its followers
         agent = step.agent(pod)
         if agent is None or not pod.running:
             waiting = True
             continue
+        role = step.role(pod)
         cmd = agent.last_command
         if agent.epoch < st.epoch or cmd is None or cmd.epoch < st.epoch:
-            step.send(pod, row.command(step, pod, agent))
+            if role == Role.FOLLOWER and row.after_leader and pod.index - pod.index % per not in leaders_done:
+                waiting = True  # its leader's SGLang call has not acted on its ranks yet
+                continue
+            step.send(pod, row.command(step, pod, agent, role))
             waiting = True
             continue
         if cmd.epoch > st.epoch or cmd.action != row.action:
@@ -490,6 +530,8 @@ def _send_and_collect(step: _Step, row: LockStep) -> list[AgentState] | None:
             waiting = True
         else:
             finished.append(agent)
+            if role == Role.LEADER:
+                leaders_done.add(pod.index)
     return None if waiting else finished
 
 
@@ -554,11 +596,25 @@ def _initializing(step: _Step) -> None:
         return
     if _restart_gang_if_timed_out(step, step.spec.phase_timeout_seconds.initializing):
         return
-    agents = [step.agent(p) for p in step.gang().values()]
+    gang = step.gang()
+    agents = [step.agent(p) for p in gang.values()]
     if any(a is None or not a.sglang.reachable or a.stage == Stage.STARTING for a in agents):
         return
+    for pod in gang.values():
+        agent = step.agent(pod)
+        expected = pod.index % step.spec.rollout.pods_per_instance
+        if agent is not None and agent.node_rank != expected:
+            _fail(
+                step,
+                EventReason.INVALID_SPEC,
+                f"pod {pod.name}'s agent runs as SGLang node rank {agent.node_rank}, but the pod is node "
+                f"rank {expected} of its instance (is RLJOB_NODE_RANK set in the template?)",
+            )
+            return
     ready = [a for a in agents if a is not None]
-    cached = [a for a in ready if a.sglang.weight_cache_mode not in ("", "off")]
+    # Only leaders run SGLang's HTTP API: the launch facts and the served version are theirs.
+    leaders = [a for a in step.leaders() if a is not None]
+    cached = [a for a in leaders if a.sglang.weight_cache_mode not in ("", "off")]
     if cached:
         # Refused before any memory is touched: every weight release, resume and refit would kill SGLang.
         _fail(
@@ -574,12 +630,12 @@ def _initializing(step: _Step) -> None:
     st = step.status
     st.iteration = max(st.iteration, 1)
     st.target_weights = committed
-    if all(a.sglang.served_version == committed.version for a in ready):
+    if all(a.sglang.served_version == committed.version for a in leaders):
         # Already serving the committed weights: verify and open rollout.
         step.enter(Phase.RESUMING, EventReason.PHASE_CHANGED, f"every pod serves {committed.version}")
         return
     if committed.path is None and step.spec.refit.source.value == "disk":
-        served = sorted({str(a.sglang.served_version) for a in ready})
+        served = sorted({str(a.sglang.served_version) for a in leaders})
         _fail(
             step,
             EventReason.INITIAL_VERSION_MISMATCH,
