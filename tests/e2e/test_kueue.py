@@ -3,6 +3,7 @@ Kueue runs and admits by quota, all pods of a workload at once or none."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 import time
@@ -17,7 +18,7 @@ import yaml
 from rljob.controller import queueing
 from rljob.testing import kueue as kq
 from rljob.testing.harness import ROOT, OperatorProcess, get_rljob, wait_rljob
-from rljob.testing.kubeaccess import KubeApi, Kubectl, wait_for
+from rljob.testing.kubeaccess import ApiError, KubeApi, Kubectl, wait_for
 from rljob.testing.pods import SIM_ARGS_ENV, rljob_mapping
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,7 +59,13 @@ def kueue(admin_kubeconfig: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         kq.ensure_kueue_binary(build=True)
     except Exception as exc:
         pytest.fail(f"e2e needs the Kueue binary: {exc}", pytrace=False)
-    with kq.LocalKueue(admin_kubeconfig, tmp_path_factory.mktemp("kueue")) as running:
+    # All-or-nothing with ready pods (Kueue's waitForPodsReady): while an admitted workload's pods are not
+    # all ready, Kueue admits nothing else, and evicts it after the timeout. The RLJob tests pass only if
+    # the operator reports PodsReady as Kueue's own job integrations do.
+    pods_ready = {"waitForPodsReady": {"timeout": "3m", "blockAdmission": True}}
+    with kq.LocalKueue(
+        admin_kubeconfig, tmp_path_factory.mktemp("kueue"), extra_config=pods_ready
+    ) as running:
         yield running
 
 
@@ -95,9 +102,17 @@ def test_kueue_admits_whole_workloads_by_gpu_quota(
     all (no partial admission), with Kueue's reason in its QuotaReserved condition."""
     assert kueue.running()
     queues(kube_api, namespace, gpus=4)
-    for name in ("first", "second"):
-        kq.apply(kube_api, raw_workload(namespace, name, pods=3, gpus_per_pod=1))
+    try:
+        for name in ("first", "second"):
+            kq.apply(kube_api, raw_workload(namespace, name, pods=3, gpus_per_pod=1))
+        check_all_or_nothing(kube_api, namespace)
+    finally:  # no pod of these ever becomes ready: gone, they hold up no other test's admission
+        for name in ("first", "second"):
+            with contextlib.suppress(ApiError):
+                kube_api.delete(f"/apis/{kq.API_VERSION}/namespaces/{namespace}/workloads/{name}")
 
+
+def check_all_or_nothing(kube_api: KubeApi, namespace: str) -> None:
     def settled() -> list[dict[str, Any]] | None:
         items = kq.workloads(kube_api, namespace)
         return items if all(kq.condition(w, "QuotaReserved") for w in items) and len(items) == 2 else None
@@ -117,6 +132,7 @@ def test_kueue_admits_whole_workloads_by_gpu_quota(
 
 # --- RLJobs under Kueue ------------------------------------------------------------------------------
 EXAMPLE = yaml.safe_load((ROOT / "examples/rljob.yaml").read_text())
+STOPPING = "rljob-agent stopping"  # what the agent logs when its pod's processes are stopped
 
 
 @pytest.fixture(scope="module")
@@ -155,11 +171,13 @@ class Queued:
         )
         return sorted(got["items"], key=lambda e: e.get("firstTimestamp") or "")
 
-    def agent_log(self, pod: str, uid: str) -> str:
-        """What the agent of that pod logged (the fake kubelet keeps its containers' logs)."""
+    def agent_log(self, pod: str, uid: str, until: str = "") -> str | None:
+        """What the agent of that pod logged (the fake kubelet keeps its containers' logs); None until the
+        log has the line `until`."""
         logs = list((self.scratch / self.namespace).glob(f"{pod}-{uid[:8]}/logs/rljob-agent.log"))
         assert len(logs) == 1, logs
-        return logs[0].read_text(errors="replace")
+        text = logs[0].read_text(errors="replace")
+        return text if until in text else None
 
     def workload(self, name: str) -> dict[str, Any]:
         workload = queueing.workload_name(name, self.get(name)["metadata"]["uid"])
@@ -290,6 +308,17 @@ def test_preempted_in_rollout_drains_keeps_its_weights_and_finishes_after_readmi
         "in rollout of iteration 2",
     )
     gang = {p["metadata"]["name"]: p["metadata"]["uid"] for p in queued.pods("low")}
+
+    # The gang is up: PodsReady lets Kueue admit (here: preempt for) the next workload.
+    def gang_ready() -> dict[str, Any] | None:
+        return (
+            kq.condition(queued.workload("low"), "PodsReady")
+            if kq.is_true(queued.workload("low"), "PodsReady")
+            else None
+        )
+
+    ready = wait_for(gang_ready, timeout=10, what="PodsReady on the RLJob's Workload")
+    assert ready is not None and ready["reason"] == "Started", ready
     kube_api.post(f"/apis/batch/v1/namespaces/{ns}/jobs", urgent_job(ns, "rljob-e2e-high"))
 
     stopped = queued.wait("low", lambda o: phase_of(o) == "Suspended", "preempted and suspended", timeout=60)
@@ -300,14 +329,21 @@ def test_preempted_in_rollout_drains_keeps_its_weights_and_finishes_after_readmi
     phases = [s["phase"] for s in status["timeline"]]
     assert "Suspending" in phases and phases.index("Suspending") > phases.index("Rollout"), phases
     assert status["reason"] in ("Evicted", "WaitingForQuota"), status
-    evicted = [e for e in queued.events("low") if e["reason"] == "Evicted"]
-    assert evicted and "(Preempted)" in evicted[0]["message"], evicted
+    # Events are posted off the lifecycle's path: they may trail the status by a moment.
+    evicted = wait_for(
+        lambda: [e for e in queued.events("low") if e["reason"] == "Evicted"],
+        timeout=10,
+        what="an Evicted event",
+    )
+    assert "(Preempted)" in evicted[0]["message"], evicted
     assert queued.pods("low") == []
     # Every agent of the gang drained at the Suspending epoch, and only then was its pod stopped.
     for name, uid in gang.items():
-        log = queued.agent_log(name, uid)
+        log = wait_for(
+            lambda n=name, u=uid: queued.agent_log(n, u, until=STOPPING), timeout=20, what=f"{name} stopped"
+        )
         drained = log.find(f"command drain epoch={status['epoch']} succeeded")
-        assert 0 <= drained < log.find("rljob-agent stopping"), log[-2000:]
+        assert 0 <= drained < log.find(STOPPING), log[-2000:]
 
     # The Job Kueue admitted in the RLJob's place runs to completion (Kueue's own batch/job integration:
     # its Workload is named by the scheme queueing.workload_name follows).

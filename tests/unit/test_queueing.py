@@ -171,3 +171,26 @@ def test_spec_follows_suspend_and_the_queue_label() -> None:
     assert q.spec_patch(workload(), "other", active=True) == {"spec": {"queueName": "other"}}
     # Kueue's CEL refuses a queue change while quota is reserved: only `active` is patched then.
     assert q.spec_patch(workload(*ADMITTED), "other", active=False) == {"spec": {"active": False}}
+
+
+def test_pods_ready_follows_the_gang_as_kueues_job_framework_writes_it() -> None:
+    admitted = workload(*ADMITTED, admission=True)
+    assert q.pods_ready_patch(admitted, False, NOW) is None  # nothing said yet: no write per pending job
+    started = q.pods_ready_patch(admitted, True, NOW)
+    assert started is not None
+    ready = next(c for c in started["status"]["conditions"] if c["type"] == "PodsReady")
+    assert (ready["status"], ready["reason"]) == ("True", "Started")
+    running = workload(*ADMITTED, ready, admission=True)
+    assert q.pods_ready_patch(running, True, NOW) is None  # unchanged: no write
+    lost = q.pods_ready_patch(running, False, NOW)  # a member lost: the gang restarts
+    assert lost is not None
+    waiting = next(c for c in lost["status"]["conditions"] if c["type"] == "PodsReady")
+    assert (waiting["status"], waiting["reason"]) == ("False", "WaitForRecovery")
+    back = q.pods_ready_patch(workload(*ADMITTED, waiting, admission=True), True, NOW)
+    assert back is not None
+    assert {c["type"]: c["reason"] for c in back["status"]["conditions"]}["PodsReady"] == "Recovered"
+    # Not admitted (evicted and released): not ready, waiting for a start again.
+    released = workload(cond("QuotaReserved", "False", "Pending"), ready)
+    stopped = q.pods_ready_patch(released, False, NOW)
+    assert stopped is not None
+    assert {c["type"]: c["reason"] for c in stopped["status"]["conditions"]}["PodsReady"] == "WaitForStart"

@@ -212,7 +212,8 @@ class Conductor:
             return
         spec = self._parsed.spec if self._parsed is not None else None
         suspend = spec is not None and spec.suspend
-        await self._queue.settle(queue, status.phase, status.message or "", suspend, self._pods_left)
+        ready = status.replicas > 0 and status.ready_replicas == status.replicas
+        await self._queue.settle(queue, status.phase, status.message or "", suspend, self._pods_left, ready)
 
     def _sync_watches(self, agents: AgentClient, spec: RLJobSpec | None, pods: list[dict[str, Any]]) -> None:
         """One watch per running agent; none while the spec is invalid (the job is failing)."""

@@ -61,6 +61,7 @@ ADMITTED = "Admitted"
 EVICTED = "Evicted"
 REQUEUED = "Requeued"
 FINISHED = "Finished"
+PODS_READY = "PodsReady"
 # Eviction reasons after which Kueue's job framework marks the workload Requeued=True (reconciler.go:590).
 REQUEUED_REASONS = ("Preempted", "NodeFailures")
 
@@ -218,6 +219,42 @@ def finish_patch(
     return _status_patch(workload, {"conditions": conditions})
 
 
+def pods_ready_patch(workload: Mapping[str, Any], ready: bool, now: datetime) -> dict[str, Any] | None:
+    """Kueue's PodsReady condition, as its job framework writes it (generatePodsReadyCondition,
+    reconciler.go:1611-1669): Kueue's waitForPodsReady (all-or-nothing with ready pods: block other
+    admissions until the gang is up, evict it after a timeout) waits for it. `ready`: every pod of the
+    gang is running and ready. None when the condition already says so (or says nothing yet and the
+    gang is not ready: no write for every pending job)."""
+    old = condition(workload, PODS_READY)
+    if ready and is_true(workload, ADMITTED):
+        recovered = old is not None and old.get("reason") in ("WaitForRecovery", "Recovered")
+        want = (
+            True,
+            "Recovered" if recovered else "Started",
+            "All pods reached readiness and the workload is running",
+        )
+    elif (
+        old is not None
+        and is_true(workload, ADMITTED)
+        and (old.get("status") == "True" or old.get("reason") == "WaitForRecovery")
+    ):
+        want = (False, "WaitForRecovery", "At least one pod has failed, waiting for recovery")
+    else:
+        want = (False, "WaitForStart", "Not all pods are ready or succeeded")
+    if old is None and not want[0]:
+        return None
+    if (
+        old is not None
+        and old.get("status") == ("True" if want[0] else "False")
+        and old.get("reason") == want[1]
+    ):
+        return None
+    conditions = [dict(c) for c in (workload.get("status") or {}).get("conditions") or []]
+    gen = int(workload["metadata"].get("generation") or 1)
+    _set_condition(conditions, PODS_READY, want[0], want[1], want[2], _stamp(now), gen)
+    return _status_patch(workload, {"conditions": conditions})
+
+
 def spec_patch(workload: Mapping[str, Any], queue: str, active: bool) -> dict[str, Any] | None:
     """spec.active follows the RLJob's suspend; the queue name follows its label while no quota is
     reserved (Kueue refuses the change after that: the Workload CRD's CEL)."""
@@ -371,11 +408,12 @@ class JobQueue:
         return admission_of(queue, self.workload)
 
     async def settle(
-        self, queue: str | None, phase: Phase, message: str, suspend: bool, pods_left: int
+        self, queue: str | None, phase: Phase, message: str, suspend: bool, pods_left: int, pods_ready: bool
     ) -> None:
         """After the round's effects: spec.active follows suspend; with no pod left, a Suspended job gives
-        back quota Kueue evicted and a finished job finishes its Workload; a job that continues after its
-        Workload finished (iterations raised) gets a new one next round."""
+        back quota Kueue evicted and a finished job finishes its Workload; else PodsReady follows the
+        gang. A job that continues after its Workload finished (iterations raised) gets a new one next
+        round."""
         wl = self.workload
         if queue is None or wl is None:
             return
@@ -388,6 +426,8 @@ class JobQueue:
             status = release_patch(wl, datetime.now(UTC))
         elif pods_left == 0 and phase.terminal:
             status = finish_patch(wl, phase == Phase.SUCCEEDED, message, _stamp(datetime.now(UTC)))
+        elif not phase.terminal:
+            status = pods_ready_patch(wl, pods_ready, datetime.now(UTC))
         if status is not None:
             self._store(await self.workloads.patch(self.namespace, self.name, status, status=True))
         elif is_true(wl, FINISHED) and not phase.terminal:
