@@ -3,12 +3,14 @@ and the status writes that give quota back (after an eviction) or finish the wor
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 
+from rljob.api.status import Phase
 from rljob.controller import queueing as q
 
 NOW = datetime(2026, 12, 1, 10, 0, 30, tzinfo=UTC)
@@ -194,3 +196,114 @@ def test_pods_ready_follows_the_gang_as_kueues_job_framework_writes_it() -> None
     stopped = q.pods_ready_patch(released, False, NOW)
     assert stopped is not None
     assert {c["type"]: c["reason"] for c in stopped["status"]["conditions"]}["PodsReady"] == "WaitForStart"
+
+
+class FakeWorkloads:
+    """The Kueue client's calls, against one in-memory Workload."""
+
+    def __init__(self) -> None:
+        self.stored: dict[str, Any] | None = None
+        self.calls: list[str] = []
+        self.conflict_next = False
+
+    async def get(self, namespace: str, name: str) -> dict[str, Any] | None:
+        self.calls.append("get")
+        return copy.deepcopy(self.stored)
+
+    async def create(self, manifest: dict[str, Any]) -> dict[str, Any] | None:
+        self.calls.append("create")
+        self.stored = copy.deepcopy(manifest) | {"status": {}}
+        self.stored["metadata"] |= {"resourceVersion": "1", "generation": 1, "uid": "wl-uid"}
+        return copy.deepcopy(self.stored)
+
+    async def delete(self, namespace: str, name: str) -> None:
+        self.calls.append("delete")
+        self.stored = None
+
+    async def patch(
+        self, namespace: str, name: str, patch: dict[str, Any], status: bool
+    ) -> dict[str, Any] | None:
+        self.calls.append("patch_status" if status else "patch")
+        assert self.stored is not None
+        if self.conflict_next:
+            self.conflict_next = False
+            return None
+        part = "status" if status else "spec"
+        self.stored[part] = {**self.stored.get(part, {}), **patch[part]}
+        self.stored[part] = {k: v for k, v in self.stored[part].items() if v is not None}
+        self.stored["metadata"]["resourceVersion"] = str(int(self.stored["metadata"]["resourceVersion"]) + 1)
+        return copy.deepcopy(self.stored)
+
+
+def manifest() -> dict[str, Any]:
+    pod = {"metadata": {"labels": {}}, "spec": {"containers": [{"name": "sglang"}]}}
+    return q.workload_manifest("job", UID, "ns", "lq", 2, pod, active=True)
+
+
+def test_job_queue_creates_once_gives_quota_back_after_eviction_and_finishes() -> None:
+    fake = FakeWorkloads()
+    jq = q.JobQueue(fake, "ns", "job", UID, clock=lambda: 0.0)  # type: ignore[arg-type]
+
+    async def run() -> None:
+        view = await jq.admission("lq", manifest, finished=False)
+        assert view.admission == q.Admission.PENDING and fake.calls == ["get", "create"]
+        assert (await jq.admission("lq", manifest, finished=False)).admission == q.Admission.PENDING
+        assert fake.calls == ["get", "create"]  # no second read within REREAD_SECONDS, no second create
+        # Kueue admits, then preempts it (watch events).
+        assert fake.stored is not None
+        fake.stored["status"] = {"conditions": list(ADMITTED), "admission": {"clusterQueue": "cq"}}
+        fake.stored["metadata"]["resourceVersion"] = "5"
+        jq.seen(copy.deepcopy(fake.stored))
+        assert (await jq.admission("lq", manifest, finished=False)).admission == q.Admission.ADMITTED
+        fake.stored["status"]["conditions"].append(PREEMPTED)
+        fake.stored["metadata"]["resourceVersion"] = "6"
+        jq.seen(copy.deepcopy(fake.stored))
+        assert (await jq.admission("lq", manifest, finished=False)).admission == q.Admission.EVICTED
+        # Pods still there: no release yet.
+        await jq.settle("lq", Phase.SUSPENDING, "", suspend=False, pods_left=2, pods_ready=True)
+        assert fake.stored["status"].get("admission")  # pods still there: the quota is kept
+        fake.calls.clear()
+        await jq.settle("lq", Phase.SUSPENDED, "", suspend=False, pods_left=0, pods_ready=False)
+        assert fake.calls == ["patch_status"]
+        assert "admission" not in fake.stored["status"]
+        assert q.condition(fake.stored, "QuotaReserved")["status"] == "False"  # type: ignore[index]
+        # A lost race with Kueue: nothing applied, the Workload is read again before the next decision.
+        fake.stored["status"]["conditions"] = list(ADMITTED)
+        jq.seen(copy.deepcopy(fake.stored))
+        fake.conflict_next = True
+        fake.calls.clear()
+        await jq.settle("lq", Phase.SUCCEEDED, "done", suspend=False, pods_left=0, pods_ready=False)
+        assert fake.calls == ["patch_status"] and not q.is_true(fake.stored, "Finished")
+        await jq.admission("lq", manifest, finished=True)
+        assert fake.calls[-1] == "get"
+        await jq.settle("lq", Phase.SUCCEEDED, "done", suspend=False, pods_left=0, pods_ready=False)
+        assert q.is_true(fake.stored, "Finished")
+        # The job continues (iterations raised): the finished Workload goes, a new one is made next round.
+        jq.seen(copy.deepcopy(fake.stored))
+        await jq.settle("lq", Phase.PENDING, "", suspend=False, pods_left=0, pods_ready=False)
+        assert fake.calls[-1] == "delete" and fake.stored is None
+        await jq.admission("lq", manifest, finished=False)
+        assert fake.calls[-1] == "create"
+
+    asyncio.run(run())
+
+
+def test_job_queue_mirrors_suspend_to_active() -> None:
+    fake = FakeWorkloads()
+    jq = q.JobQueue(fake, "ns", "job", UID, clock=lambda: 0.0)  # type: ignore[arg-type]
+
+    async def run() -> None:
+        await jq.admission("lq", manifest, finished=False)
+        await jq.settle("lq", Phase.SUSPENDED, "", suspend=True, pods_left=0, pods_ready=False)
+        assert fake.stored is not None and fake.stored["spec"]["active"] is False
+        await jq.settle("lq", Phase.PENDING, "", suspend=False, pods_left=0, pods_ready=False)
+        assert fake.stored["spec"]["active"] is True
+
+    asyncio.run(run())
+
+
+def test_no_queue_label_touches_nothing() -> None:
+    fake = FakeWorkloads()
+    jq = q.JobQueue(fake, "ns", "job", UID)  # type: ignore[arg-type]
+    assert asyncio.run(jq.admission(None, manifest, finished=False)).admission == q.Admission.NOT_QUEUED
+    assert fake.calls == []

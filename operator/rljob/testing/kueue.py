@@ -483,18 +483,6 @@ def workload_priority_class(name: str, value: int, description: str = "") -> Jso
     }
 
 
-def set_gpu_quota(api: KubeApi, cluster_queue_name: str, gpus: int | str) -> JsonObj:
-    """Changes the GPU nominalQuota of a ClusterQueue made by cluster_queue()."""
-    path = f"/apis/{API_VERSION}/clusterqueues/{cluster_queue_name}"
-    cq = api.get(path)
-    for group in cq["spec"]["resourceGroups"]:
-        for flavor in group["flavors"]:
-            for res in flavor["resources"]:
-                if res["name"] == GPU:
-                    res["nominalQuota"] = str(gpus)
-    return api.request("PUT", path, cq)
-
-
 def workloads(api: KubeApi, namespace: str) -> list[JsonObj]:
     items: list[JsonObj] = api.get(f"/apis/{API_VERSION}/namespaces/{namespace}/workloads")["items"]
     return items
