@@ -5,6 +5,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export PYTHONPATH := $(CURDIR)/operator
 CLUSTER_DIR ?= .cluster
+NODES ?= 2
+GPUS_PER_NODE ?= 8
 HELM ?= $(HOME)/.cache/rljob/bin/helm-v3.22.0/helm
 
 .PHONY: help install test test-unit test-agent test-e2e lint crds chart-lint images openapi cluster-up cluster-down cluster-status binaries demo bench gpu-test clean
@@ -19,8 +21,8 @@ $(BIN)/python:
 install: $(BIN)/python ## create .venv and install the package with the testing + dev extras
 	$(BIN)/pip install -q -e '.[testing,dev]'
 
-test: install binaries ## unit, agent, e2e (real kube-apiserver); the GPU tier reports itself skipped without a GPU
-	$(BIN)/python -m pytest -q tests/unit tests/agent tests/e2e tests/gpu
+test: install binaries ## unit, agent, e2e (real control plane), images (buildah); GPU tier skipped without a GPU
+	$(BIN)/python -m pytest -q tests/unit tests/agent tests/e2e tests/images tests/gpu
 
 test-unit: install ## pure tests only (seconds)
 	$(BIN)/python -m pytest -q tests/unit
@@ -42,18 +44,17 @@ crds: install ## regenerate crds/ (and the chart's copy) from the pydantic model
 chart-lint: binaries ## helm lint the chart
 	$(HELM) lint --strict charts/rljob-operator
 
-images: ## build the container images (needs Docker; not available on CI machines)
-	docker build -f images/operator/Dockerfile -t ghcr.io/rljob/rljob-operator:0.1.0 .
-	docker build -f images/agent/Dockerfile -t ghcr.io/rljob/rljob-agent:0.1.0 .
+images: ## build the operator, agent and testing images: docker if a daemon answers, else buildah (docs/images.md)
+	bash hack/build-images.sh
 
 openapi: install ## regenerate the agent's OpenAPI document
 	$(BIN)/python -m rljob.agent.openapi > docs/agent-openapi.json
 
-binaries: ## build (once, cached under ~/.cache/rljob) kube-apiserver, etcd, helm from Go modules
+binaries: ## build (once, cached in ~/.cache/rljob) etcd, kube-apiserver/-scheduler/-controller-manager, kubectl, helm
 	bash hack/build-binaries.sh
 
-cluster-up: install binaries ## start a local kube-apiserver + etcd; kubeconfig in .cluster/kubeconfig
-	$(BIN)/python -m rljob.testing.cluster up --dir $(CLUSTER_DIR)
+cluster-up: install binaries ## local control plane + fake kubelet (NODES x GPUS_PER_NODE GPUs); .cluster/kubeconfig
+	$(BIN)/python -m rljob.testing.cluster up --dir $(CLUSTER_DIR) --nodes $(NODES) --gpus-per-node $(GPUS_PER_NODE)
 
 cluster-down: ## stop the local control plane
 	$(BIN)/python -m rljob.testing.cluster down --dir $(CLUSTER_DIR)

@@ -307,3 +307,18 @@ def test_dockerfiles_pass_hadolint() -> None:
     files = [str(ROOT / "images" / name / "Dockerfile") for name in (*IMAGES, "testing")]
     done = subprocess.run([str(binary), *files], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("image", (*IMAGES, "testing"))
+def test_base_image_is_an_argument_defaulting_to_upstream_python(image: str) -> None:
+    """Users build FROM the upstream python image; CI passes a base debootstrapped from the same Debian
+    release (hack/build-images.sh), since no registry is reachable there."""
+    stages, global_args = parse_dockerfile(dockerfile(image))
+    default = global_args.get("BASE_IMAGE", "")
+    suite = re.fullmatch(r"python:3\.11\.\d+-slim-(\w+)", default)
+    assert suite, f"ARG BASE_IMAGE={default!r}: python:3.11.<patch>-slim-<debian release>"
+    names = {s.name for s in stages if s.name}
+    assert {s.base for s in stages if s.base not in names} == {"${BASE_IMAGE}"}
+    script = (ROOT / "hack" / "build-images.sh").read_text()
+    assert re.search(rf"^SUITE={suite.group(1)}$", script, re.M), "the local base is the same Debian release"
+    assert re.search(rf"^IMAGES=\"[^\"]*\b{image}\b", script, re.M), f"hack/build-images.sh builds {image}"

@@ -1,8 +1,9 @@
-"""`make demo`: the whole loop on a real local kube-apiserver with simulated GPUs.
+"""`make demo`: the whole loop on a real local control plane with simulated GPU nodes.
 
-Brings up etcd + kube-apiserver (cached binaries), installs the chart (CRD, RBAC, operator settings)
-with helm, runs the operator as the chart's ServiceAccount and the fake kubelet, applies
-examples/rljob.yaml with kubectl, prints a live table, then `kubectl get rljob` and
+Brings up etcd, kube-apiserver, kube-scheduler and kube-controller-manager (cached binaries), a fake
+kubelet with two 8-GPU nodes, installs the chart (CRD, RBAC, operator settings) with helm, runs the
+operator as the chart's ServiceAccount, applies examples/rljob.yaml with kubectl (v1.34.4, the server's
+release), shows where the scheduler placed the gang, prints a live table, then `kubectl get rljob` and
 `kubectl rljob status`."""
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from rljob.testing.cluster import LocalControlPlane, ensure_binaries
+from rljob.testing.cluster import LocalControlPlane, ensure_binaries, nodes_table
 from rljob.testing.harness import ROOT, OperatorProcess, get_rljob
 from rljob.testing.install import install_chart, operator_kubeconfig
-from rljob.testing.kubeaccess import KubeApi, create_namespace
+from rljob.testing.kubeaccess import KubeApi, create_namespace, kubectl_env, wait_for
 from rljob.testing.kubelet import Kubelet
 from rljob.testing.pods import rljob_mapping
 
@@ -27,11 +28,9 @@ JOB = "demo"
 
 
 def _kubectl(kubeconfig: Path, *args: str) -> str:
-    env = {
-        **os.environ,
-        "KUBECONFIG": str(kubeconfig),
-        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-    }
+    """The server's kubectl (first on PATH), with the venv's bin on PATH for the `kubectl rljob` plugin."""
+    env = kubectl_env({**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
+    env["KUBECONFIG"] = str(kubeconfig)
     out = subprocess.run(["kubectl", *args], env=env, capture_output=True, text=True, check=False)
     return out.stdout + out.stderr
 
@@ -67,7 +66,8 @@ def _new_rows(obj: dict, printed: set[tuple[str, str]]) -> list[str]:
 def run(timeout: float) -> int:
     binaries = ensure_binaries(build=True)
     work = Path(tempfile.mkdtemp(prefix="rljob-demo-"))
-    print(f"== control plane: etcd + kube-apiserver ({work})", flush=True)
+    components = "etcd, kube-apiserver, kube-scheduler, kube-controller-manager"
+    print(f"== control plane: {components} ({work})", flush=True)
     with LocalControlPlane(work / "cluster", binaries) as plane:
         kubeconfig = plane.kubeconfig
         api = KubeApi.from_kubeconfig(kubeconfig)
@@ -91,7 +91,7 @@ def run(timeout: float) -> int:
             Kubelet(kubeconfig, [NAMESPACE], mapping=rljob_mapping(), scratch_root=work / "pods") as kubelet,
             OperatorProcess(sa_kubeconfig, [NAMESPACE], work / "operator.log") as operator,
         ):
-            del kubelet
+            print(f"== fake kubelet, simulated GPU nodes\n$ kubectl get nodes\n{nodes_table(kubeconfig)}")
             print(
                 "== kubectl apply -f examples/rljob.yaml  (operator runs as the chart's ServiceAccount)",
                 flush=True,
@@ -101,6 +101,22 @@ def run(timeout: float) -> int:
                     kubeconfig, "apply", "-n", NAMESPACE, "-f", str(ROOT / "examples/rljob.yaml")
                 ).strip()
             )
+            replicas = int(get_rljob(api, NAMESPACE, JOB)["spec"]["replicas"])
+
+            def placed() -> bool:
+                pods = api.get(f"/api/v1/namespaces/{NAMESPACE}/pods", labelSelector=f"rljob.io/job={JOB}")
+                return sum(1 for p in pods["items"] if p["spec"].get("nodeName")) >= replicas
+
+            try:  # the scheduler binds the gang to nodes with a free nvidia.com/gpu
+                wait_for(placed, timeout=60, interval=0.2, what="the gang bound to nodes")
+            except TimeoutError as exc:
+                print(f"{exc}\n" + _kubectl(kubeconfig, "get", "events", "-n", NAMESPACE), flush=True)
+            columns = (
+                "custom-columns=NAME:.metadata.name,NODE:.spec.nodeName,"
+                "GPU:.spec.containers[0].resources.limits.nvidia\\.com/gpu"
+            )
+            print(f"\n$ kubectl get pods  (placed by kube-scheduler on {', '.join(kubelet.node_names)})")
+            print(_kubectl(kubeconfig, "get", "pods", "-n", NAMESPACE, "-o", columns).rstrip(), flush=True)
             print("\nITER  PHASE       WALL-ms  AGENT-ms", flush=True)
             printed: set[tuple[str, str]] = set()
             deadline = time.monotonic() + timeout

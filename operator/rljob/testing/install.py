@@ -4,8 +4,9 @@ Used by `make demo` and the e2e tests against the local control plane (`rljob.te
 
 - `install_chart` runs the real `helm upgrade --install` with charts/rljob-operator, pointing the
   operator at the watch namespaces (namespaced RBAC by default) and, for simulated pods, the agent's
-  emulator GPU probe. There is no kubelet on the bare API server, so the chart's Deployment pod stays
-  Pending; that is expected.
+  emulator GPU probe. The controller-manager creates the chart's Deployment pod and the scheduler binds
+  it, but the fake kubelet runs only the watched namespaces' pods, so it stays Pending: the operator runs
+  as a local process instead (below), with exactly the chart's rights.
 - `operator_kubeconfig` mints a TokenRequest token for the chart's ServiceAccount and writes a
   kubeconfig with it, so a locally started `rljob-operator` has the chart's RBAC and nothing more.
 """
