@@ -133,3 +133,56 @@ def test_launch_refuses_what_sglang_refuses_across_nodes(
     procs.append(emu)
     assert emu.wait_exit(15) == 1
     assert error in emu.log_text()
+
+
+def test_several_trainer_processes_of_a_pod_share_one_lease_request_and_one_publish(
+    procs: list[Proc], tmp_path: Path
+) -> None:
+    """torchrun with nproc 2 in one pod: both ranks use Handoff().train(); only LOCAL_RANK 0 talks to the
+    agent's lease routes, rank 1 waits for the pod's lease and its publish only records the version."""
+    import threading
+
+    from rljob.trainer import Handoff
+
+    emu = Emulator(tmp_path, "0.5.23")
+    procs.append(emu)
+    agent = Agent(tmp_path, emu.url)
+    procs.append(agent)
+    agent.wait_stage("Ready")
+    conductor = Conductor(agent)
+    conductor.ok("resume")
+    ranks = [Handoff(agent.trainer_url, local_rank=r) for r in (0, 1)]
+    calls: dict[int, list[tuple[str, str]]] = {0: [], 1: []}
+    for r, h in enumerate(ranks):
+        real = h.client.call
+
+        def counted(method: str, path: str, *a: Any, _r: int = r, _real: Any = real, **kw: Any) -> Any:
+            calls[_r].append((method, path))
+            return _real(method, path, *a, **kw)
+
+        h.client.call = counted  # type: ignore[method-assign]
+    epochs: dict[int, int | None] = {}
+
+    def step(r: int) -> None:
+        with ranks[r].train(timeout=30) as lease:
+            epochs[r] = lease.epoch
+            lease.publish("1", str(path))
+
+    path = write_weights(tmp_path / "weights", "1")
+    follower_rank = threading.Thread(target=step, args=(1,))
+    follower_rank.start()  # waits for the pod's lease without asking for it
+    wait_until(lambda: calls[1], 5, "rank 1 to wait for the lease")
+    leader_rank = threading.Thread(target=step, args=(0,))
+    leader_rank.start()
+    agent.wait_state(lambda s: s["trainer"]["requested"], 10, "the pod's lease request")
+    conductor.ok("drain")
+    conductor.ok("release", tags=ALL_TAGS)
+    conductor.ok("grant")
+    for t in (leader_rank, follower_rank):
+        t.join(30)
+    assert epochs == {0: conductor.epoch, 1: conductor.epoch}  # both ranks hold the same grant
+    posts = {r: [p for m, p in c if m == "POST"] for r, c in calls.items()}
+    assert posts[0] == ["/v1/trainer/request", "/v1/trainer/publish"]  # one request, one publish per pod
+    assert posts[1] == []  # rank 1 only read the agent's state
+    st = agent.state()
+    assert st["stage"] == "Trained" and st["trainer"]["publishedVersion"] == "1"

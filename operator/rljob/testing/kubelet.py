@@ -375,6 +375,68 @@ def _probe_port(container: JsonObj, port: Any) -> int:
     raise ValueError(f"unknown named port {port!r}")
 
 
+# -- pod names -----------------------------------------------------------------------------------
+CLUSTER_DOMAIN = "cluster.local"
+
+
+@dataclass(frozen=True)
+class PodName:
+    """A pod's stable DNS name: hostname `h` under the headless Service `s` of namespace `ns`
+    (`h.s.ns.svc.cluster.local`, and the shorter forms a pod's DNS search path resolves)."""
+
+    namespace: str
+    hostname: str
+    subdomain: str
+    ip: str
+
+    def names(self) -> list[str]:
+        fqdn = f"{self.hostname}.{self.subdomain}.{self.namespace}.svc"
+        return [f"{fqdn}.{CLUSTER_DOMAIN}", fqdn, f"{self.hostname}.{self.subdomain}.{self.namespace}",
+                f"{self.hostname}.{self.subdomain}"]  # fmt: skip
+
+
+def hosts_file_text(own: JsonObj, own_ip: str, gang: Iterable[PodName]) -> str:
+    """The pod's /etc/hosts as a kubelet writes it (pkg/kubelet/kubelet_pods.go@v1.34.4,
+    managedHostsFileContent: localhost, then the pod's IP with its FQDN and hostname), plus every stable
+    name of its namespace, which cluster DNS would answer here (the gang's headless Service)."""
+    spec = own.get("spec") or {}
+    hostname = spec.get("hostname") or own["metadata"]["name"]
+    lines = [
+        "# Kubernetes-managed hosts file (the rljob fake kubelet).",
+        "127.0.0.1\tlocalhost",
+        "::1\tlocalhost ip6-localhost ip6-loopback",
+    ]
+    if spec.get("subdomain"):
+        own_name = PodName(own["metadata"]["namespace"], hostname, spec["subdomain"], own_ip)
+        lines.append(f"{own_ip}\t{own_name.names()[0]}\t{hostname}")
+    else:
+        lines.append(f"{own_ip}\t{hostname}")
+    lines.append("# the namespace's pod names (cluster DNS)")
+    for name in sorted(gang, key=lambda n: (n.subdomain, n.hostname)):
+        lines.append(f"{name.ip}\t{' '.join(name.names())}")
+    return "\n".join(lines) + "\n"
+
+
+def write_in_place(path: Path, text: str) -> None:
+    """Rewrites the file's own inode (a bind mount pins the inode: a rename would not be seen). One
+    write, then the truncation: a reader sees the old or the new lines, at worst with a stale tail."""
+    data = text.encode()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
+    finally:
+        os.close(fd)
+
+
+HOSTS_WRAPPER = 'mount --bind "$0" /etc/hosts && hostname "$1" && shift && exec "$@"'
+
+
+def can_mount_pod_hosts() -> bool:
+    """A private mount (and UTS) namespace per container needs root and util-linux's unshare."""
+    return os.geteuid() == 0 and shutil.which("unshare") is not None and Path("/etc/hosts").is_file()
+
+
 # -- pod runner ----------------------------------------------------------------------------------
 class PodRunner:
     """Runs one pod from start to deletion in its own thread."""
@@ -442,6 +504,7 @@ class PodRunner:
             stop_processes([c.proc for c in self.containers if c.proc is not None], self._grace)
             if self.pod_ip:
                 self.kubelet.ips.release(self.pod_ip)
+            self.kubelet.forget_name(self.uid)
             if self._delete and not self._gone:
                 self.kubelet.force_delete(self.namespace, self.pod_name, self.uid)
             self.kubelet.forget(self.uid, self)
@@ -449,6 +512,9 @@ class PodRunner:
     def _prepare(self) -> bool:
         """Takes an IP and waits for the pod's volumes and env sources to exist."""
         self.pod_ip = self.kubelet.ips.acquire((self.pod.get("status") or {}).get("podIP"))
+        self.hosts_file = self.scratch / "etc-hosts"
+        self.scratch.mkdir(parents=True, exist_ok=True)
+        self.kubelet.note_name(self.pod, self.pod_ip)  # before its status says so: its own processes need it
         self.start_time = _now()
         spec = self.pod["spec"]
         self.containers = [ContainerRun(c, init=True) for c in spec.get("initContainers") or []]
@@ -508,7 +574,8 @@ class PodRunner:
             env.update({"HOSTNAME": self.pod_name, **ctx.env, **launch.env})
             with open(self.log_path(c.name), "ab") as out:
                 c.proc = subprocess.Popen(
-                    [str(a) for a in launch.argv], cwd=launch.cwd or self.scratch, env=env,
+                    self.kubelet.in_pod(self, [str(a) for a in launch.argv]), cwd=launch.cwd or self.scratch,
+                    env=env,
                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                     start_new_session=True,  # one process group per container: stopped as a whole
                     preexec_fn=die_with_parent,  # and killed if this runner thread ever dies first
@@ -730,6 +797,7 @@ class Kubelet:
         lease_seconds: int = 40,
         heartbeat: float = 10.0,
         status_every: float = 60.0,
+        pod_hosts: bool | None = None,
     ) -> None:
         """`lease_seconds`, `heartbeat` and `status_every` are a kubelet's defaults: a 40 s Lease renewed
         every 10 s (pkg/kubelet/apis/config/v1beta1/defaults.go@v1.34.4: nodeLeaseDurationSeconds, and a
@@ -753,6 +821,11 @@ class Kubelet:
         self.lease_seconds = lease_seconds
         self.heartbeat = heartbeat
         self.status_every = status_every
+        # Each pod's processes see the gang's stable names, as cluster DNS and the kubelet's /etc/hosts give
+        # them (a hosts file per pod, bind-mounted in a mount namespace): default on where that works.
+        self.pod_hosts = can_mount_pod_hosts() if pod_hosts is None else pod_hosts
+        self._names: dict[str, PodName] = {}  # pod uid -> its stable name and IP, every kubelet's pods
+        self._names_lock = threading.Lock()
         server = urlparse(self.api.access.server)
         self.service_env = {  # what a kubelet gives every container for the `kubernetes` service
             "KUBERNETES_SERVICE_HOST": server.hostname or HOST_IP,
@@ -808,10 +881,17 @@ class Kubelet:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def runner(self, namespace: str, name: str) -> PodRunner | None:
+    def runner(self, namespace: str, name: str, uid: str | None = None) -> PodRunner | None:
+        """The pod's runner; with `uid`, that very pod's (a deleted pod's runner may outlive it a while
+        beside the runner of a new pod of the same name)."""
         with self._lock:
             return next(
-                (r for r in self._runners.values() if (r.namespace, r.pod_name) == (namespace, name)), None
+                (
+                    r
+                    for r in self._runners.values()
+                    if (r.namespace, r.pod_name) == (namespace, name) and uid in (None, r.uid)
+                ),
+                None,
             )
 
     # -- nodes -----------------------------------------------------------------------------------
@@ -956,6 +1036,50 @@ class Kubelet:
             if exc.status not in (404, 409):
                 log.warning("deleting %s/%s: %s", namespace, name, exc)
 
+    # -- pod names -------------------------------------------------------------------------------
+    def note_name(self, pod: JsonObj, ip: str | None) -> None:
+        """A pod with a hostname and a subdomain has a stable name once it has an IP; every running
+        pod of its namespace gets it in its hosts file."""
+        meta, spec = pod["metadata"], pod.get("spec") or {}
+        if not ip or not spec.get("subdomain") or meta.get("deletionTimestamp"):
+            return
+        name = PodName(meta["namespace"], spec.get("hostname") or meta["name"], spec["subdomain"], ip)
+        with self._names_lock:
+            if self._names.get(meta["uid"]) == name:
+                return
+            self._names[meta["uid"]] = name
+        self.refresh_hosts(name.namespace)
+
+    def forget_name(self, uid: str) -> None:
+        with self._names_lock:
+            name = self._names.pop(uid, None)
+        if name is not None:
+            self.refresh_hosts(name.namespace)
+
+    def refresh_hosts(self, namespace: str) -> None:
+        with self._lock:
+            runners = [r for r in self._runners.values() if r.namespace == namespace and r.pod_ip]
+        for r in runners:
+            self.write_hosts(r)
+
+    def write_hosts(self, runner: PodRunner) -> None:
+        with self._names_lock:
+            gang = [n for n in self._names.values() if n.namespace == runner.namespace]
+        path = getattr(runner, "hosts_file", None)
+        if path is not None:
+            with contextlib.suppress(FileNotFoundError):  # the pod's scratch is gone: it has stopped
+                write_in_place(path, hosts_file_text(runner.pod, runner.pod_ip, gang))
+
+    def in_pod(self, runner: PodRunner, argv: list[str]) -> list[str]:
+        """The container's process in a mount and UTS namespace of its own: the pod's hosts file over
+        /etc/hosts and the pod's hostname (what gethostname() answers, e.g. for gloo's address)."""
+        if not self.pod_hosts:
+            return argv
+        self.write_hosts(runner)
+        hostname = (runner.pod.get("spec") or {}).get("hostname") or runner.pod_name
+        return ["unshare", "--mount", "--uts", "sh", "-c", HOSTS_WRAPPER, str(runner.hosts_file), hostname,
+                *argv]  # fmt: skip
+
     def forget(self, uid: str, runner: PodRunner) -> None:
         with self._lock:
             if self._runners.get(uid) is runner:
@@ -1017,6 +1141,10 @@ class Kubelet:
 
     def _on_event(self, kind: str, pod: JsonObj) -> None:
         meta, spec = pod["metadata"], pod.get("spec") or {}
+        if kind == "DELETED":
+            self.forget_name(meta["uid"])
+        else:
+            self.note_name(pod, (pod.get("status") or {}).get("podIP"))
         if spec.get("nodeName") not in self.node_names:
             return  # another kubelet's node
         uid = meta["uid"]

@@ -44,6 +44,8 @@ def classify(ctx: ContainerContext, extra_sglang_args: Sequence[str] = ()) -> Po
     argv = [pod_loopback(a, ctx.pod_ip) for a in ctx.argv()]
     env = {k: pod_loopback(v, ctx.pod_ip) for k, v in ctx.env.items()}
     sim_args = shlex.split(ctx.env.get(SIM_ARGS_ENV, ""))
+    # RLJOB_SIM_ARGS_POD_<i>: more flags for pod i only (e.g. a fault on one follower of the gang).
+    sim_args += shlex.split(ctx.env.get(f"{SIM_ARGS_ENV}_POD_{ctx.env.get('RLJOB_POD_INDEX', '')}", ""))
     if ctx.name == AGENT_CONTAINER:
         return PodContainer("agent", argv[1:], env)
     if SGLANG_ENTRY in argv:

@@ -29,6 +29,8 @@ from safetensors.numpy import save, save_file
 
 from rljob.emulator.rendezvous import Rank0
 from rljob.emulator.tokens import GARBAGE_MARKER
+from rljob.testing.collective import BACKENDS, World, WorldError
+from rljob.testing.collective import join as join_world
 from rljob.trainer import Handoff
 
 
@@ -69,6 +71,8 @@ def write_checkpoint(weights_dir: Path, version: str, tensors: dict[str, np.ndar
 class Rollout:
     def __init__(self, sglang_url: str, api_key: str | None, args: argparse.Namespace) -> None:
         self.url = sglang_url.rstrip("/")
+        # A follower pod of a multi-node instance has no SGLang API (C-NODE): its instance's leader generates.
+        self.generates = os.environ.get("RLJOB_NODE_RANK", "0") == "0"
         self.headers = {"Content-Type": "application/json"}
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
@@ -87,6 +91,8 @@ class Rollout:
         return out if isinstance(out, list) else [out]
 
     def run(self, iteration: int, served: str) -> dict[str, Any]:
+        if not self.generates:
+            return {"responses": 0, "completed": 0, "cached_tokens": 0, "prompt_tokens": 0}
         prefix = " ".join(f"sys{i}" for i in range(self.args.prefix_tokens))
         prompts = [f"{prefix} question-{iteration}-{i} please answer" for i in range(self.args.prompts)]
         with ThreadPoolExecutor(max_workers=min(4, len(prompts))) as pool:
@@ -163,6 +169,14 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--train-seconds", type=float, default=0.0)
+    p.add_argument(
+        "--world",
+        choices=["none", *BACKENDS],
+        default="none",
+        help="form the trainer world from the injected env (MASTER_ADDR, WORLD_SIZE, RANK, ...) and run one "
+        "checked all_reduce per training step: torch (gloo), tcp (no torch), auto (torch if importable; "
+        "RLJOB_REQUIRE_TORCH=1 makes torch required); exits 3 when the world is not the env's",
+    )
     p.add_argument("--weights-bytes", type=int, default=64 << 10, help="checkpoint size written per version")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for Serving, lease, window")
     p.add_argument("--request-timeout", type=float, default=120.0)
@@ -179,6 +193,7 @@ def train_loop(
     stopping: Callable[[], bool] = lambda: False,
     on_step: Callable[[str, float], None] = lambda _version, _seconds: None,
     log: Callable[..., None] = _log,
+    world: World | None = None,
 ) -> None:
     """The simulated trainer: rollout at the served version, lease, checkpoint, publish, refit push; then
     the final served version checked. `on_step(version, s)`: seconds from lease granted to publish
@@ -197,11 +212,13 @@ def train_loop(
         with handoff.train(timeout=args.timeout) as lease:
             granted = time.perf_counter()
             time.sleep(args.train_seconds)
+            if world is not None:  # the step's collective over every trainer process of the gang
+                log("collective", iteration=iteration, **world.step())
             path = write_checkpoint(weights_dir, version, tensors)
             lease.publish(version, str(path))
             on_step(version, time.perf_counter() - granted)
         log("published", iteration=iteration, version=version, path=str(path), source=source)
-        if source != "disk":
+        if source != "disk" and rollout.generates:  # refit windows open on the leader's agent only
             push_refit(handoff, source, version, tensors, args.timeout)
         expected = version
     if stopping():
@@ -225,11 +242,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     weights_dir = Path(os.environ.get("RLJOB_WEIGHTS_DIR", "/tmp/rljob-weights"))
     try:
-        train_loop(args, Handoff(), rollout, weights_dir, source)
+        world = join_world(args.world) if args.world != "none" else None
+        if world is not None:
+            _log("world", backend=world.backend, world_size=world.size, rank=world.rank)
+        train_loop(args, Handoff(), rollout, weights_dir, source, world=world)
         return 0
     except StaleServing as e:
         print(f"STALE SERVING: {e}", file=sys.stderr, flush=True)
         return 2
+    except WorldError as e:
+        print(f"WORLD: {e}", file=sys.stderr, flush=True)
+        return 3
 
 
 if __name__ == "__main__":

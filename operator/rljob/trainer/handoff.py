@@ -22,6 +22,7 @@ with handoff.refit_window(timeout=600) as window:
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -48,10 +49,14 @@ class Lease:
     _client: AgentClient
     epoch: int | None
     published: str | None = None
+    by_local_rank_0: bool = False  # another process of this pod (LOCAL_RANK 0) publishes for the pod
 
     def publish(self, version: str, path: str | None = None) -> None:
         if self.published is not None:
             raise LeaseError(f"already published {self.published}: a lease publishes once")
+        if self.by_local_rank_0:
+            self.published = str(version)  # the pod's one publish is LOCAL_RANK 0's
+            return
         body: dict[str, Any] = {"version": str(version)}
         if path is not None:
             body["path"] = str(path)
@@ -212,9 +217,16 @@ class RefitSession:
 
 
 class Handoff:
-    def __init__(self, agent_url: str | None = None) -> None:
+    """One per trainer process. Under torchrun with several processes per pod (spec.trainer.processesPerPod,
+    LOCAL_RANK set), every rank may use `train()`: LOCAL_RANK 0 makes the pod's one lease request and its
+    one publish; the other ranks wait until the agent shows the lease granted (or already returned by
+    rank 0's publish) and their `publish` only records the version. They must enter `train()` before rank 0
+    publishes, which a training step's collectives ensure."""
+
+    def __init__(self, agent_url: str | None = None, local_rank: int | None = None) -> None:
         self.client = AgentClient(agent_url)
         self._bucket_buffers: BucketBuffers | None = None
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
 
     def _buffers(self) -> BucketBuffers:
         if self._bucket_buffers is None:
@@ -263,7 +275,11 @@ class Handoff:
     @contextmanager
     def train(self, timeout: float | None = None) -> Iterator[Lease]:
         """Ask for the GPU, wait for the lease, yield it. Leaving without `publish` returns the lease as
-        abandoned (the agent records why) and raises."""
+        abandoned (the agent records why) and raises. On a rank other than LOCAL_RANK 0: no request, no
+        publish, no abandon (rank 0's); it waits for the pod's lease and yields it."""
+        if self.local_rank != 0:
+            yield Lease(self.client, self._wait_pods_lease(timeout), by_local_rank_0=True)
+            return
         self.client.call("POST", "/v1/trainer/request", {})
         lease = Lease(self.client, self._wait_lease(timeout))
         try:
@@ -289,6 +305,26 @@ class Handoff:
             st = self.state()
             if st["stage"] == "Failed":
                 raise LeaseError(f"agent failed while waiting for the lease: {st.get('fatal')}")
+
+    def _wait_pods_lease(self, timeout: float | None) -> int | None:
+        """The grant epoch of the pod's lease once the agent shows it held, or returned by a publish made
+        since this call (rank 0 was quicker)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        st = self._first_state(deadline)
+        before = st["trainer"].get("publishedEpoch")
+        while True:
+            trainer = st["trainer"]
+            if trainer.get("leaseHeld"):
+                return int(st["epoch"])
+            published = trainer.get("publishedEpoch")
+            if published is not None and published != before:
+                return int(published)
+            if st["stage"] == "Failed":
+                raise LeaseError(f"agent failed while waiting for the lease: {st.get('fatal')}")
+            left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
+            if left <= 0:
+                raise TimeoutError(f"the pod's GPU lease was not granted within {timeout}s")
+            st = self.state(since=st["revision"], wait=left)
 
     def _abandon(self, reason: str) -> None:
         with contextlib.suppress(AgentError):  # no lease held any more: nothing to return
