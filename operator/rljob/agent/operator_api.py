@@ -49,8 +49,17 @@ def build_operator_app(
     async def get_state(request: web.Request) -> web.Response:
         since = query_number(request, "since", -1, lo=-1, hi=2**53)
         wait = query_number(request, "wait", 0, lo=0, hi=MAX_WAIT_S)
-        if wait > 0 and since >= 0:
-            await store.wait_newer(int(since), wait)
+        changes = request.query.get("changes", "all")
+        if changes not in ("all", "operator"):
+            raise Refused(400, "InvalidQuery", f"changes: 'all' or 'operator', not {changes[:64]!r}")
+        # `since` counts revisions of one boot: a restarted agent answers at once instead of waiting for a
+        # revision its predecessor had already passed.
+        same_boot = request.query.get("boot") in (None, store.state.boot_id)
+        if wait > 0 and since >= 0 and same_boot:
+            if changes == "operator":
+                await store.wait_operator(int(since), wait)
+            else:
+                await store.wait_newer(int(since), wait)
         return reply(store.state)
 
     async def post_command(request: web.Request) -> web.Response:

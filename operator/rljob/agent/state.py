@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from rljob.agent.reports import OperatorReports
 from rljob.api.agent import AgentState, Stage
 
 
@@ -51,6 +52,7 @@ class StateStore:
         self._tick = asyncio.Event()
         self._on_commit = on_commit
         self.last_commit = time.monotonic()
+        self.operator_reports = OperatorReports()  # the revisions `changes=operator` waits for
 
     @contextlib.contextmanager
     def change(self) -> Iterator[AgentState]:
@@ -60,6 +62,7 @@ class StateStore:
 
     def commit(self) -> None:
         self.state.revision += 1
+        self.operator_reports.committed(self.state)
         self.last_commit = time.monotonic()
         tick, self._tick = self._tick, asyncio.Event()
         tick.set()
@@ -80,6 +83,10 @@ class StateStore:
 
     async def wait_newer(self, since: int, timeout: float) -> None:
         await self.wait_until(lambda: self.state.revision > since, timeout)
+
+    async def wait_operator(self, since: int, timeout: float) -> None:
+        """Until a revision after `since` that the operator acts on (agent/reports.py)."""
+        await self.wait_until(lambda: self.operator_reports.revision > since, timeout)
 
     def fail(self, reason: str) -> None:
         """SGLang died or its state is unknown: the pod must be replaced. Sticky."""

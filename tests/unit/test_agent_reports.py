@@ -1,0 +1,99 @@
+"""`GET /v1/state?changes=operator` answers on the revisions the operator acts on (agent/reports.py):
+a finished command, a stage reached outside a command, the trainer's report, a failure; not rollout
+samples, not a command's acceptance or its steps. Without `changes` every revision answers, as before;
+`boot` from another boot answers at once."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from aiohttp.test_utils import TestClient, TestServer
+
+from rljob.agent.metrics import AgentMetrics
+from rljob.agent.operator_api import build_operator_app
+from rljob.agent.reports import acted_on, operator_view
+from rljob.agent.state import StateStore
+from rljob.api.agent import Action, AgentState, CommandState, CommandStatus, Stage
+
+TOKEN = "t0ken"
+
+
+def serving() -> AgentState:
+    done = CommandStatus(epoch=4, action=Action.RESUME, state=CommandState.SUCCEEDED)
+    return AgentState(revision=1, boot_id="b", stage=Stage.SERVING, epoch=4, last_command=done)
+
+
+def changed(state: AgentState, edit: Any) -> bool:
+    before = operator_view(state)
+    after = state.model_copy(deep=True)
+    edit(after)
+    return acted_on(before, operator_view(after))
+
+
+def accept(s: AgentState) -> None:
+    s.epoch = 5
+    s.last_command = CommandStatus(epoch=5, action=Action.DRAIN, state=CommandState.RUNNING)
+
+
+def test_what_the_operator_acts_on() -> None:
+    st = serving()
+    assert not changed(st, lambda s: setattr(s.rollout, "samples", 3))  # a rollout sample
+    assert not changed(st, lambda s: setattr(s, "revision", 9))
+    assert changed(st, lambda s: setattr(s.trainer, "requested", True))  # ends the rollout
+    assert changed(st, lambda s: setattr(s.sglang, "served_version", "7"))
+    assert not changed(st, accept)  # the operator knows what it sent
+    running = st.model_copy(deep=True)
+    accept(running)
+    assert not changed(running, lambda s: setattr(s.sglang, "paused", True))  # a step of the drain
+    assert not changed(running, lambda s: setattr(s, "stage", Stage.DRAINED))
+    assert changed(running, lambda s: setattr(s, "fatal", "SGLang died"))
+    assert changed(running, lambda s: setattr(s, "stage", Stage.FAILED))
+    assert changed(running, lambda s: setattr(s.trainer, "published_version", "5"))
+
+    def finish(s: AgentState) -> None:
+        assert s.last_command is not None
+        s.last_command.state = CommandState.SUCCEEDED
+        s.stage = Stage.DRAINED
+
+    assert changed(running, finish)
+    assert acted_on(None, operator_view(st))  # the first report always counts
+
+
+async def _long_poll_scenario() -> None:
+    store = StateStore()
+    store.commit()  # revision 1: Starting
+    app = build_operator_app(store, None, AgentMetrics(), TOKEN)  # type: ignore[arg-type]
+    async with TestClient(TestServer(app)) as client:
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+
+        async def poll(**params: Any) -> dict[str, Any]:
+            resp = await client.get("/v1/state", params={k: str(v) for k, v in params.items()}, headers=auth)
+            assert resp.status == 200, await resp.text()
+            return dict(await resp.json())
+
+        since = store.state.revision
+        operator = asyncio.create_task(poll(since=since, wait=5, changes="operator"))
+        everyone = asyncio.create_task(poll(since=since, wait=5))
+        await asyncio.sleep(0.1)
+        with store.change() as s:
+            s.rollout.samples = 1  # not for the operator
+        got = await asyncio.wait_for(everyone, 2)
+        assert got["revision"] == since + 1
+        await asyncio.sleep(0.1)
+        assert not operator.done()
+        with store.change() as s:
+            s.stage = Stage.READY  # SGLang is up: the operator acts on that
+        got = await asyncio.wait_for(operator, 2)
+        assert got["revision"] == since + 2 and got["stage"] == "Ready"
+        # A `since` of another boot: answered at once, whatever the revision.
+        began = asyncio.get_running_loop().time()
+        got = await poll(since=10**6, wait=5, changes="operator", boot="an-earlier-boot")
+        assert asyncio.get_running_loop().time() - began < 1
+        assert got["bootId"] == store.state.boot_id
+        bad = await client.get("/v1/state", params={"changes": "some"}, headers=auth)
+        assert bad.status == 400
+
+
+def test_the_long_poll_with_changes_operator_skips_what_the_operator_does_not_act_on() -> None:
+    asyncio.run(_long_poll_scenario())
