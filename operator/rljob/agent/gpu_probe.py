@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import os
 import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
+from rljob.agent.gpu_scope import LISTED_ENV, VISIBLE, GpuScopeUnknown, Selection, pod_gpu_lists, select_gpus
 from rljob.agent.sglang_client import SGLangClient
 from rljob.agent.timing import add_external
+from rljob.api.agent import GpuScope
 
 
 @dataclass(frozen=True)
@@ -21,6 +25,7 @@ class GpuMemory:
     index: int
     used_bytes: int
     total_bytes: int
+    uuid: str = ""
 
 
 class GpuProbe(Protocol):
@@ -34,16 +39,36 @@ class NvmlProbe:
         self._nvml: Any = None
         self._handles: list[Any] = []
 
+    scope: Selection | None = None  # which GPUs are the pod's (agent/gpu_scope.py), once NVML started
+    proc_root = Path("/proc")
+
+    def _own_handles(self, nvml: Any) -> list[Any]:
+        """The pod's GPUs only: all visible ones when the container sees only those, else the ones a pod
+        process names; none (GpuScopeUnknown at each sample) when the agent cannot tell."""
+        self.scope = select_gpus(
+            os.environ.get(VISIBLE), os.environ.get(LISTED_ENV), pod_gpu_lists(self.proc_root)
+        )
+        if self.scope.scope == GpuScope.UNKNOWN:
+            return []
+        if not self.scope.devices:
+            return [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+        return [
+            nvml.nvmlDeviceGetHandleByIndex(int(d)) if d.isdigit() else nvml.nvmlDeviceGetHandleByUUID(d)
+            for d in self.scope.devices
+        ]
+
     def _init(self) -> None:
         import pynvml  # type: ignore[import-untyped]  # lazy: only nodes with the NVIDIA driver have it
 
         pynvml.nvmlInit()
         self._nvml = pynvml
-        self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        self._handles = self._own_handles(pynvml)
 
     def _sample_blocking(self) -> list[GpuMemory]:
         if self._nvml is None:
             self._init()
+        if self.scope is not None and self.scope.scope == GpuScope.UNKNOWN:
+            raise GpuScopeUnknown(f"cannot tell which GPUs are this pod's: {self.scope.reason}")
         out = []
         for i, handle in enumerate(self._handles):
             info = self._nvml.nvmlDeviceGetMemoryInfo(handle)

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 
 from rljob.agent.errors import CommandFailed, PermanentFailure, StateLost
 from rljob.agent.gpu_probe import GpuMemory, GpuProbe
+from rljob.agent.gpu_scope import report_gpu_scope
 from rljob.agent.lease import LeaseDesk
 from rljob.agent.metrics import AgentMetrics
 from rljob.agent.refit_window import RefitWindows
@@ -248,6 +249,7 @@ class Operations:
     async def _quiet_sample(self) -> None:
         with contextlib.suppress(Exception):
             await self.probe.sample()
+        report_gpu_scope(self.store, self.probe)  # which GPUs are the pod's, before any release
 
     async def _sample(self) -> list[GpuMemory]:
         try:
@@ -256,6 +258,7 @@ class Operations:
             raise  # a probe that reads through SGLang's port: its loss is SGLang's death
         except Exception as e:  # NVML errors have no common base class worth naming
             raise CommandFailed(f"GPU probe failed: {e.__class__.__name__}: {e}") from e
+        report_gpu_scope(self.store, self.probe, len(gpus))
         if not gpus:
             raise CommandFailed("GPU probe sees no GPU")
         return gpus

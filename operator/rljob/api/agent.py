@@ -153,6 +153,23 @@ class MemoryReport(WireModel):
     verified: bool = False
 
 
+class GpuScope(StrEnum):
+    """How the agent knows which GPUs are its pod's (agent/gpu_scope.py)."""
+
+    CONTAINER = "Container"  # its container sees only the pod's GPUs (a shared DRA claim): all of them
+    LISTED = "Listed"  # RLJOB_GPU_UUIDS
+    PROCESS = "Process"  # named in a pod process's environment (NVIDIA_VISIBLE_DEVICES=all on the agent)
+    PROBE = "Probe"  # a probe plugin that sees its pod's GPUs only
+    UNKNOWN = "Unknown"  # it cannot tell: release is not verified on GPUs that may be another pod's
+
+
+class GpuScopeReport(WireModel):
+    scope: GpuScope
+    devices: list[str] = Field(default_factory=list, max_length=64, description="UUIDs or indices opened.")
+    gpus: int | None = Field(default=None, ge=0, description="GPUs the probe verifies.")
+    reason: str | None = Field(default=None, max_length=1024, description="Why the scope is Unknown.")
+
+
 class TrainerReport(WireModel):
     requested: bool = Field(default=False, description="The trainer asked for the GPU and waits.")
     request_epoch: int | None = Field(default=None, description="Agent epoch when the request arrived.")
@@ -210,6 +227,9 @@ class AgentState(WireModel):
     last_command: CommandStatus | None = None
     released_tags: list[ReleaseTag] = Field(default_factory=list, max_length=3)
     memory: MemoryReport = Field(default_factory=MemoryReport)
+    gpus: GpuScopeReport | None = Field(
+        default=None, description="Which GPUs release verification looks at; None until the probe ran."
+    )
     sglang: SGLangInfo = Field(default_factory=SGLangInfo)
     trainer: TrainerReport = Field(default_factory=TrainerReport)
     rollout: RolloutReport = Field(default_factory=RolloutReport)

@@ -91,6 +91,11 @@ class PodStatus(StatusModel):
     released_tags: list[ReleaseTag] = Field(default_factory=list, max_length=3)
     freed_bytes: int = Field(default=0, ge=0)
     last_error: str | None = Field(default=None, max_length=MAX_MESSAGE)
+    gpus: str | None = Field(
+        default=None,
+        max_length=MAX_MESSAGE,
+        description="Which GPUs the pod's agent verifies: its scope and devices, or why it cannot tell.",
+    )
 
 
 class PhaseSpan(StatusModel):

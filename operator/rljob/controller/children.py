@@ -35,6 +35,12 @@ class AgentOptions:
     cpu_request: str = "50m"
     memory_request: str = "64Mi"
     memory_limit: str = "256Mi"
+    # How the agent's NVML sees the pod's GPUs (agent/gpu_scope.py). "claim": it shares the rollout
+    # container's DRA claim and sees exactly those; no NVIDIA_VISIBLE_DEVICES. "all":
+    # NVIDIA_VISIBLE_DEVICES=all for nodes with the classic device plugin whose runtime accepts it
+    # unprivileged (hardened ones refuse it); the agent then verifies only the GPUs a pod process names
+    # (shareProcessNamespace).
+    gpu_visibility: str = "claim"
 
 
 def token_secret_name(job: str) -> str:
@@ -144,9 +150,9 @@ def agent_container(spec: RLJobSpec, options: AgentOptions) -> dict[str, Any]:
         "env": [
             {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-            # NVML must see the pod's GPUs; with the NVIDIA runtime a sidecar needs this to read memory.
-            _env("NVIDIA_VISIBLE_DEVICES", "all"),
             _env("NVIDIA_DRIVER_CAPABILITIES", "utility"),
+            # Every GPU of the node, only where asked: the agent then picks the pod's (agent/gpu_scope.py).
+            *([_env("NVIDIA_VISIBLE_DEVICES", "all")] if options.gpu_visibility == "all" else []),
         ],
         "ports": [{"name": "agent", "containerPort": port}],
         "volumeMounts": [{"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True}],

@@ -34,6 +34,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=env("RLJOB_AGENT_GPU_PROBE", "nvml"),
         help="the agents' --gpu-probe: `nvml`, or a plugin `package.module:factory` (simulated pods)",
     )
+    p.add_argument(
+        "--agent-gpu-visibility",
+        choices=("claim", "all"),
+        default=env("RLJOB_AGENT_GPU_VISIBILITY", "claim"),
+        help="claim: the agent shares the rollout container's DRA claim and sees only its GPUs; all: "
+        "NVIDIA_VISIBLE_DEVICES=all on the agent (classic device plugin, runtimes that accept it), which "
+        "then verifies the GPUs a pod process names (docs/agent.md, 'The GPUs of this pod')",
+    )
     p.add_argument("--metrics-port", type=int, default=int(env("RLJOB_METRICS_PORT", "9090")), help="0: off")
     p.add_argument(
         "--metrics-address",
@@ -84,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
             image=args.agent_image,
             image_pull_policy=args.agent_image_pull_policy,
             gpu_probe=args.agent_gpu_probe,
+            gpu_visibility=args.agent_gpu_visibility,
         ),
         tick_seconds=args.tick_seconds,
     )

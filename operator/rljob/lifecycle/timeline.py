@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 
 from rljob.api.agent import Action, AgentState, CommandState
-from rljob.api.status import MAX_PODS_IN_STATUS, MAX_TIMELINE, Phase, PhaseSpan, PodStatus
+from rljob.api.status import MAX_MESSAGE, MAX_PODS_IN_STATUS, MAX_TIMELINE, Phase, PhaseSpan, PodStatus
 from rljob.lifecycle.clock import seconds_between
 from rljob.lifecycle.model import PodObservation
 
@@ -84,6 +84,17 @@ def record_rollout_sample(
         rollout.tokens_per_second = round(sum(tps), 3)
 
 
+def gpu_summary(agent: AgentState) -> str | None:
+    """`Container: 2 GPU(s)`, `Process: GPU-a,GPU-b`, `Unknown: why` (agent/gpu_scope.py)."""
+    g = agent.gpus
+    if g is None:
+        return None
+    if g.reason:
+        return f"{g.scope.value}: {g.reason}"[:MAX_MESSAGE]
+    what = ",".join(g.devices) if g.devices else f"{g.gpus if g.gpus is not None else '?'} GPU(s)"
+    return f"{g.scope.value}: {what}"[:MAX_MESSAGE]
+
+
 def pod_entries(gang: Iterable[tuple[PodObservation, AgentState | None]]) -> list[PodStatus]:
     """status.pods: one entry per gang member (by index, at most MAX_PODS_IN_STATUS), as its agent last
     reported. Refreshed at phase changes only, so status writes per iteration stay constant whatever
@@ -95,6 +106,7 @@ def pod_entries(gang: Iterable[tuple[PodObservation, AgentState | None]]) -> lis
             entry.weight_version = agent.sglang.served_version
             entry.released_tags = list(agent.released_tags)
             entry.freed_bytes = agent.memory.freed_bytes
+            entry.gpus = gpu_summary(agent)
             failed = agent.last_command is not None and agent.last_command.state == CommandState.FAILED
             entry.last_error = agent.fatal or (
                 agent.last_command.error if failed and agent.last_command else None
