@@ -196,3 +196,28 @@ def test_tensor_refit_refuses_a_template_without_a_shared_process_namespace() ->
         parse_spec(spec)
     spec["refit"]["source"] = "disk"
     parse_spec(spec)  # the user's choice where no CUDA IPC crosses containers
+
+
+def test_the_multinode_example_is_one_command_line_for_every_pod() -> None:
+    docs = yaml.safe_load_all((ROOT / "examples/rljob-multinode.yaml").read_text())
+    job = next(d for d in docs if d["kind"] == "RLJob")
+    spec = parse_spec(job["spec"])
+    argv = []
+    for i in range(spec.replicas):
+        pod = gang_pod("qwen", "u", spec, i, 0, AgentOptions(), None)
+        sglang = pod["spec"]["containers"][0]
+        env = {k: v.replace("$(RLJOB_NAMESPACE)", "rl") for k, v in env_of(sglang).items()}
+        argv.append([expand_vars(a, env) for a in sglang["args"]])
+    flags = [dict(zip(a[::2], a[1::2], strict=False)) for a in argv]
+    assert [(f["--node-rank"], f["--nnodes"]) for f in flags] == [
+        ("0", "2"),
+        ("1", "2"),
+        ("0", "2"),
+        ("1", "2"),
+    ]
+    assert [f["--dist-init-addr"] for f in flags] == ["qwen-0.qwen.rl.svc:5000"] * 2 + [
+        "qwen-2.qwen.rl.svc:5000"
+    ] * 2
+    trainer = env_of(gang_pod("qwen", "u", spec, 3, 0, AgentOptions(), None)["spec"]["containers"][1])
+    assert (trainer["PET_NNODES"], trainer["PET_NODE_RANK"], trainer["PET_NPROC_PER_NODE"]) == ("4", "3", "8")
+    assert "RANK" not in trainer  # torchrun sets the ranks of its 8 processes
