@@ -9,7 +9,7 @@ NODES ?= 2
 GPUS_PER_NODE ?= 8
 HELM ?= $(HOME)/.cache/rljob/bin/helm-v3.22.0/helm
 
-.PHONY: help install test test-unit test-agent test-e2e lint crds chart-lint images openapi cluster-up cluster-down cluster-status binaries demo bench gpu-test clean
+.PHONY: help install test test-unit test-agent test-e2e lint crds chart-lint images openapi cluster-up cluster-down cluster-status binaries demo bench chaos gpu-test clean
 
 help:
 	@grep -E '^[a-z-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -67,6 +67,9 @@ demo: install binaries ## the whole loop on a real local API server with simulat
 
 bench: install binaries ## benchmarks: printed tables, not timed tests (agent overhead; control overhead 1/8/64 pods)
 	$(BIN)/python -m pytest -q -s -m bench tests/bench/bench_agent_overhead.py tests/bench/bench_control_overhead.py
+
+chaos: install binaries ## chaos suite (a report, not timed tests; ~10 min): operator, agent, SGLang, standby, API server faults
+	$(BIN)/python tests/chaos/chaos.py
 
 gpu-test: ## GPU tier (needs an NVIDIA GPU; see tests/gpu/README.md)
 	$(BIN)/python -m pytest -q -s tests/gpu

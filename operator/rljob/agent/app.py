@@ -1,4 +1,6 @@
-"""Wiring of the agent: one SGLang client, the state store, the desks, two listeners, background loops."""
+"""Wiring of the agent: one SGLang client, the state store, the desks, two listeners, background loops.
+With `--state-dir` the store keeps a pod-local record, and a restarted agent recovers from it
+(agent/record.py, agent/recovery.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from rljob.agent.lease import LeaseDesk
 from rljob.agent.metrics import AgentMetrics
 from rljob.agent.operations import Operations
 from rljob.agent.operator_api import build_operator_app
+from rljob.agent.record import AgentRecord, RecordError
+from rljob.agent.recovery import Recovery
 from rljob.agent.refit_window import RefitWindows
 from rljob.agent.rollout import RolloutSampler
 from rljob.agent.sglang_client import SGLangClient
@@ -31,7 +35,8 @@ class Agent:
     def __init__(self, cfg: AgentConfig) -> None:
         self.cfg = cfg
         self.metrics = AgentMetrics()
-        self.store = StateStore(on_commit=self.metrics.revision.set)
+        self.record = AgentRecord(cfg.state_dir) if cfg.state_dir else None
+        self.store = StateStore(on_commit=self.metrics.revision.set, record=self.record)
         self.client = SGLangClient(
             cfg.sglang_url,
             api_key=cfg.sglang_api_key,
@@ -62,6 +67,8 @@ class Agent:
             )
             check = follower.check
         self.desk = CommandDesk(self.store, ops, self.metrics, self.watch.confirm_death, check=check)
+        self.recovery = Recovery(self.store, self.client, ops.probe, self._continue_recorded)
+        self.watch.on_recover = self.recovery.run
         self._runners: list[web.AppRunner] = []
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -69,6 +76,7 @@ class Agent:
         """Listen on both APIs and start the background loops; no signal handling, so that the agent can
         be embedded in another program's event loop (`run` is the `rljob-agent` process: start, wait for
         SIGTERM/SIGINT, stop)."""
+        self._load_record()
         await self.client.start()
         for app, (host, port) in (
             (
@@ -96,6 +104,35 @@ class Agent:
                 else []
             ),
         ]
+
+    def _load_record(self) -> None:
+        """The first start in a pod writes the record; a restart restores it (Recovering until the watch
+        has checked it against SGLang). An unreadable record: what the last process did is unknown."""
+        if self.record is None:
+            return
+        try:
+            data = self.record.load()
+        except RecordError as e:
+            self.store.unsure(f"the agent restarted and its record is unreadable: {e}")
+            return
+        if data is not None and self.cfg.node_rank > 0:
+            # A follower (agent/follower.py) keeps its verification samples in memory only: not recovered.
+            self.store.boots = int(data.get("boots") or 1) + 1
+            self.store.unsure("a follower pod's agent restarted; followers do not recover their state")
+            return
+        if data is not None:
+            self.store.restore(data)
+            log.warning(
+                "rljob-agent restarted (%d earlier start(s) in this pod): recovering stage %s, epoch %d",
+                self.store.boots - 1,
+                self.store.state.stage.value,
+                self.store.state.epoch,
+            )
+        self.store.commit()
+
+    def _continue_recorded(self) -> None:
+        if self.store.command is not None:
+            self.desk.resume_recorded(self.store.command)
 
     async def stop(self) -> None:
         """Stops what `start` started (background loops, listeners, the SGLang client)."""

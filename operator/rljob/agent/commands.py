@@ -1,5 +1,6 @@
 """Accepting operator commands: epochs (idempotency), one command at a time, the transition guards, and
-asynchronous execution whose outcome lands in AgentState.last_command."""
+asynchronous execution whose outcome lands in AgentState.last_command. The accepted command is kept in
+the pod-local record, so that a restarted agent finishes it (`resume_recorded`) instead of forgetting it."""
 
 from __future__ import annotations
 
@@ -49,19 +50,32 @@ class CommandDesk:
             raise conflict(
                 "StaleEpoch", f"epoch {cmd.epoch} is older than the last accepted epoch {st.epoch}"
             )
+        if self._store.recovering:
+            raise conflict(
+                "Busy", "the agent restarted and is checking its record against SGLang (recovery)"
+            )
         if last is not None and last.state == CommandState.RUNNING:
             raise conflict("Busy", f"{last.action.value} (epoch {last.epoch}) is still running")
         self._check(cmd, st, self._store.facts)
         status = CommandStatus(
             epoch=cmd.epoch, action=cmd.action, state=CommandState.RUNNING, started_at=time.time()
         )
-        with self._store.change() as s:
+        self._store.command = cmd
+        self._store.refit_done = None
+        with self._store.change() as s:  # with a record: saved before anything is sent to SGLang
             s.epoch = cmd.epoch
             s.last_command = status
         self._metrics.commands.labels(cmd.action.value, "accepted").inc()
         log.info("command accepted: %s epoch=%d", cmd.action.value, cmd.epoch)
         self._running = asyncio.create_task(self._run(cmd), name=f"command-{cmd.epoch}")
         return 202, status.model_copy()
+
+    def resume_recorded(self, cmd: Command) -> None:
+        """After the agent's restart: run again the command the record shows Running. Every operation skips
+        what the record says is done (a release made, tags resumed, a load returned), so nothing is
+        repeated; its outcome lands in last_command as if the process had never stopped."""
+        log.info("continuing command %s epoch=%d after the agent's restart", cmd.action.value, cmd.epoch)
+        self._running = asyncio.create_task(self._run(cmd), name=f"command-{cmd.epoch}")
 
     async def wait(self, epoch: int, seconds: float) -> CommandStatus | None:
         def finished() -> bool:

@@ -26,6 +26,7 @@ class AgentConfig:
     node_rank: int = 0  # the pod's SGLang node rank (RLJOB_NODE_RANK): 0 leads, > 0 follows
     group_init_timeout_s: float = 1860.0  # > torch's 30-min rendezvous timeout that SGLang uses
     scheduler_probe_timeout_s: float = 5.0  # bounded /get_load when /ping cannot tell (C-DEATH-HARD)
+    state_dir: str | None = None  # the pod-local record (agent/record.py); None: no recovery on restart
 
 
 def parse_hostport(value: str) -> tuple[str, int]:
@@ -128,6 +129,12 @@ def _parser() -> argparse.ArgumentParser:
         help="SGLang without a subprocess watchdog (0.5.6): client timeout of the /get_load probe; two "
         "timeouts in a row with no control call in flight mean the scheduler is dead",
     )
+    p.add_argument(
+        "--state-dir",
+        default=_env("RLJOB_AGENT_STATE_DIR"),
+        help="pod-scoped directory (an emptyDir) for the agent's record: a restarted agent continues from it "
+        "instead of starting over (env RLJOB_AGENT_STATE_DIR); unset: no record",
+    )
     return p
 
 
@@ -171,4 +178,5 @@ def parse_config(argv: list[str] | None = None) -> AgentConfig:
         node_rank=args.node_rank,
         group_init_timeout_s=args.group_init_timeout,
         scheduler_probe_timeout_s=args.scheduler_probe_timeout,
+        state_dir=args.state_dir or None,
     )

@@ -47,6 +47,11 @@ class LeaseDesk:
 
     def publish(self, req: PublishRequest) -> TrainerReport:
         st = self._store.state
+        t = st.trainer
+        granted = self._store.lease_epoch
+        replay = (t.published_version, t.published_path) == (req.version, req.path)
+        if replay and not t.lease_held and granted is not None and t.published_epoch == granted:
+            return self._report()  # the same publish again: its answer was lost (the agent restarted)
         if not st.trainer.lease_held:
             raise conflict("NoLease", "publish needs the GPU lease (wait for it with GET /v1/trainer/lease)")
         with self._store.change() as s:

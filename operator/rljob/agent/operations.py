@@ -1,7 +1,12 @@
 """What each accepted command does to SGLang, in the contract's safe order (contract §9): drain, release
 with per-GPU verification, grant, refit (disk, or a tensor/distributed window), resume. Every SGLang call
 is bounded by the command's deadline. A non-idempotent call that does not answer leaves SGLang's state
-unknown: that raises StateLost (the pod must be replaced) rather than guessing."""
+unknown: that raises StateLost (the pod must be replaced) rather than guessing.
+
+Each non-idempotent call (release, resume, a disk refit's load, a refit window) is announced in the
+pod-local record before it is made and closed with its outcome (StateStore.announce/outcome), and each
+command skips what the record says is done: a restarted agent re-runs the command it was running
+without repeating a call (agent/recovery.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from rljob.agent.gpu_probe import GpuMemory, GpuProbe
 from rljob.agent.gpu_scope import report_gpu_scope
 from rljob.agent.lease import LeaseDesk
 from rljob.agent.metrics import AgentMetrics
+from rljob.agent.record import Intent
 from rljob.agent.refit_window import RefitWindows
 from rljob.agent.sglang_client import SGLangClient, SGLangError, SGLangUnreachable
 from rljob.agent.state import StateStore
@@ -103,10 +109,16 @@ class Operations:
         self.lease = lease
         self.metrics = metrics
         self.call_timeout_s = call_timeout_s
-        # How the engine was paused: after a retract the waiting queue holds the retracted requests, which
-        # decides the flush form and the per-rank idle proof (C-IDLE-FLUSH-DEFERRED, C-IDLE-RELEASE).
-        self.pause_mode: DrainMode | None = None
         self._probe_warmed: asyncio.Task[None] | None = None
+
+    @property
+    def pause_mode(self) -> DrainMode | None:
+        """How the engine was paused (kept in the store, so in the record: C-IDLE-FLUSH-DEFERRED)."""
+        return self.store.pause_mode
+
+    @pause_mode.setter
+    def pause_mode(self, mode: DrainMode | None) -> None:
+        self.store.pause_mode = mode
 
     async def execute(self, cmd: Command) -> None:
         self._warm_probe()
@@ -205,6 +217,15 @@ class Operations:
     async def release(self, cmd: ReleaseCommand) -> None:
         unique = list(dict.fromkeys(cmd.tags))  # duplicates are harmless (C-MEM-DUP-TAG-RELEASE); send once
         tags = [t.value for t in unique]
+        if self.store.release_before and all(t in self.store.state.released_tags for t in unique):
+            # Re-run after the agent's restart, the release already made (recorded, or proven by freed
+            # memory): a second one kills SGLang (C-MEM-DOUBLE-RELEASE). Verify it against the sample
+            # taken before it.
+            before = [GpuMemory(i, used, 0) for i, used in sorted(self.store.release_before.items())]
+            await self._verify_freed(before, cmd.verify, tags)
+            with self.store.change() as s:
+                s.stage = Stage.RELEASED
+            return
         # Re-check idleness right before the call: release asserts it, and failing kills SGLang. The
         # memory before is sampled meanwhile: a flush frees no GPU memory (the KV pool is static), and the
         # probe's first call (NVML init) then costs the release nothing.
@@ -218,8 +239,10 @@ class Operations:
         t1 = time.perf_counter()
         before = await sampling
         t2 = time.perf_counter()
+        self.store.release_before = {g.index: g.used_bytes for g in before}
         with self.store.change() as s:
             s.memory = MemoryReport(used_before_bytes=sum(g.used_bytes for g in before), gpus=len(before))
+        self.store.announce(Intent("release", cmd.epoch, tuple(tags), used_before=self.store.release_before))
         try:
             await self.client.release(tags, timeout=self.call_timeout_s)
         except TimeoutError as e:
@@ -228,9 +251,11 @@ class Operations:
                 "whether the tags are released is unknown"
             ) from e
         except SGLangError as e:
+            with self.store.outcome():
+                pass
             raise CommandFailed(str(e)) from e  # refused in the tokenizer: nothing was released
         t3 = time.perf_counter()
-        with self.store.change() as s:
+        with self.store.outcome() as s:
             s.released_tags = [*s.released_tags, *unique]
         samples = await self._verify_freed(before, cmd.verify, tags)
         with self.store.change() as s:
@@ -250,6 +275,13 @@ class Operations:
         with contextlib.suppress(Exception):
             await self.probe.sample()
         report_gpu_scope(self.store, self.probe)  # which GPUs are the pod's, before any release
+
+    async def _quiet_memory(self) -> list[GpuMemory]:
+        """Used memory before a resume, for the record (a restarted agent's evidence); [] on errors."""
+        try:
+            return await self.probe.sample()
+        except Exception:  # evidence only: the resume does not depend on it
+            return []
 
     async def _sample(self) -> list[GpuMemory]:
         try:
@@ -323,6 +355,9 @@ class Operations:
                 f"not resuming {', '.join(unreleased)}: not released (a resume would kill SGLang)"
             )
         names = [t.value for t in tags]
+        used = {g.index: g.used_bytes for g in await self._quiet_memory()}
+        epoch = self.store.state.epoch
+        self.store.announce(Intent("resume", epoch, tuple(names), used_before=used))
         try:
             await self.client.resume(names, timeout=dl.remaining())
         except TimeoutError as e:
@@ -331,8 +366,10 @@ class Operations:
                 "(out of GPU memory? sglang#14092): whether the tags are resumed is unknown"
             ) from e
         except SGLangError as e:
+            with self.store.outcome():
+                pass
             raise CommandFailed(str(e)) from e
-        with self.store.change() as s:
+        with self.store.outcome() as s:
             s.released_tags = [t for t in s.released_tags if t not in tags]
 
     def _released(self, *candidates: ReleaseTag) -> list[ReleaseTag]:
@@ -354,9 +391,19 @@ class Operations:
         # Multi-stage resume: weights (and graphs) now, kv_cache only at resume; the engine stays paused.
         await self._resume_tags(self._released(ReleaseTag.CUDA_GRAPH, ReleaseTag.WEIGHTS), dl)
         try:
-            if cmd.source == RefitSource.DISK:
+            if self.store.refit_done == cmd.version:
+                pass  # re-run after the agent's restart: the load call already returned (recorded)
+            elif cmd.source == RefitSource.DISK:
                 assert path is not None  # transitions.check refused a disk refit without one
-                await self.client.update_weights_from_disk(path, cmd.version, timeout=dl.remaining())
+                self.store.announce(Intent("refit", cmd.epoch, version=cmd.version, path=path))
+                try:
+                    await self.client.update_weights_from_disk(path, cmd.version, timeout=dl.remaining())
+                except SGLangError:
+                    with self.store.outcome():
+                        pass  # SGLang answered: the load failed, and nothing is unknown
+                    raise
+                with self.store.outcome():
+                    self.store.refit_done = cmd.version
             else:
                 await self._refit_window(cmd, dl)
             quirks = self.client.quirks
@@ -383,6 +430,8 @@ class Operations:
         session = self.client.quirks is not None and self.client.quirks.weight_update_session
         if session:
             await self._begin_session(dl)
+        # The trainer's pushes go to SGLang while the window is open: a restarted agent cannot replay them.
+        self.store.announce(Intent("refit_window", cmd.epoch, version=cmd.version))
         window = self.windows.open(cmd.version, cmd.source, dl.remaining())
         failure: CommandFailed | None = None
         try:
@@ -400,6 +449,9 @@ class Operations:
                 await self.client.end_weight_update(timeout=max(1.0, dl.remaining()))
             except (SGLangError, TimeoutError) as e:
                 failure = failure or CommandFailed(f"end_weight_update failed: {e}")
+        with self.store.outcome():
+            if failure is None:
+                self.store.refit_done = cmd.version
         if failure is not None:
             raise failure
         await self._idle_barrier(dl, "refit")  # the pushes ran with flush_cache=false: flush now

@@ -1,18 +1,34 @@
 """The agent's state (the AgentState wire model, plus facts read from SGLang at start) and the change
-notification behind every long-poll: each committed change bumps the revision and wakes the waiters."""
+notification behind every long-poll: each committed change bumps the revision and wakes the waiters.
+With a pod-local record (agent/record.py) every commit is also saved there, and a non-idempotent SGLang
+call is announced (`announce`) before it is made and closed (`outcome`) with its result."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from rljob.agent.errors import CommandFailed
+from rljob.agent.record import AgentRecord, Intent
 from rljob.agent.reports import OperatorReports
-from rljob.api.agent import AgentState, Stage
+from rljob.api.agent import (
+    COMMAND_ADAPTER,
+    STATE_UNKNOWN,
+    AgentState,
+    Command,
+    CommandState,
+    RecoveryState,
+    Stage,
+)
+from rljob.api.spec import DrainMode
+
+log = logging.getLogger("rljob.agent")
 
 
 @dataclass(frozen=True)
@@ -45,7 +61,9 @@ class ServerFacts:
 
 
 class StateStore:
-    def __init__(self, on_commit: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self, on_commit: Callable[[int], None] | None = None, record: AgentRecord | None = None
+    ) -> None:
         self.state = AgentState(revision=0, boot_id=uuid.uuid4().hex, stage=Stage.STARTING)
         self.facts: ServerFacts | None = None
         self.lease_epoch: int | None = None  # epoch of the grant the trainer holds / published under
@@ -53,6 +71,82 @@ class StateStore:
         self._on_commit = on_commit
         self.last_commit = time.monotonic()
         self.operator_reports = OperatorReports()  # the revisions `changes=operator` waits for
+        # Kept in the record beside the state report (what a restarted agent needs to continue):
+        self.record = record
+        self.boots = 1  # agent processes started in this pod, this one included
+        self.command: Command | None = None  # the last accepted command, re-run if it was still running
+        # How the engine was paused: after a retract the waiting queue holds the retracted requests, which
+        # decides the flush form and the per-rank idle proof (C-IDLE-FLUSH-DEFERRED, C-IDLE-RELEASE).
+        self.pause_mode: DrainMode | None = None
+        self.release_before: dict[int, int] = {}  # per-GPU used bytes before the last release
+        self.refit_done: str | None = None  # the running refit's load call returned, loading this version
+        self.intent: Intent | None = None  # a non-idempotent call announced and not closed
+
+    # --- the record ------------------------------------------------------------------------------
+
+    def payload(self) -> dict[str, Any]:
+        return {
+            "boots": self.boots,
+            "state": self.state.model_dump(mode="json", by_alias=True, exclude_none=True),
+            "leaseEpoch": self.lease_epoch,
+            "command": (
+                COMMAND_ADAPTER.dump_python(self.command, mode="json", by_alias=True)
+                if self.command is not None
+                else None
+            ),
+            "pauseMode": self.pause_mode.value if self.pause_mode is not None else None,
+            "releaseBefore": {str(k): v for k, v in self.release_before.items()},
+            "refitDone": self.refit_done,
+            "intent": self.intent.wire() if self.intent is not None else None,
+        }
+
+    def _save(self) -> None:
+        if self.record is None:
+            return
+        try:
+            self.record.save(self.payload())
+        except OSError as e:  # the next save may succeed; a call is announced only once saved
+            log.error("cannot save the agent record %s: %s", self.record.path, e)
+
+    def announce(self, intent: Intent) -> None:
+        """Before a non-idempotent SGLang call: the record says it is about to happen. A call that
+        cannot be announced is not made (CommandFailed): a restart would not know it happened."""
+        self.intent = intent
+        if self.record is None:
+            return
+        try:
+            self.record.save(self.payload())
+        except OSError as e:
+            self.intent = None
+            raise CommandFailed(f"cannot record {intent.describe()} before making it: {e}") from e
+
+    @contextlib.contextmanager
+    def outcome(self) -> Iterator[AgentState]:
+        """After the announced call answered: its outcome and the closed intent in one revision."""
+        yield self.state
+        self.intent = None
+        self.commit()
+
+    def restore(self, data: dict[str, Any]) -> None:
+        """A restarted agent: the recorded state under this process's boot id, Recovering."""
+        st = AgentState.model_validate(data["state"])
+        st.boot_id = self.state.boot_id
+        st.recovery.state = RecoveryState.RECOVERING
+        st.recovery.restarts = int(data.get("boots") or 1)
+        st.recovery.detail = None
+        self.state = st
+        self.boots = int(data.get("boots") or 1) + 1
+        self.lease_epoch = data.get("leaseEpoch")
+        command = data.get("command")
+        self.command = COMMAND_ADAPTER.validate_python(command) if command else None
+        self.pause_mode = DrainMode(data["pauseMode"]) if data.get("pauseMode") else None
+        self.release_before = {int(k): int(v) for k, v in (data.get("releaseBefore") or {}).items()}
+        self.refit_done = data.get("refitDone")
+        self.intent = Intent.from_wire(data["intent"]) if data.get("intent") else None
+
+    @property
+    def recovering(self) -> bool:
+        return self.state.recovery.state == RecoveryState.RECOVERING
 
     @contextlib.contextmanager
     def change(self) -> Iterator[AgentState]:
@@ -64,6 +158,7 @@ class StateStore:
         self.state.revision += 1
         self.operator_reports.committed(self.state)
         self.last_commit = time.monotonic()
+        self._save()
         tick, self._tick = self._tick, asyncio.Event()
         tick.set()
         if self._on_commit is not None:
@@ -96,3 +191,19 @@ class StateStore:
             s.stage = Stage.FAILED
             s.fatal = reason[:1024]
             s.sglang.reachable = False
+
+    def unsure(self, detail: str) -> None:
+        """A restarted agent cannot tell what SGLang did (an announced call without an outcome and no
+        evidence either way): Failed with StateUnknown, so that the operator replaces the instance rather
+        than the agent guessing. Sticky, like `fail`."""
+        if self.state.stage == Stage.FAILED:
+            return
+        log.error("state unknown after the agent's restart: %s", detail)
+        with self.change() as s:
+            s.stage = Stage.FAILED
+            s.fatal = f"{STATE_UNKNOWN}: {detail}"[:1024]
+            s.recovery.state = RecoveryState.UNSURE
+            s.recovery.detail = detail[:1024]
+            if s.last_command is not None and s.last_command.state == CommandState.RUNNING:
+                s.last_command.state = CommandState.FAILED  # the command cannot continue either
+                s.last_command.error = s.fatal

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Awaitable, Callable
 
 from rljob.agent.quirks import SGLangQuirks
 from rljob.agent.sglang_client import SGLangClient, SGLangError, SGLangUnreachable
@@ -17,6 +19,8 @@ log = logging.getLogger("rljob.agent")
 
 
 SCHEDULER_PROBE_MISSES = 2  # consecutive unanswered probes, with no control call in flight, mean death
+# A restarted agent's SGLang was up before: refused connections for this long mean it is gone.
+RESTART_UNREACHABLE_S = 3.0
 
 
 class SGLangWatch:
@@ -28,8 +32,12 @@ class SGLangWatch:
         self._interval = interval_s
         self._probe_timeout = probe_timeout_s
         self._probe_misses = 0
+        # A restarted agent (agent/recovery.py): called with what SGLang reports instead of going Ready.
+        self.on_recover: Callable[[SGLangInfo], Awaitable[None]] | None = None
 
     async def run(self) -> None:
+        if self._failed():  # restored Failed from the record: nothing to watch
+            return
         if not await self._detect():
             return
         quirks = self._client.quirks
@@ -79,6 +87,7 @@ class SGLangWatch:
 
     async def _detect(self) -> bool:
         warned = False
+        refused_since: float | None = None
         while True:
             try:
                 info = await self._client.server_info(timeout=5)
@@ -90,6 +99,11 @@ class SGLangWatch:
                 break
             except (SGLangUnreachable, TimeoutError) as e:
                 log.debug("SGLang not up yet: %s", e)
+                if self._store.recovering and isinstance(e, SGLangUnreachable):
+                    refused_since = refused_since or time.monotonic()
+                    if time.monotonic() - refused_since > RESTART_UNREACHABLE_S:
+                        self._store.fail(f"SGLang stopped answering while the agent restarted: {e}")
+                        return False
                 await asyncio.sleep(0.1)
             except (SGLangError, KeyError, ValueError) as e:
                 if not warned:  # up but answering oddly (e.g. 401: wrong API key): say so once
@@ -100,16 +114,20 @@ class SGLangWatch:
             self._store.fail(f"SGLang {quirks.version} is older than the oldest supported version 0.5.6")
             return False
         self._store.facts = facts
+        seen = SGLangInfo(
+            reachable=True,
+            version=quirks.version,
+            weight_cache_mode=facts.weight_cache_mode,
+            served_version=served,
+            model_path=str(model.get("model_path")),
+            paused=False,
+        )
+        if self._store.recovering and self.on_recover is not None:
+            await self.on_recover(seen)
+            return not self._failed()
         with self._store.change() as s:
             s.stage = Stage.READY  # not Serving: the operator must first verify what this server serves
-            s.sglang = SGLangInfo(
-                reachable=True,
-                version=quirks.version,
-                weight_cache_mode=facts.weight_cache_mode,
-                served_version=served,
-                model_path=str(model.get("model_path")),
-                paused=False,
-            )
+            s.sglang = seen
         log.info("SGLang %s is up, serving weight_version %s", quirks.version, served)
         return True
 

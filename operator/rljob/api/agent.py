@@ -211,6 +211,28 @@ class RolloutReport(WireModel):
     )
 
 
+STATE_UNKNOWN = "StateUnknown"  # the prefix of `fatal` when a restarted agent cannot tell SGLang's state
+
+
+class RecoveryState(StrEnum):
+    """What the agent knows after its own process restarted inside the pod (a native sidecar restarts
+    without ending the pod). Its record (written before every non-idempotent SGLang call) is checked
+    against what SGLang reports."""
+
+    FRESH = "Fresh"  # first start in this pod: nothing to recover
+    RECOVERING = "Recovering"  # restarted; checking the record against SGLang (commands wait: Busy)
+    RECOVERED = "Recovered"  # the recorded state holds; the agent continues where it was
+    UNSURE = "Unsure"  # a non-idempotent call's outcome is unknown: stage Failed, fatal StateUnknown
+
+
+class RecoveryReport(WireModel):
+    state: RecoveryState = RecoveryState.FRESH
+    restarts: int = Field(default=0, ge=0, description="Times the agent process restarted in this pod.")
+    detail: str | None = Field(
+        default=None, max_length=1024, description="What the last recovery found, or why it is unsure."
+    )
+
+
 class AgentState(WireModel):
     """`GET /v1/state?since=<revision>&wait=<seconds>`: long-polls until revision > since."""
 
@@ -236,6 +258,7 @@ class AgentState(WireModel):
     fatal: str | None = Field(
         default=None, max_length=1024, description="Set when SGLang died or state is lost."
     )
+    recovery: RecoveryReport = Field(default_factory=RecoveryReport)
 
 
 # --- trainer side (loopback, wrapped by rljob.trainer) ---------------------------------------------

@@ -22,6 +22,11 @@ LABEL_INDEX = "rljob.io/index"
 LABEL_GANG = "rljob.io/gang"
 TOKEN_DIR = "/var/run/rljob/agent"
 TOKEN_KEY = "token"
+# The agent's pod-local record (agent/record.py): an emptyDir lives as long as the pod, as SGLang's state
+# does, and survives the agent's own restarts. Memory-backed: a few KiB written before every
+# non-idempotent SGLang call, so the write (and its fsync) costs nothing.
+STATE_VOLUME = "rljob-agent-state"
+STATE_DIR = "/var/run/rljob/state"
 TRAINER_PORT = AGENT_TRAINER_PORT
 
 
@@ -41,6 +46,23 @@ class AgentOptions:
     # unprivileged (hardened ones refuse it); the agent then verifies only the GPUs a pod process names
     # (shareProcessNamespace).
     gpu_visibility: str = "claim"
+    # A native sidecar (an init container with restartPolicy Always; GA in Kubernetes 1.33): the kubelet
+    # restarts the agent without ending the pod, and the agent continues from its record. False: a regular
+    # container, as on older servers; with the pod's restartPolicy Never its exit then ends the member
+    # and the gang restarts. The operator picks it from the server's /version (controller/main.py).
+    native_sidecar: bool = False
+
+
+NATIVE_SIDECAR_SINCE = (1, 33)  # SidecarContainers GA (beta, on by default, from 1.29; alpha in 1.28)
+
+
+def native_sidecars_supported(git_version: str) -> bool:
+    """Does a server of this /version gitVersion (`v1.34.4`, `v1.33.1-eks-...`) run init containers with
+    restartPolicy Always as sidecars? From 1.33 without question. 1.29-1.32 do by default, but there the
+    SidecarContainers gate can be off, and then the API server drops the field and the agent becomes an
+    init container that never exits, so the pod never starts: only GA counts."""
+    m = re.match(r"^v?(\d+)\.(\d+)", git_version.strip())
+    return m is not None and (int(m.group(1)), int(m.group(2))) >= NATIVE_SIDECAR_SINCE
 
 
 def token_secret_name(job: str) -> str:
@@ -146,6 +168,8 @@ def agent_container(spec: RLJobSpec, options: AgentOptions) -> dict[str, Any]:
             f"{TOKEN_DIR}/{TOKEN_KEY}",
             "--gpu-probe",
             options.gpu_probe,
+            "--state-dir",
+            STATE_DIR,
         ],
         "env": [
             {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
@@ -155,7 +179,10 @@ def agent_container(spec: RLJobSpec, options: AgentOptions) -> dict[str, Any]:
             *([_env("NVIDIA_VISIBLE_DEVICES", "all")] if options.gpu_visibility == "all" else []),
         ],
         "ports": [{"name": "agent", "containerPort": port}],
-        "volumeMounts": [{"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True}],
+        "volumeMounts": [
+            {"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True},
+            {"name": STATE_VOLUME, "mountPath": STATE_DIR},
+        ],
         "readinessProbe": {"httpGet": {"path": "/healthz", "port": port}, "periodSeconds": 2},
         "resources": {
             "requests": {"cpu": options.cpu_request, "memory": options.memory_request},
@@ -249,12 +276,22 @@ def gang_pod(
         if claims and not (trainer.get("resources") or {}).get("claims"):
             trainer.setdefault("resources", {})["claims"] = copy.deepcopy(claims)
     _quantities_as_strings(pod_spec)
-    pod_spec["containers"].append(agent)
-    pod_spec.setdefault("volumes", []).append(
-        {"name": TOKEN_VOLUME, "secret": {"secretName": token_secret_name(job), "defaultMode": 0o444}}
+    if options.native_sidecar:
+        # Started before the pod's containers (after the template's own init containers), restarted by the
+        # kubelet whenever it exits, whatever the pod's restartPolicy; stopped after them.
+        agent["restartPolicy"] = "Always"
+        pod_spec.setdefault("initContainers", []).append(agent)
+    else:
+        pod_spec["containers"].append(agent)
+    pod_spec.setdefault("volumes", []).extend(
+        [
+            {"name": STATE_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
+            {"name": TOKEN_VOLUME, "secret": {"secretName": token_secret_name(job), "defaultMode": 0o444}},
+        ]
     )
-    # A lost member is handled by restarting the gang; a silently restarted container would rejoin a
-    # lock-step iteration with its memory state gone.
+    # A lost member is handled by restarting the gang; a silently restarted SGLang or trainer would rejoin
+    # a lock-step iteration with its memory state gone. Only the agent (a native sidecar) restarts: it
+    # recovers its state from its record, or reports StateUnknown.
     pod_spec["restartPolicy"] = "Never"
     pod_spec.setdefault("automountServiceAccountToken", False)
     pod_spec.setdefault("subdomain", job)

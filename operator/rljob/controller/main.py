@@ -7,9 +7,10 @@ import logging
 import os
 
 import kopf
+from kubernetes import client
 from prometheus_client import start_http_server
 
-from rljob.controller.children import AgentOptions
+from rljob.controller.children import AgentOptions, native_sidecars_supported
 from rljob.controller.conductor import ConductorOptions
 from rljob.controller.kube import Kube, load_config
 from rljob.controller.leader import ElectionOptions, LeaderElector
@@ -42,6 +43,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "NVIDIA_VISIBLE_DEVICES=all on the agent (classic device plugin, runtimes that accept it), which "
         "then verifies the GPUs a pod process names (docs/agent.md, 'The GPUs of this pod')",
     )
+    p.add_argument(
+        "--agent-sidecar",
+        choices=("auto", "native", "container"),
+        default=env("RLJOB_AGENT_SIDECAR", "auto"),
+        help="how the agent is injected: `native` (an init container with restartPolicy Always: its restart "
+        "keeps the pod and it recovers its state), `container` (a regular container: its exit restarts "
+        "the gang), `auto` (native where the API server's /version is 1.33 or newer)",
+    )
     p.add_argument("--metrics-port", type=int, default=int(env("RLJOB_METRICS_PORT", "9090")), help="0: off")
     p.add_argument(
         "--metrics-address",
@@ -73,6 +82,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _native_sidecar(choice: str) -> bool:
+    """`auto`: ask the API server's /version (a failure to ask is not fatal: a regular container works
+    on every server, it only restarts the gang when the agent exits)."""
+    log = logging.getLogger("rljob")
+    if choice != "auto":
+        return choice == "native"
+    try:
+        version = str(client.VersionApi().get_code().git_version)
+    except Exception as e:  # any failure: the layout that works everywhere
+        log.warning("cannot read the API server's /version (%s): the agent runs as a regular container", e)
+        return False
+    native = native_sidecars_supported(version)
+    log.info(
+        "API server %s: the agent runs as %s",
+        version,
+        "a native sidecar (it restarts without ending the pod)"
+        if native
+        else "a regular container (native sidecars need 1.33+; its exit restarts the gang)",
+    )
+    return native
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     kopf.configure(
@@ -93,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
             image_pull_policy=args.agent_image_pull_policy,
             gpu_probe=args.agent_gpu_probe,
             gpu_visibility=args.agent_gpu_visibility,
+            native_sidecar=_native_sidecar(args.agent_sidecar),
         ),
         tick_seconds=args.tick_seconds,
     )

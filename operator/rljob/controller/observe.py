@@ -16,7 +16,13 @@ def _int_label(labels: dict[str, str], key: str) -> int:
 
 
 def broken_reason(pod: dict[str, Any]) -> str | None:
-    """A container that terminated or restarted lost its process state (SGLang memory, trainer step)."""
+    """A container that terminated or restarted lost its process state (SGLang memory, trainer step).
+
+    Only `containerStatuses` count. The agent as a native sidecar reports in `initContainerStatuses`: the
+    kubelet restarts it without ending the pod and it recovers its state from its pod-local record, so
+    its restart is not a lost member; when it cannot recover, it says so itself (stage Failed, fatal
+    StateUnknown), which the lifecycle treats as one. Injected as a regular container (servers before
+    1.33), its exit ends the member here as any container's does."""
     for cs in pod.get("status", {}).get("containerStatuses") or []:
         state = cs.get("state") or {}
         if "terminated" in state:

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from rljob.emulator.call_log import CALL_LOG_KEY
 from rljob.emulator.engine import Engine
 from rljob.emulator.fatal import SchedulerDied
 
@@ -107,6 +108,9 @@ async def sglang_middleware(request: web.Request, handler: Handler) -> web.Strea
     engine = engine_of(request)
     if not request.path.startswith("/_emulator"):
         engine.calls[request.path] += 1
+        call_log = request.app.get(CALL_LOG_KEY)
+        if call_log is not None and request.path in LIFECYCLE_ROUTES:
+            call_log.record(request.path, await request.read())  # aiohttp keeps the body for the handler
         await engine.faults.before_route(request.path)
     if not _authorized(engine, request):
         return web.json_response({"error": "Unauthorized"}, status=401)

@@ -8,6 +8,7 @@ from typing import Any
 
 from aiohttp import web
 
+from rljob.emulator.call_log import CALL_LOG_KEY, CallLog
 from rljob.emulator.engine import Engine
 from rljob.emulator.http_common import LIFECYCLE_ROUTES, engine_of
 
@@ -93,6 +94,12 @@ async def kill_scheduler(request: web.Request) -> web.Response:
     return web.json_response({"scheduler_dead": True})
 
 
+async def calls(request: web.Request) -> web.Response:
+    """The lifecycle calls received, per route and per (route, arguments), and the repeated
+    non-idempotent ones (emulator/call_log.py); `pid` and `bootId` identify this server process."""
+    return web.json_response(request.app[CALL_LOG_KEY].report())
+
+
 async def get_faults(request: web.Request) -> web.Response:
     return web.json_response(engine_of(request).faults.as_dict())
 
@@ -107,7 +114,9 @@ async def set_faults(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application) -> None:
+    app[CALL_LOG_KEY] = CallLog()
     r = app.router
+    r.add_get("/_emulator/calls", calls)
     r.add_get("/_emulator/memory", memory)
     r.add_get("/_emulator/weights", weights)
     r.add_get("/_emulator/stats", stats)

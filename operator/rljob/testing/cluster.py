@@ -356,6 +356,31 @@ class LocalControlPlane:
         self.state = None
         (self.workdir / STATE_FILE).unlink(missing_ok=True)
 
+    def restart_apiserver(self, down_seconds: float = 0.0, timeout: float = 90.0) -> float:
+        """Stops kube-apiserver (SIGTERM to its group, SIGKILL after 10 s) and starts it again on the same
+        port, certificates and etcd, whose data is kept: every client's kubeconfig stays valid and every
+        object is still there. Waits `down_seconds` in between; returns how long the server was down
+        (stop to /readyz 200)."""
+        if self.state is None:
+            raise ControlPlaneError("control plane not started")
+        binaries = self._binaries or ensure_binaries()
+        marker = str(self.workdir)
+        old = self.state.apiserver_pid
+        stopped = time.monotonic()
+        _stop_group(old, marker)
+        for proc in [p for p in self._procs if p.pid == old]:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+            self._procs.remove(proc)
+        time.sleep(down_seconds)
+        state = self.state
+        self._start_apiserver(
+            binaries.kube_apiserver, state.etcd_port, state.admin_token, timeout, port=state.apiserver_port
+        )
+        state.apiserver_pid = self._procs[-1].pid
+        self.save_state()
+        return time.monotonic() - stopped
+
     def __enter__(self) -> LocalControlPlane:
         self.start()
         return self
@@ -444,8 +469,10 @@ class LocalControlPlane:
         self._wait(proc, f"{client_url}/health", timeout, "etcd.log")
         return port
 
-    def _start_apiserver(self, apiserver: Path, etcd_port: int, token: str, timeout: float) -> int:
-        port = free_port()
+    def _start_apiserver(
+        self, apiserver: Path, etcd_port: int, token: str, timeout: float, port: int | None = None
+    ) -> int:
+        port = port or free_port()
         pki = self.pki
         proc = self._spawn(
             [

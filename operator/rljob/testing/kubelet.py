@@ -11,8 +11,11 @@ scratch dir, resolves the containers' env and starts one local process per conta
 
 (None falls back to `default_mapping`, which runs the container's command + args as given with
 mount paths rewritten to the scratch dir). It reports pods/status like a kubelet does (phase,
-conditions, podIP, containerStatuses), applies restartPolicy with a short backoff, runs
-readinessProbes (httpGet, tcpSocket, exec) against the pod IP, and on deletion stops the
+conditions, podIP, containerStatuses), applies restartPolicy with a short backoff, runs init containers
+in order and native sidecars (init containers with `restartPolicy: Always`: started before the
+containers, restarted whenever they exit, restartCount++, in initContainerStatuses, their readiness
+counting for the pod's), runs readinessProbes (httpGet, tcpSocket, exec) against the pod IP, keeps
+`emptyDir: {medium: Memory}` volumes on tmpfs (/dev/shm) as a kubelet does, and on deletion stops the
 processes (SIGTERM, SIGKILL after a bounded grace period) and finalizes the pod (grace 0), in any
 namespace, so the namespace controller and the garbage collector can finish. It never binds a pod
 itself: placement is the scheduler's.
@@ -220,14 +223,20 @@ def _read_source(api: KubeApi, ns: str, kind: str, name: str, optional: bool) ->
     return data
 
 
-def materialise_volumes(api: KubeApi, pod: JsonObj, scratch: Path) -> dict[str, Path]:
-    """Writes the pod's volumes under scratch/volumes/<name>; returns volume name -> local dir."""
+def materialise_volumes(
+    api: KubeApi, pod: JsonObj, scratch: Path, memory_dir: Path | None = None
+) -> dict[str, Path]:
+    """Writes the pod's volumes under scratch/volumes/<name> (a memory-backed emptyDir under `memory_dir`,
+    a tmpfs, when given); returns volume name -> local dir."""
     ns = pod["metadata"]["namespace"]
     out: dict[str, Path] = {}
     for vol in pod["spec"].get("volumes") or []:
         claim = (vol.get("persistentVolumeClaim") or {}).get("claimName")
+        in_memory = memory_dir is not None and (vol.get("emptyDir") or {}).get("medium") == "Memory"
         # A claim outlives its pods: one directory per claim, shared by every pod of the namespace.
         local = scratch.parent / "claims" / claim if claim else scratch / "volumes" / vol["name"]
+        if in_memory and memory_dir is not None:
+            local = memory_dir / vol["name"]
         local.mkdir(parents=True, exist_ok=True)
         out[vol["name"]] = local
         for kind, name_key in (("secret", "secretName"), ("configMap", "name")):
@@ -346,10 +355,16 @@ class ContainerRun:
     probe_failures: int = 0
     next_probe: float = 0.0
     start_error: str = ""
+    ran: bool = False  # a process was started at least once
 
     @property
     def name(self) -> str:
         return str(self.spec["name"])
+
+    @property
+    def sidecar(self) -> bool:
+        """A native sidecar: an init container with restartPolicy Always (KEP-753)."""
+        return self.init and self.spec.get("restartPolicy") == "Always"
 
 
 def _http_probe(spec: JsonObj, host: str, port: int, timeout: float) -> bool:
@@ -464,6 +479,8 @@ class PodRunner:
         self._transitions: dict[str, tuple[str, str]] = {}
         self.volumes: dict[str, Path] = {}
         self.envs: dict[str, dict[str, str]] = {}
+        root = kubelet.memory_root
+        self.memory_dir = root / self.namespace / f"{self.pod_name}-{self.uid[:8]}" if root else None
 
     def start(self) -> None:
         self.thread.start()
@@ -502,6 +519,8 @@ class PodRunner:
             log.exception("pod %s/%s failed in the fake kubelet", self.namespace, self.pod_name)
         finally:
             stop_processes([c.proc for c in self.containers if c.proc is not None], self._grace)
+            if self.memory_dir is not None:
+                shutil.rmtree(self.memory_dir, ignore_errors=True)  # tmpfs: the pod's memory goes with it
             if self.pod_ip:
                 self.kubelet.ips.release(self.pod_ip)
             self.kubelet.forget_name(self.uid)
@@ -522,7 +541,7 @@ class PodRunner:
         (self.scratch / "logs").mkdir(parents=True, exist_ok=True)
         while not self._stop.is_set():
             try:
-                self.volumes = materialise_volumes(self.kubelet.api, self.pod, self.scratch)
+                self.volumes = materialise_volumes(self.kubelet.api, self.pod, self.scratch, self.memory_dir)
                 self.envs = {
                     c.name: resolve_env(self.kubelet.api, self.pod, c.spec, self.pod_ip)
                     for c in self.containers
@@ -536,8 +555,12 @@ class PodRunner:
     def _tick(self) -> None:
         now = time.monotonic()
         pending_init = next((c for c in self.containers if c.init and not self._init_done(c)), None)
+        if self._mains_done():
+            self._stop_sidecars()
         for c in self.containers:
-            if c.init and c is not pending_init:
+            # Init containers run one at a time, in order; a sidecar, once started, keeps being run beside
+            # the next ones and the containers.
+            if c.init and c is not pending_init and not (c.sidecar and c.ran):
                 continue
             if pending_init is not None and not c.init:
                 break
@@ -553,7 +576,24 @@ class PodRunner:
         self._report()
 
     def _init_done(self, c: ContainerRun) -> bool:
+        if c.sidecar:  # started: the next init container (or the containers) may start
+            return c.ran
         return c.terminated is not None and c.terminated["exitCode"] == 0 and c.proc is None
+
+    def _mains_done(self) -> bool:
+        mains = [c for c in self.containers if not c.init]
+        return bool(mains) and all(c.final for c in mains)
+
+    def _stop_sidecars(self) -> None:
+        """Every container has ended: the sidecars are stopped too (they never restart after that)."""
+        running = [c for c in self.containers if c.sidecar and c.proc is not None]
+        stop_processes([c.proc for c in running if c.proc is not None], self._grace)
+        for c in running:
+            if c.proc is not None:
+                self._exited(c, c.proc.returncode if c.proc.returncode is not None else 137, time.monotonic())
+        for c in self.containers:
+            if c.sidecar:
+                c.final = True
 
     def _context(self, c: ContainerRun) -> ContainerContext:
         mounts = container_mounts(c.spec, self.volumes)
@@ -581,6 +621,7 @@ class PodRunner:
                     preexec_fn=die_with_parent,  # and killed if this runner thread ever dies first
                 )  # fmt: skip
             c.started_at, c.ready, c.probe_failures, c.next_probe, c.start_error = _now(), False, 0, 0.0, ""
+            c.ran = True
         except Exception as exc:  # a failed start counts as an exit, as a runtime's StartError does
             c.start_error = f"{type(exc).__name__}: {exc}"
             log.warning("cannot start %s/%s[%s]: %s", self.namespace, self.pod_name, c.name, c.start_error)
@@ -600,7 +641,9 @@ class PodRunner:
         if c.start_error:
             c.terminated["message"] = c.start_error
         policy = self.pod["spec"].get("restartPolicy", "Always")
-        if c.init:  # init containers run to completion; Always counts as OnFailure for them
+        if c.sidecar:  # whatever the pod's policy, until the containers have ended
+            restart = not self._mains_done()
+        elif c.init:  # init containers run to completion; Always counts as OnFailure for them
             restart = code != 0 and policy != "Never"
         else:
             restart = policy == "Always" or (policy == "OnFailure" and code != 0)
@@ -612,7 +655,7 @@ class PodRunner:
 
     def _probe(self, c: ContainerRun, now: float) -> None:
         probe = c.spec.get("readinessProbe")
-        if c.init:
+        if c.init and not c.sidecar:
             return
         if not probe:
             c.ready = True
@@ -662,6 +705,11 @@ class PodRunner:
         }
         if c.proc is not None:
             status["state"] = {"running": {"startedAt": c.started_at}}
+        elif c.sidecar and c.terminated is not None and not c.final:
+            # Exited, to be started again after its backoff, as a kubelet reports it.
+            status["state"] = {"waiting": {"reason": "CrashLoopBackOff"}}
+            status["lastState"] = {"terminated": c.terminated}
+            return status
         elif c.terminated is not None:
             status["state"] = {"terminated": c.terminated}
         else:
@@ -682,8 +730,8 @@ class PodRunner:
     def _phase(self) -> str:
         inits = [c for c in self.containers if c.init]
         mains = [c for c in self.containers if not c.init]
-        if any(c.final and c.terminated and c.terminated["exitCode"] != 0 for c in inits):
-            return "Failed"
+        if any(c.final and c.terminated and c.terminated["exitCode"] != 0 for c in inits if not c.sidecar):
+            return "Failed"  # a sidecar's exit code never decides the phase
         if not all(self._init_done(c) for c in inits) or not any(c.started_at for c in mains):
             return "Pending"
         if all(c.final for c in mains):
@@ -698,7 +746,8 @@ class PodRunner:
         phase = self._phase()
         inits = [c for c in self.containers if c.init]
         mains = [c for c in self.containers if not c.init]
-        ready = phase == "Running" and all(c.ready for c in mains)
+        sidecars = [c for c in inits if c.sidecar]
+        ready = phase == "Running" and all(c.ready for c in [*mains, *sidecars])
         status: JsonObj = {
             "phase": phase,
             "conditions": [
@@ -812,6 +861,9 @@ class Kubelet:
         }
         self._own_scratch = scratch_root is None
         self.scratch_root = Path(scratch_root or tempfile.mkdtemp(prefix="rljob-kubelet-")).resolve()
+        # emptyDir medium Memory is a tmpfs on a kubelet: here one directory per pod under /dev/shm.
+        shm = Path("/dev/shm")
+        self.memory_root = Path(tempfile.mkdtemp(prefix="rljob-kubelet-", dir=shm)) if shm.is_dir() else None
         self.ips = ips
         self.max_grace = max_grace
         self.backoff = backoff
@@ -874,6 +926,8 @@ class Kubelet:
                 self._deregister(name)
         if self._own_scratch:
             shutil.rmtree(self.scratch_root, ignore_errors=True)
+        if self.memory_root is not None:
+            shutil.rmtree(self.memory_root, ignore_errors=True)
 
     def __enter__(self) -> Kubelet:
         return self.start()
@@ -1035,6 +1089,8 @@ class Kubelet:
         except ApiError as exc:
             if exc.status not in (404, 409):
                 log.warning("deleting %s/%s: %s", namespace, name, exc)
+        except requests.RequestException as exc:  # the API server is down: the next list finalizes it
+            log.warning("deleting %s/%s: %s", namespace, name, exc)
 
     # -- pod names -------------------------------------------------------------------------------
     def note_name(self, pod: JsonObj, ip: str | None) -> None:

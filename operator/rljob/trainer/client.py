@@ -17,6 +17,13 @@ DEFAULT_AGENT_URL = "http://127.0.0.1:8472"
 # Reopen a connection idle this long: the agent's server (aiohttp) closes idle ones after 75 s, and a
 # request written into a connection the server is closing fails with no way to tell if it was handled.
 IDLE_REOPEN_S = 20.0
+# The agent is a native sidecar: the kubelet restarts it (backoff 10 s, 20 s, ... after the first) and it
+# continues from its record. Meanwhile a call waits for it this long when it is safe to send again: it was
+# refused at connect (never sent), or it is safe to repeat.
+RESTART_GRACE_S = float(os.environ.get("RLJOB_AGENT_RESTART_GRACE_SECONDS", "60"))
+# Safe to repeat: every GET, asking for the GPU (a second request keeps the first), and publishing the
+# same version again (the agent answers a repeat of its last publish with the same report).
+RETRIED_POSTS = frozenset({"/v1/trainer/request", "/v1/trainer/publish"})
 
 
 class AgentError(RuntimeError):
@@ -54,7 +61,22 @@ class AgentClient:
         *,
         query: dict[str, Any] | None = None,
     ) -> Any:
-        """One request. A `wait` query parameter (server-side long-poll) is added to the socket timeout."""
+        """One request. A `wait` query parameter (server-side long-poll) is added to the socket timeout.
+        A request safe to repeat is retried while the agent restarts (RESTART_GRACE_S)."""
+        repeatable = method == "GET" or path in RETRIED_POSTS
+        deadline = time.monotonic() + RESTART_GRACE_S
+        while True:
+            try:
+                return self._call_once(method, path, body, query)
+            except AgentUnavailable as e:
+                unsent = isinstance(e.__cause__, ConnectionRefusedError)
+                if not (repeatable or unsent) or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)
+
+    def _call_once(
+        self, method: str, path: str, body: dict[str, Any] | None, query: dict[str, Any] | None
+    ) -> Any:
         query = {k: v for k, v in (query or {}).items() if v is not None}
         wait = float(query.get("wait", 0))
         target = self._prefix + path + ("?" + urllib.parse.urlencode(query) if query else "")
@@ -100,6 +122,10 @@ class AgentClient:
             if fresh:
                 raise
             raise _NotSent() from e
+        except BaseException:  # e.g. refused at connect: the connection must not be reused half-sent
+            conn.close()
+            local.conn = None
+            raise
         try:
             resp = conn.getresponse()
             raw = resp.read()

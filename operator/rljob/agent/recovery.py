@@ -1,0 +1,184 @@
+"""A restarted agent continues where it was, or says it cannot.
+
+The recorded state (agent/record.py) is checked against what SGLang reports through its own routes:
+`/model_info` (the served weight_version and model_path; C-ROUTE-WV-READ in docs/sglang-conformance.md)
+and the GPU memory probe the agent verifies releases with. SGLang has no route that tells which memory
+tags are released or whether a call is still running (its `/server_info` internal state has neither,
+docs/sglang-conformance.md §1; `/ready` reports paused/not paused from 0.5.20 only, C-HEALTH-READY), so an
+announced call without an outcome is resolved only by positive evidence:
+
+- release: every GPU freed what the release's `verify` asks, against the sample taken before the call
+  (nothing else frees SGLang's memory while it is paused and idle);
+- resume: every GPU's used memory grew past the noise since the sample taken before the call;
+- disk refit: `/model_info` serves the version the call loads (or names its checkpoint);
+- a tensor/distributed refit window: never (the trainer's pushes cannot be replayed).
+
+Without evidence within the call's own deadline the agent reports StateUnknown (stage Failed, recovery
+Unsure) and the operator replaces the instance. Otherwise the call's outcome is applied as if the agent
+had seen the answer, and a command that was running continues (CommandDesk.resume_recorded): every
+operation skips what the record says is done, so the operator's repeat of the same epoch is a replay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from rljob.agent.gpu_probe import GpuProbe
+from rljob.agent.operations import FREED_NOISE_BYTES
+from rljob.agent.record import Intent
+from rljob.agent.sglang_client import SGLangClient, SGLangUnreachable
+from rljob.agent.state import StateStore
+from rljob.api.agent import CommandState, RecoveryState, RefitCommand, ReleaseCommand, SGLangInfo, Stage
+from rljob.api.spec import ReleaseTag
+
+log = logging.getLogger("rljob.agent")
+
+RESOLVE_CAP_S = 60.0  # the longest a resume's evidence is waited for (its own deadline may be minutes)
+POLL_S = 0.05
+
+
+class Recovery:
+    def __init__(
+        self,
+        store: StateStore,
+        client: SGLangClient,
+        probe: GpuProbe,
+        resume_command: Callable[[], None],
+    ) -> None:
+        self.store = store
+        self.client = client
+        self.probe = probe
+        self._resume_command = resume_command  # CommandDesk.resume_recorded of the recorded command
+
+    async def run(self, seen: SGLangInfo) -> None:
+        """`seen`: what SGLang reported at detection (reachable, version, served version, model path)."""
+        store, st = self.store, self.store.state
+        intent = store.intent
+        if st.stage == Stage.FAILED:  # failed before the restart: that stays (the pod must be replaced)
+            with store.change() as s:
+                s.recovery.state = RecoveryState.RECOVERED
+                s.recovery.detail = "the agent had reported Failed before its restart"
+            return
+        allowed = {st.sglang.served_version, store.refit_done}
+        if intent is not None and intent.call == "refit":
+            allowed.add(intent.version)
+        if st.sglang.served_version is not None and seen.served_version not in allowed:
+            store.unsure(
+                f"SGLang serves weight_version {seen.served_version!r}, the record says "
+                f"{st.sglang.served_version!r}: not the server this agent recorded"
+            )
+            return
+        detail = "recorded state matches SGLang"
+        if intent is not None:
+            try:
+                found = await self._resolve(intent)
+            except SGLangUnreachable as e:
+                store.fail(f"SGLang stopped answering while the agent recovered: {e}")
+                return
+            if found is None:
+                store.unsure(f"{intent.describe()} was announced and its outcome is unknown")
+                return
+            detail = found
+        with store.outcome() as s:  # closes the intent with the outcome found
+            s.sglang.reachable = True
+            s.sglang.version = seen.version
+            s.sglang.weight_cache_mode = seen.weight_cache_mode
+            s.recovery.state = RecoveryState.RECOVERED
+            s.recovery.detail = detail[:1024]
+            if s.stage == Stage.STARTING:  # died before SGLang was first seen: start as a fresh agent
+                s.stage = Stage.READY
+                s.sglang = seen
+        log.info("agent recovered after restart %d: %s", st.recovery.restarts, detail)
+        last = st.last_command
+        if last is not None and last.state == CommandState.RUNNING and store.command is not None:
+            self._resume_command()
+
+    async def _resolve(self, intent: Intent) -> str | None:
+        """The outcome of an announced call, applied to the state; None when it cannot be known."""
+        cmd = self.store.command
+        if intent.call == "release" and isinstance(cmd, ReleaseCommand):
+            if await self._released(intent, cmd):
+                self.store.state.released_tags = list(
+                    dict.fromkeys([*self.store.state.released_tags, *map(ReleaseTag, intent.tags)])
+                )
+                return f"{intent.describe()}: made (every GPU freed what verify asks)"
+            return None
+        if intent.call == "resume":
+            if await self._grew(intent):
+                resumed = set(intent.tags)
+                self.store.state.released_tags = [
+                    t for t in self.store.state.released_tags if t.value not in resumed
+                ]
+                return f"{intent.describe()}: made (every GPU's used memory grew)"
+            return None
+        if intent.call == "refit" and isinstance(cmd, RefitCommand) and intent.version is not None:
+            if await self._loaded(intent, cmd):
+                self.store.refit_done = intent.version
+                return f"{intent.describe()}: made (/model_info shows it)"
+            return None
+        return None  # refit_window: the pushes cannot be replayed
+
+    def _deadline(self, seconds: float) -> float:
+        """The announced call's command deadline, from when the command started (agent clock)."""
+        last = self.store.state.last_command
+        started = last.started_at if last is not None and last.started_at else time.time()
+        return time.monotonic() + max(1.0, started + seconds - time.time())
+
+    async def _poll(self, until: float, proven: Callable[[], Awaitable[bool]]) -> bool:
+        while True:
+            try:
+                if await proven():
+                    return True
+            except SGLangUnreachable:
+                raise
+            except Exception as e:  # SGLang's errors, timeouts, the GPU probe's own (NVML has no common base)
+                log.warning("recovery evidence: %s: %s", e.__class__.__name__, e)
+            if time.monotonic() >= until:
+                return False
+            await asyncio.sleep(POLL_S)
+
+    async def _released(self, intent: Intent, cmd: ReleaseCommand) -> bool:
+        verify = cmd.verify
+        need = {
+            i: max(verify.min_freed_bytes, int(verify.min_freed_fraction * u))
+            for i, u in intent.used_before.items()
+        }
+        if not need:
+            return False
+
+        async def freed() -> bool:
+            now = {g.index: g.used_bytes for g in await self.probe.sample()}
+            return set(now) == set(need) and all(intent.used_before[i] - now[i] >= need[i] for i in need)
+
+        until = min(self._deadline(verify.timeout_seconds), time.monotonic() + verify.timeout_seconds)
+        return await self._poll(until, freed)
+
+    async def _grew(self, intent: Intent) -> bool:
+        if not intent.used_before:
+            return False
+
+        async def grew() -> bool:
+            now = {g.index: g.used_bytes for g in await self.probe.sample()}
+            before = intent.used_before
+            return set(now) == set(before) and all(now[i] - before[i] > FREED_NOISE_BYTES for i in before)
+
+        last = self.store.command
+        seconds = float(getattr(last, "timeout_seconds", RESOLVE_CAP_S))
+        until = min(self._deadline(seconds), time.monotonic() + RESOLVE_CAP_S)
+        return await self._poll(until, grew)
+
+    async def _loaded(self, intent: Intent, cmd: RefitCommand) -> bool:
+        previous = self.store.state.sglang.model_path
+
+        async def loaded() -> bool:
+            info = await self.client.model_info(timeout=5)
+            if str(info.get("weight_version")) == intent.version:
+                return True
+            # 0.5.6 drops weight_version on a paused refit (C-REFIT-WV-PAUSED): the path it loaded shows.
+            path = info.get("model_path")
+            return intent.path is not None and path == intent.path and path != previous
+
+        return await self._poll(self._deadline(cmd.timeout_seconds), loaded)
