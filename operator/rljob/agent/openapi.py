@@ -48,15 +48,23 @@ class Route:
 
 _SINCE = ("since", "integer", "Return as soon as the revision is greater than this.")
 _WAIT = ("wait", "number", "Seconds to long-poll (capped at 30).")
+_CHANGES = (
+    "changes",
+    "string",
+    "`all` (default): return on any newer revision. `operator`: only on a revision the operator acts on "
+    "(agent/reports.py: not rollout samples, not the steps of a running command).",
+)
+_BOOT = ("boot", "string", "The boot_id `since` belongs to: another boot answers at once.")
 _REFUSALS = {400: "Refusal", 409: "Refusal", 422: "Refusal"}
 
 ROUTES: tuple[Route, ...] = (
     Route(
         "get",
         "/v1/state",
-        "Agent state; long-polls until revision > since.",
+        "Agent state; long-polls until revision > since (with changes=operator: until such a revision "
+        "the operator acts on).",
         {200: "AgentState"},
-        query=(_SINCE, _WAIT),
+        query=(_SINCE, _WAIT, _CHANGES, _BOOT),
     ),
     Route(
         "post",
@@ -240,6 +248,10 @@ def _operation(route: Route) -> dict[str, Any]:
 def _query_schema(name: str, kind: str) -> dict[str, Any]:
     if name == "wait":
         return {"type": kind, "minimum": 0, "maximum": 30}
+    if name == "changes":
+        return {"type": kind, "enum": ["all", "operator"]}
+    if kind == "string":
+        return {"type": kind, "maxLength": 64}
     return {"type": kind, "minimum": -1}
 
 

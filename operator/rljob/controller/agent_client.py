@@ -45,7 +45,12 @@ class AgentClient:
 
     async def __aenter__(self) -> AgentClient:
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=3))
+            # No connection limit: every agent holds one long-poll open and takes a command beside it;
+            # aiohttp's default of 100 connections would queue both at more than 50 pods.
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0),
+                timeout=aiohttp.ClientTimeout(total=None, connect=3),
+            )
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -60,14 +65,20 @@ class AgentClient:
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
-    async def state(self, agent: AgentEndpoint, since: int = -1, wait: float = 0) -> AgentState:
-        params = {"since": str(since), "wait": str(wait)}
+    async def state(
+        self, agent: AgentEndpoint, since: int = -1, wait: float = 0, boot: str | None = None
+    ) -> AgentState:
+        """The agent's state; with `since`, once it has a newer revision the operator acts on
+        (agent/reports.py) or `wait` passed."""
+        params = {"since": str(since), "wait": str(wait), "changes": "operator"}
+        if boot is not None:
+            params["boot"] = boot
         timeout = aiohttp.ClientTimeout(total=wait + 5, connect=3)
         async with self.session.get(
             f"{agent.url}/v1/state", params=params, headers=self._headers(), timeout=timeout
         ) as resp:
             resp.raise_for_status()
-            return AgentState.model_validate(await resp.json())
+            return AgentState.model_validate_json(await resp.read())
 
     async def send(self, agent: AgentEndpoint, command: Command) -> CommandOutcome:
         body = COMMAND_ADAPTER.dump_python(command, mode="json", by_alias=True, exclude_none=True)
@@ -108,7 +119,7 @@ class AgentWatch:
         failures = 0
         while True:
             try:
-                state = await self.client.state(self.endpoint, since=since, wait=LONG_POLL_SECONDS)
+                state = await self.client.state(self.endpoint, since=since, wait=LONG_POLL_SECONDS, boot=boot)
                 failures = 0
             except (TimeoutError, aiohttp.ClientError, ValidationError) as err:
                 failures += 1

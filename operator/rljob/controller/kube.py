@@ -52,6 +52,22 @@ def _refusal(manifest: dict[str, Any], err: ApiException) -> Refusal | None:
     return Refusal.from_status(manifest["kind"], manifest["metadata"].get("name", ""), status)
 
 
+class PodList(list[dict[str, Any]]):
+    """A list of pods and the resourceVersion the API server listed them at."""
+
+    def __init__(self, items: list[dict[str, Any]], resource_version: str | None) -> None:
+        super().__init__(items)
+        self.resource_version = resource_version
+
+
+def _slim(obj: dict[str, Any]) -> dict[str, Any]:
+    """Without metadata.managedFields: half of a pod's JSON, and nothing the operator reads."""
+    meta = obj.get("metadata")
+    if isinstance(meta, dict):
+        meta.pop("managedFields", None)
+    return obj
+
+
 class Kube:
     def __init__(self, api_client: client.ApiClient | None = None) -> None:
         self.api = api_client or client.ApiClient()
@@ -62,10 +78,20 @@ class Kube:
         API_CALLS.labels(verb=verb).inc()
         return await asyncio.to_thread(fn, *args, **kwargs)
 
+    async def _call_raw(self, verb: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> bytes:
+        """The answer's body, unparsed: the client's typed models cost more to build than the whole call.
+        Read in the thread too, so that the event loop never waits on the socket."""
+
+        def call() -> bytes:
+            return bytes(fn(*args, _preload_content=False, **kwargs).data)
+
+        API_CALLS.labels(verb=verb).inc()
+        return await asyncio.to_thread(call)
+
     # --- pods ----------------------------------------------------------------------------------
 
-    async def list_pods(self, namespace: str, job: str) -> list[dict[str, Any]]:
-        result = await self._call(
+    async def list_pods(self, namespace: str, job: str) -> PodList:
+        result = await self._call_raw(
             "list_pods",
             self.core.list_namespaced_pod,
             namespace,
@@ -74,14 +100,16 @@ class Kube:
             # slightly stale list only delays a decision: a create that raced gets 409, deletes carry
             # the uid (below), and agent state, not this list, gates every SGLang call.
             resource_version="0",
-            _preload_content=False,
         )
-        return list(json.loads(result.data)["items"])
+        body = json.loads(result)
+        return PodList([_slim(p) for p in body["items"]], (body.get("metadata") or {}).get("resourceVersion"))
 
-    async def create(self, namespace: str, manifest: dict[str, Any], *, dry_run: bool = False) -> bool:
-        """Create a child; False when it already exists (a restarted operator may repeat itself).
-        `dry_run`: the API server validates and admits it, and stores nothing. Raises ChildRefused when
-        the API server refuses it as invalid."""
+    async def create(
+        self, namespace: str, manifest: dict[str, Any], *, dry_run: bool = False
+    ) -> dict[str, Any] | None:
+        """Create a child: the object as the API server stored it (managedFields left out), None when it
+        already exists (a restarted operator may repeat itself). `dry_run`: the API server validates and
+        admits it, and stores nothing. Raises ChildRefused when the API server refuses it as invalid."""
         kind = manifest["kind"]
         fn = {
             "Pod": self.core.create_namespaced_pod,
@@ -91,14 +119,13 @@ class Kube:
         extra = {"dry_run": "All"} if dry_run else {}
         verb = f"create_{kind.lower()}{'_dry_run' if dry_run else ''}"
         try:
-            await self._call(verb, fn, namespace, manifest, **extra)
-            return True
+            return _slim(json.loads(await self._call_raw(verb, fn, namespace, manifest, **extra)))
         except ValidationError as err:  # the client's own models refused the body: nothing was sent
             name = manifest["metadata"].get("name", "")
             raise ChildRefused(Refusal.from_client_errors(kind, name, err.errors())) from None
         except ApiException as err:
             if err.status == 409:
-                return False
+                return None
             refusal = _refusal(manifest, err)
             if refusal is not None:
                 raise ChildRefused(refusal) from None
@@ -142,7 +169,7 @@ class Kube:
     # --- the RLJob -----------------------------------------------------------------------------
 
     async def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
-        await self._call(
+        await self._call_raw(  # the answer is the whole RLJob, which nothing reads
             "patch_status",
             self.custom.patch_namespaced_custom_object_status,
             GROUP,
