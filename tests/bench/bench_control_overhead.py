@@ -1,8 +1,10 @@
-"""Control overhead of the operator + agents per phase transition, and status writes / API calls per
-iteration, for 1, 8 and 64 pods.
+"""Control overhead of the operator + agents per phase transition against the floor measured in the same
+run, and status writes / API calls / operator CPU and RSS per iteration, for 1, 8, 64 and 512 pods; then
+the operator's RSS with 100 RLJobs of 8 pods.
 
     .venv/bin/python -m pytest -q -s -m bench tests/bench/bench_control_overhead.py
-    .venv/bin/python tests/bench/bench_control_overhead.py [--sizes 1,8,64] [--iterations 30,30,20] [--json F]
+    .venv/bin/python tests/bench/bench_control_overhead.py [--sizes 1,8,64,512] [--iterations 30,30,20,5]
+        [--many-jobs 100 --many-pods 8] [--json F] [--profile DIR] [--gc-stats] [--operator-source DIR]
 
 What runs: a real kube-apiserver + etcd (`LocalControlPlane`, cached binaries), the real operator process
 (`rljob.controller.main`, its metrics endpoint bound to 127.0.0.1), the fake kubelet, and for every pod a
@@ -19,22 +21,38 @@ Succeeded):
   median and p95 (nearest rank: with 20 samples the second largest, with fewer than 20 the maximum).
   Training's wall time also holds the trainer's own step (lease granted -> publish answered, slowest pod,
   measured in the trainer driver): shown, and subtracted in the "Training - trainer step" row;
+- the floor, per pod count, after the job succeeded and its operator stopped, on the same agents
+  (control_floor.py): a fan-out of one small command to every agent, every report back over an open
+  long-poll, one status merge-patch; wall time minus the slowest agent's own time, as for the overhead;
+  drain and resume, 10 of each;
 - per iteration: status writes (`rljob_status_writes_total`), operator API calls (`rljob_api_calls_total`,
   our calls only: kopf's own watches are not counted) and agent commands, from the operator's metrics
   endpoint scraped at both ends of the window (a write at either edge may fall on either side: +-1 per
   window); CPU seconds (utime + stime from /proc/<pid>/stat) of the operator, the shared agent/emulator
-  host, kube-apiserver, etcd and this process (fake kubelet + trainer threads).
+  host, kube-apiserver, etcd and this process (fake kubelet + trainer threads); operator CPU per pod per
+  command phase (CPU per iteration / pods / 5); the operator's RSS at the end of the window;
+- many jobs: `--many-jobs` RLJobs of `--many-pods` pods, 2 iterations each, at once under one operator:
+  its RSS (sampled every second; the largest, and when every job has succeeded).
+
+`--profile DIR` attaches py-spy to the operator for each measured window (DIR/operator-<pods>.txt,
+collapsed stacks) and prints the top frames; `--gc-stats` times the operator's garbage collections
+(gc.callbacks, tests/bench/gcstats/sitecustomize.py); `--operator-source DIR` runs the operator from
+another source tree (DIR/operator), e.g. an earlier commit, for a before/after comparison.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import collections
 import copy
 import json
 import math
 import os
 import random
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -51,6 +69,8 @@ import requests
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from rljob.api import parse_job
+from rljob.controller.children import token_secret_name
 from rljob.testing.cluster import LocalControlPlane, ensure_binaries, free_port
 from rljob.testing.harness import ROOT, OperatorProcess, rljob_path
 from rljob.testing.kubeaccess import ApiError, KubeApi, Kubectl, create_namespace, delete_namespace
@@ -60,8 +80,11 @@ from rljob.testing.shared_pods import SharedPods
 
 TRANSITIONS = ("Draining", "Releasing", "Training", "Refitting", "Resuming")
 CPU_OF = ("operator", "agents+emulators", "kube-apiserver", "etcd", "kubelet+trainers")
-DEFAULT_SIZES = (1, 8, 64)
-DEFAULT_ITERATIONS = (30, 30, 20)
+DEFAULT_SIZES = (1, 8, 64, 512)
+DEFAULT_ITERATIONS = (30, 30, 20, 5)
+COMMAND_PHASES = 5  # drain, release, grant, refit, resume: one fan-out each per iteration
+FLOOR_PAIRS = 10
+BENCH_DIR = Path(__file__).resolve().parent
 SIM_ARGS = "--tokens-per-second 0 --scheduler-lag-seconds 0"
 TRAINER_ARGS = [
     "--prompts", "1", "--samples-per-prompt", "1", "--max-new-tokens", "4", "--prefix-tokens", "8",
@@ -80,6 +103,14 @@ def cpu_seconds(pid: int) -> float:
     """utime + stime of a process (all its threads), in seconds."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_bytes(pid: int) -> tuple[int, int]:
+    """(VmRSS, VmHWM) of a process, bytes."""
+    fields = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
+    )
+    return (int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024)
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -119,6 +150,25 @@ class SizeResult:
     per_iteration: dict[str, float] = field(default_factory=dict)  # counters and CPU seconds / iteration
     api_verbs: dict[str, float] = field(default_factory=dict)  # per iteration
     commands: dict[str, float] = field(default_factory=dict)  # "action outcome" -> per iteration
+    rss: int = 0  # operator VmRSS at the end of the window, bytes
+    rss_peak: int = 0  # VmHWM
+    floor: list[dict[str, Any]] = field(default_factory=list)  # control_floor.py samples
+    floor_cpu: float = 0.0  # CPU seconds of the floor process, all its transitions
+    gc: dict[str, Any] = field(default_factory=dict)  # --gc-stats: the window's collections
+    profile: str | None = None  # --profile: collapsed stacks of the window
+
+    def floor_overhead(self, action: str | None = None) -> list[float]:
+        return [s["wall"] - s["in_agent"] for s in self.floor if action in (None, s["action"])]
+
+
+@dataclass
+class ManyResult:
+    jobs: int
+    pods: int
+    seconds: float  # creation of the first RLJob -> every job Succeeded
+    rss_peak: int  # the largest VmRSS sampled
+    rss_end: int  # VmRSS once every job succeeded
+    cpu: float  # operator CPU seconds over the whole run
 
 
 def delta(before: Snapshot, after: Snapshot, prefix: str) -> dict[str, float]:
@@ -162,12 +212,20 @@ def manifest(name: str, replicas: int, iterations: int) -> dict[str, Any]:
     return dict(m)
 
 
+@dataclass(frozen=True)
+class Options:
+    profile_dir: Path | None = None
+    gc_stats: bool = False
+    operator_source: Path | None = None  # a source tree whose operator/ runs instead of this one's
+
+
 class Bench:
-    def __init__(self, plane: LocalControlPlane, workdir: Path) -> None:
+    def __init__(self, plane: LocalControlPlane, workdir: Path, options: Options = Options()) -> None:
         self.plane = plane
         self.kubeconfig = plane.kubeconfig
         self.api = KubeApi.from_kubeconfig(self.kubeconfig)
         self.workdir = workdir
+        self.options = options
         Kubectl(self.kubeconfig)("apply", "-f", str(ROOT / "crds"))
         Kubectl(self.kubeconfig)(
             "wait", "--for=condition=Established", "crd/rljobs.rljob.io", "--timeout=30s"
@@ -181,26 +239,59 @@ class Bench:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
+        # The floor's status patches go to an RLJob in a namespace no operator watches.
+        self.floor_ns = f"bench-floor-{uuid.uuid4().hex[:6]}"
+        create_namespace(self.api, self.floor_ns)
+        self.api.post(rljob_path(self.floor_ns), manifest("floor", 1, 1))
 
-    def run(self, pods: int, measured: int, timeout: float = 600) -> SizeResult:
+    def _operator(self, ns: list[str], work: Path, port: int) -> OperatorProcess:
+        """The operator process, from --operator-source and with --gc-stats when asked."""
+        extra = {}
+        paths = []
+        if self.options.gc_stats:
+            paths.append(str(BENCH_DIR / "gcstats"))
+            extra["RLJOB_GC_STATS"] = str(work / "gc-stats.json")
+        if self.options.operator_source is not None:
+            paths.append(str(self.options.operator_source / "operator"))
+        if paths:
+            extra["PYTHONPATH"] = os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")])
+        saved = {k: os.environ.get(k) for k in extra}
+        os.environ.update(extra)
+        try:
+            return OperatorProcess(
+                self.kubeconfig, ns, work / "operator.log",
+                ["--metrics-port", str(port), "--metrics-address", "127.0.0.1"],
+            ).start()  # fmt: skip
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def run(self, pods: int, measured: int, timeout: float | None = None) -> SizeResult:
+        timeout = timeout or max(600.0, 3.0 * pods)
         ns = f"bench-{pods}-{uuid.uuid4().hex[:6]}"
         work = self.workdir / f"pods-{pods}"
         create_namespace(self.api, ns)
         port = free_port()
-        shared = SharedPods(work / "shared-host.log").start()
+        # The host starts its components one after the other: at 512 pods the last waits minutes.
+        shared = SharedPods(work / "shared-host.log", rpc_timeout=max(30.0, 1.0 * pods)).start()
         kubelet = Kubelet(
             self.kubeconfig, [ns], mapping=shared.mapping(), scratch_root=work / "pods",
-            probe_period=2.0, tick=0.2,  # the agent's readinessProbe period; a calm kubelet for 64 pods
+            # the agent's readinessProbe period; a calm kubelet for 64 pods, calmer for more
+            probe_period=2.0, tick=0.2 if pods <= 64 else 0.5,
             ips=IpAllocator(pod_ip_base()), nodes=max(2, -(-pods // 8)),  # 8 GPUs a node, 1 a pod
         )  # fmt: skip
         shared.attach(kubelet)
         kubelet.start()
-        operator = OperatorProcess(
-            self.kubeconfig, [ns], work / "operator.log",
-            ["--metrics-port", str(port), "--metrics-address", "127.0.0.1"],
-        ).start()  # fmt: skip
+        operator = self._operator([ns], work, port)
         try:
-            return self._measure(ns, pods, measured, port, shared, operator, timeout)
+            result = self._measure(ns, pods, measured, port, shared, operator, timeout, work)
+            result.rss, result.rss_peak = rss_bytes(_pid(operator))
+            operator.stop()  # the floor runs on the same agents, with the machine to itself
+            self._floor(ns, "bench", result, work)
+            return result
         except BaseException:
             print(f"\n[{pods} pods] operator log tail:\n{operator.log_tail(40)}", file=sys.stderr)
             raise
@@ -224,9 +315,93 @@ class Bench:
     def _snapshot(self, port: int, pids: dict[str, int]) -> Snapshot:
         return Snapshot(time.monotonic(), scrape(port), {k: cpu_seconds(pid) for k, pid in pids.items()})
 
+    def _floor(self, ns: str, name: str, result: SizeResult, work: Path) -> None:
+        """control_floor.py on the job's agents, once the job has succeeded and its operator stopped."""
+        job = self.api.get(rljob_path(ns, name))
+        port = parse_job(job).agent.port
+        pods = self.api.get(f"/api/v1/namespaces/{ns}/pods", labelSelector=f"rljob.io/job={name}")["items"]
+        secret = self.api.get(f"/api/v1/namespaces/{ns}/secrets/{token_secret_name(name)}")
+        token = base64.b64decode(next(iter(secret["data"].values()))).decode()
+        request = {
+            "agents": [[p["status"]["podIP"], port] for p in pods],
+            "token": token,
+            "epoch": job["status"]["epoch"],
+            "pairs": FLOOR_PAIRS,
+            "kubeconfig": str(self.kubeconfig),
+            "namespace": self.floor_ns,
+            "name": "floor",
+        }
+        req, out = work / "floor-request.json", work / "floor-result.json"
+        req.write_text(json.dumps(request))
+        subprocess.run(
+            [sys.executable, str(BENCH_DIR / "control_floor.py"), str(req), str(out)], check=True, timeout=600
+        )
+        got = json.loads(out.read_text())
+        result.floor, result.floor_cpu = got["samples"], got["cpu"]
+
+    def run_many(self, jobs: int, pods: int, timeout: float = 1200) -> ManyResult:
+        """`jobs` RLJobs of `pods` pods, 2 iterations each, at once under one operator: its RSS."""
+        ns = f"bench-many-{uuid.uuid4().hex[:6]}"
+        work = self.workdir / f"many-{jobs}x{pods}"
+        create_namespace(self.api, ns)
+        port = free_port()
+        shared = SharedPods(work / "shared-host.log", rpc_timeout=max(30.0, 1.0 * jobs * pods)).start()
+        kubelet = Kubelet(
+            self.kubeconfig, [ns], mapping=shared.mapping(), scratch_root=work / "pods",
+            probe_period=2.0, tick=0.5, ips=IpAllocator(pod_ip_base()), nodes=max(2, -(-jobs * pods // 8)),
+        )  # fmt: skip
+        shared.attach(kubelet)
+        kubelet.start()
+        operator = self._operator([ns], work, port)
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    scrape(port)
+                    break
+                except OSError:
+                    if time.monotonic() > deadline or not operator.alive:
+                        raise RuntimeError(f"operator never came up:\n{operator.log_tail()}") from None
+                    time.sleep(0.2)
+            cpu0 = cpu_seconds(_pid(operator))
+            began = time.monotonic()
+            for j in range(jobs):
+                self.api.post(rljob_path(ns), manifest(f"job-{j:03d}", pods, 2))
+            peak = 0
+            while True:
+                rss, _ = rss_bytes(_pid(operator))
+                peak = max(peak, rss)
+                items = self.api.get(rljob_path(ns))["items"]
+                phases = collections.Counter((o.get("status") or {}).get("phase") for o in items)
+                if phases.get("Succeeded", 0) == jobs:
+                    break
+                bad = {k: v for k, v in phases.items() if k in ("Failed", "Recovering")}
+                if bad or time.monotonic() > deadline:
+                    raise RuntimeError(f"{jobs} jobs x {pods} pods: {dict(phases)}")
+                time.sleep(1.0)
+            end, _ = rss_bytes(_pid(operator))
+            return ManyResult(
+                jobs, pods, time.monotonic() - began, max(peak, end), end, cpu_seconds(_pid(operator)) - cpu0
+            )
+        except BaseException:
+            print(f"\n[many jobs] operator log tail:\n{operator.log_tail(40)}", file=sys.stderr)
+            raise
+        finally:
+            operator.stop()
+            kubelet.stop()
+            shared.stop()
+            delete_namespace(self.api, ns)
+
+    def _gc_stats(self, work: Path) -> dict[str, Any]:
+        path = work / "gc-stats.json"
+        try:
+            return dict(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            return {}
+
     def _measure(
         self, ns: str, pods: int, measured: int, port: int, shared: SharedPods, operator: OperatorProcess,
-        timeout: float,
+        timeout: float, work: Path,
     ) -> SizeResult:  # fmt: skip
         name = "bench"
         total = measured + 1  # iteration 1 warms up (pods start, first refit)
@@ -246,6 +421,10 @@ class Bench:
         spans: dict[tuple[int, str], dict[str, Any]] = {}
         reports: dict[int, float] = {}
         start: Snapshot | None = None
+        gc_start: dict[str, Any] = {}
+        gc_end: dict[str, Any] = {}
+        spy: tuple[subprocess.Popen[bytes], Path] | None = None
+        profile: str | None = None
         first_rollout: float | None = None
         rv = listing["metadata"]["resourceVersion"]
         final: dict[str, Any] = {}
@@ -269,6 +448,8 @@ class Bench:
                         first_rollout = time.monotonic()
                     if phase == "Rollout" and iteration == 2 and start is None:
                         start = self._snapshot(port, pids)
+                        gc_start = self._gc_stats(work)
+                        spy = self._spy(operator, pods)
                     for span in status.get("timeline") or []:
                         if span.get("seconds") is not None:
                             spans[(span["iteration"], span["phase"])] = span
@@ -277,6 +458,8 @@ class Bench:
                         reports[last["iteration"]] = last.get("controlOverheadSeconds", 0.0)
                     if phase == "Succeeded":
                         end = self._snapshot(port, pids)
+                        gc_end = self._gc_stats(work)
+                        profile = self._unspy(spy)
                         final = obj
                         break
                     if phase in ("Failed", "Recovering"):
@@ -316,7 +499,44 @@ class Bench:
             _labels(k): v / n for k, v in delta(start, end, "rljob_agent_commands_total").items()
         }
         result.api_verbs = {_labels(k): v / n for k, v in delta(start, end, "rljob_api_calls_total").items()}
+        result.per_iteration["CPU operator / pod / phase ms"] = (
+            result.per_iteration["CPU operator"] / pods / COMMAND_PHASES * 1000
+        )
+        result.gc = {
+            gen: {k: (v - gc_start.get(gen, {}).get(k, 0)) / n for k, v in stats.items() if k != "max"}
+            | {"max": stats.get("max", 0.0)}
+            for gen, stats in gc_end.items()
+        }
+        result.profile = profile
         return result
+
+    def _spy(self, operator: OperatorProcess, pods: int) -> tuple[subprocess.Popen[bytes], Path] | None:
+        if self.options.profile_dir is None:
+            return None
+        self.options.profile_dir.mkdir(parents=True, exist_ok=True)
+        out = self.options.profile_dir / f"operator-{pods}.txt"
+        spy = Path(sys.executable).parent / "py-spy"
+        # --gil: only the thread holding the GIL, i.e. where the operator's Python CPU goes.
+        cmd = [str(spy), "record", "-p", str(_pid(operator)), "-r", "200", "-f", "raw", "-o", str(out)]
+        cmd += ["--gil", "--nonblocking"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return proc, out
+
+    def _unspy(self, spy: tuple[subprocess.Popen[bytes], Path] | None) -> str | None:
+        if spy is None:
+            return None
+        proc, out = spy
+        proc.send_signal(signal.SIGINT)  # py-spy writes what it sampled and exits
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        return str(out) if out.exists() else None
+
+
+def _pid(operator: OperatorProcess) -> int:
+    assert operator.proc is not None, "not started"
+    return operator.proc.pid
 
 
 def _labels(key: str) -> str:
@@ -329,20 +549,28 @@ def _ms(v: float) -> str:
     return f"{v * 1000:.1f}"
 
 
-def tables(results: list[SizeResult], probe: dict[str, list[float]]) -> str:
+def _floor_p50(r: SizeResult) -> float:
+    return statistics.median(r.floor_overhead()) if r.floor else float("nan")
+
+
+def tables(results: list[SizeResult], probe: dict[str, list[float]], many: ManyResult | None = None) -> str:
     out = [
         "Control overhead per phase transition (wall - slowest pod's in-agent time), ms; median and p95 "
-        "(nearest rank) over the measured iterations",
+        "(nearest rank) over the measured iterations; the floor (p50 of drain and resume together, "
+        "measured on the same agents in the same run) and the ratio of the overhead's p50 to it",
         "",
-        "| phase | pods | iterations | overhead p50 | overhead p95 | in-agent p50 | in-agent p95 |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| phase | pods | iterations | overhead p50 | overhead p95 | floor p50 | p50 / floor | in-agent p50 "
+        "| in-agent p95 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for phase in TRANSITIONS:
         for r in results:
             o, a = r.overhead[phase], r.in_agent[phase]
             label = "Training (grant)" if phase == "Training" else phase
+            floor = _floor_p50(r)
             out.append(
                 f"| {label} | {r.pods} | {r.iterations} | {_ms(statistics.median(o))} | {_ms(p95(o))} | "
+                f"{_ms(floor)} | {statistics.median(o) / floor:.2f}x | "
                 f"{_ms(statistics.median(a))} | {_ms(p95(a))} |"
             )
     for r in results:
@@ -358,7 +586,71 @@ def tables(results: list[SizeResult], probe: dict[str, list[float]]) -> str:
             f"| sum of the 4 command phases (lastIteration.controlOverheadSeconds) | {r.pods} | "
             f"{len(cmd)} | {_ms(statistics.median(cmd))} | {_ms(p95(cmd))} | | |"
         )
-    keys = list(results[0].per_iteration)
+    out += [
+        "",
+        "The floor (control_floor.py: fan-out of one command to every agent, the reports back over open "
+        "long-polls, one status merge-patch; wall - slowest agent's own time), ms",
+        "",
+        "| pods | command | samples | floor p50 | floor p95 | of which the status patch p50 | in-agent p50 "
+        "| floor process CPU / pod / transition ms |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        for action in ("drain", "resume"):
+            got = [x for x in r.floor if x["action"] == action]
+            if not got:
+                continue
+            f = r.floor_overhead(action)
+            cpu = r.floor_cpu / len(r.floor) / r.pods * 1000
+            out.append(
+                f"| {r.pods} | {action} | {len(got)} | {_ms(statistics.median(f))} | {_ms(p95(f))} | "
+                f"{_ms(statistics.median(x['patch'] for x in got))} | "
+                f"{_ms(statistics.median(x['in_agent'] for x in got))} | {cpu:.3f} |"
+            )
+    out += [
+        "",
+        "Operator: CPU per pod per command phase (CPU per iteration / pods / 5), RSS at the window's end",
+        "",
+        "| pods | CPU operator / iteration s | CPU / pod / phase ms | RSS MiB | peak RSS MiB |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        out.append(
+            f"| {r.pods} | {r.per_iteration['CPU operator']:.3f} | "
+            f"{r.per_iteration['CPU operator / pod / phase ms']:.3f} | {r.rss / 2**20:.1f} | "
+            f"{r.rss_peak / 2**20:.1f} |"
+        )
+    if many is not None:
+        out += [
+            "",
+            f"Operator RSS with {many.jobs} RLJobs x {many.pods} pods (2 iterations each, all at once)",
+            "",
+            "| jobs | pods each | all Succeeded after s | RSS peak MiB | RSS at the end MiB | CPU s |",
+            "|---:|---:|---:|---:|---:|---:|",
+            f"| {many.jobs} | {many.pods} | {many.seconds:.0f} | {many.rss_peak / 2**20:.1f} | "
+            f"{many.rss_end / 2**20:.1f} | {many.cpu:.1f} |",
+        ]
+    if any(r.gc for r in results):
+        out += [
+            "",
+            "Operator garbage collections per iteration (gc.callbacks): count, pause ms, objects freed; the "
+            "longest pause is over the whole run of that pod count",
+            "",
+            "| pods | generation | collections | pause ms | freed | longest pause ms |",
+            "|---:|---|---:|---:|---:|---:|",
+        ]
+        for r in results:
+            for gen in sorted(r.gc):
+                g = r.gc[gen]
+                out.append(
+                    f"| {r.pods} | {gen} | {g.get('n', 0):.1f} | {g.get('seconds', 0) * 1000:.1f} | "
+                    f"{g.get('collected', 0):.0f} | {g.get('max', 0) * 1000:.1f} |"
+                )
+    for r in results:
+        if r.profile:
+            title = f"Operator profile, {r.pods} pods (py-spy, {r.profile})"
+            out += ["", title, "", *profile_table(r.profile)]
+    keys = [k for k in results[0].per_iteration if k != "CPU operator / pod / phase ms"]
     out += [
         "",
         "Per iteration (counters scraped from the operator's metrics endpoint; CPU seconds from /proc)",
@@ -425,24 +717,73 @@ def tables(results: list[SizeResult], probe: dict[str, list[float]]) -> str:
     return "\n".join(out)
 
 
+# Frames every sample passes through (thread and event-loop machinery): left out of the inclusive table.
+GENERIC_FRAMES = ("threading.py", "runners.py", "<frozen runpy>", "running.py", "main.py:", "events.py:80")
+
+
+def profile_table(path: str, top: int = 20) -> list[str]:
+    """py-spy's collapsed stacks: the frames with the most samples, inclusive and on top (self)."""
+    inclusive: collections.Counter[str] = collections.Counter()
+    own: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in Path(path).read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        frames = [f.split(" (")[0] + " (" + f.rsplit("/", 1)[-1] if "/" in f else f for f in stack.split(";")]
+        for frame in set(frames):
+            inclusive[frame] += n
+        own[frames[-1]] += n
+    if not total:
+        return ["(no samples)"]
+    rows = [f"{total} samples", "", "| frame | inclusive % | self % |", "|---|---:|---:|"]
+    specific = [(f, n) for f, n in inclusive.most_common() if not any(g in f for g in GENERIC_FRAMES)]
+    specific = [(f, n) for f, n in specific if "base_events.py" not in f]
+    for frame, n in specific[:top]:
+        rows.append(f"| `{frame}` | {100 * n / total:.1f} | {100 * own[frame] / total:.1f} |")
+    rows += ["", "| frame (by self time) | self % |", "|---|---:|"]
+    for frame, n in own.most_common(top):
+        rows.append(f"| `{frame}` | {100 * n / total:.1f} |")
+    return rows
+
+
 def run(
-    sizes: Sequence[int], iterations: Sequence[int], json_path: Path | None = None
-) -> tuple[list[SizeResult], dict[str, list[float]]]:
+    sizes: Sequence[int],
+    iterations: Sequence[int],
+    json_path: Path | None = None,
+    options: Options = Options(),
+    many: tuple[int, int] | None = (100, 8),
+) -> tuple[list[SizeResult], dict[str, list[float]], ManyResult | None]:
     work = Path(tempfile.mkdtemp(prefix="rljob-bench-overhead-"))
     load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
     print(f"[machine: {os.cpu_count()} cores; load average before the run {load}]", flush=True)
     results = []
+    many_result = None
     with LocalControlPlane(work / "cluster", ensure_binaries(build=True)) as plane:
-        bench = Bench(plane, work)
+        bench = Bench(plane, work, options)
         probe = list_after_write(bench.api)
         for pods, n in zip(sizes, iterations, strict=True):
             began = time.monotonic()
+            load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
             results.append(bench.run(pods, n))
-            print(f"[{pods} pods: {n} iterations measured in {time.monotonic() - began:.0f}s; logs {work}]",
-                  flush=True)  # fmt: skip
+            print(f"[{pods} pods: {n} iterations measured in {time.monotonic() - began:.0f}s; load before "
+                  f"{load}; logs {work}]", flush=True)  # fmt: skip
+            if json_path is not None:  # each size as it is measured: a later one may fail
+                partial = json_path.with_suffix(f".{pods}.json")
+                partial.write_text(json.dumps(asdict(results[-1]), indent=2))
+        if many is not None:
+            began = time.monotonic()
+            many_result = bench.run_many(*many)
+            print(f"[{many[0]} jobs x {many[1]} pods in {time.monotonic() - began:.0f}s]", flush=True)
+    load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
+    print(f"[load average after the run {load}]", flush=True)
     if json_path is not None:
-        json_path.write_text(json.dumps({"sizes": [asdict(r) for r in results], "probe": probe}, indent=2))
-    return results, probe
+        raw = {"sizes": [asdict(r) for r in results], "probe": probe}
+        raw["many"] = asdict(many_result) if many_result else None
+        json_path.write_text(json.dumps(raw, indent=2))
+    return results, probe, many_result
 
 
 @pytest.mark.bench
@@ -456,13 +797,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="pod counts")
     p.add_argument("--iterations", default=",".join(map(str, DEFAULT_ITERATIONS)), help="measured, per size")
+    p.add_argument("--many-jobs", type=int, default=100, help="RLJobs at once for the RSS figure (0: skip)")
+    p.add_argument("--many-pods", type=int, default=8, help="pods of each of them")
     p.add_argument("--json", type=Path, default=None, help="also write the raw samples here")
+    p.add_argument("--profile", type=Path, default=None, help="py-spy the operator, stacks into this dir")
+    p.add_argument("--gc-stats", action="store_true", help="time the operator's garbage collections")
+    p.add_argument("--operator-source", type=Path, default=None, help="run the operator from DIR/operator")
     args = p.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     its = [int(s) for s in args.iterations.split(",")]
     if len(its) == 1:
         its *= len(sizes)
-    print(tables(*run(sizes, its, args.json)))
+    options = Options(args.profile, args.gc_stats, args.operator_source)
+    many = (args.many_jobs, args.many_pods) if args.many_jobs > 0 else None
+    print(tables(*run(sizes, its, args.json, options, many)))
 
 
 if __name__ == "__main__":

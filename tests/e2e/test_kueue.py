@@ -290,7 +290,8 @@ def test_preempted_in_rollout_drains_keeps_its_weights_and_finishes_after_readmi
     queued: Queued, kube_api: KubeApi
 ) -> None:
     """2 GPUs of quota, an RLJob of 2 pods in Rollout; a high-priority batch Job asks for 1 GPU: Kueue
-    preempts the RLJob, which drains (Suspending: every agent drains) before its pods go and keeps its
+    preempts the RLJob, which drains and releases its memory (every agent, verified) before Suspending
+    deletes its pods, and keeps its
     committed weights; the Job runs; the RLJob is admitted again and finishes with a continuous weight
     history."""
     ns = queued.namespace
@@ -325,6 +326,9 @@ def test_preempted_in_rollout_drains_keeps_its_weights_and_finishes_after_readmi
     assert [w["version"] for w in status["weightHistory"]][-1] == kept
     phases = [s["phase"] for s in status["timeline"]]
     assert "Suspending" in phases and phases.index("Suspending") > phases.index("Rollout"), phases
+    stop = len(phases) - 1 - phases[::-1].index("Suspending")
+    assert phases[stop - 2 : stop] == ["Draining", "Releasing"], phases  # released before the pods went
+    assert (status["timeline"][stop - 1].get("freedBytes") or 0) > 0, status["timeline"][stop - 1]
     assert status["reason"] in ("Evicted", "WaitingForQuota"), status
     # Events are posted off the lifecycle's path: they may trail the status by a moment.
     evicted = wait_for(
@@ -334,13 +338,14 @@ def test_preempted_in_rollout_drains_keeps_its_weights_and_finishes_after_readmi
     )
     assert "(Preempted)" in evicted[0]["message"], evicted
     assert queued.pods("low") == []
-    # Every agent of the gang drained at the Suspending epoch, and that was the last thing it did before
-    # its pod went (the operator deletes the gang only once every agent reported the drain).
-    drained = f"command drain epoch={status['epoch']} succeeded"
+    # Every agent of the gang drained, then released (the epochs before Suspending's), and that was the
+    # last thing it did before its pod went (Suspending deletes the gang only once every agent verified).
+    drained = f"command drain epoch={status['epoch'] - 2} succeeded"
+    released = f"command release epoch={status['epoch'] - 1} succeeded"
     for name, uid in gang.items():
         log = queued.agent_log(name, uid)
-        commands = [line for line in log.splitlines() if " command " in line]
-        assert commands and drained in commands[-1], commands[-3:]
+        commands = [line for line in log.splitlines() if " command " in line and "accepted" not in line]
+        assert len(commands) >= 2 and drained in commands[-2] and released in commands[-1], commands[-3:]
 
     # The Job Kueue admitted in the RLJob's place runs to completion (Kueue's own batch/job integration:
     # its Workload is named by the scheme queueing.workload_name follows).

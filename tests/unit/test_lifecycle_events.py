@@ -20,11 +20,14 @@ def test_pods_deleted_is_posted_once_while_the_pods_terminate() -> None:
     world.graceful_delete = True
     world.bring_up()
     world.spec = world.spec.model_copy(update={"suspend": True})
-    world.step()  # -> Suspending, drain sent
+    world.step()  # -> Draining (stopping), drain sent
     world.finish_all()
-    first = world.step()  # drained: the gang is asked to go
+    world.step()  # drained -> Releasing, release sent
+    assert world.status.phase == Phase.RELEASING and world.status.stopping
+    world.finish_all()
+    first = world.step()  # released: Suspending asks the gang to go
     assert set(first.delete_pods) == {"job-0", "job-1"}
-    assert [e.reason for e in first.events] == [EventReason.PODS_DELETED]
+    assert [e.reason for e in first.events] == [EventReason.PHASE_CHANGED, EventReason.PODS_DELETED]
     later = [world.step() for _ in range(3)]  # the pods are still terminating
     assert all(d.events == () for d in later)
     assert all(d.delete_pods == () for d in later)  # nothing asked twice either

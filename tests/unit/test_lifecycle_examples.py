@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from lifecycle_world import World, make_spec
 
-from rljob.api.agent import Action, DrainCommand, GrantCommand, RefitCommand, ResumeCommand
+from rljob.api.agent import Action, DrainCommand, GrantCommand, RefitCommand, ReleaseCommand, ResumeCommand
 from rljob.api.status import ConditionStatus, ConditionType, Phase, Verdict
 from rljob.lifecycle.model import EventReason
 
@@ -217,13 +217,19 @@ def test_suspend_in_rollout_drains_deletes_and_resumes_at_the_committed_version(
     world.run_iteration("1")
     world.spec = world.spec.model_copy(update={"suspend": True})
     d = world.step()
-    assert world.status.phase == Phase.SUSPENDING
+    # A serving gang drains and releases its memory before its pods go (docs/lifecycle.md, Failures).
+    assert world.status.phase == Phase.DRAINING and world.status.stopping
     assert all(isinstance(pc.command, DrainCommand) for pc in d.commands)
     world.finish_all()
     d = world.step()
+    assert world.status.phase == Phase.RELEASING
+    assert all(isinstance(pc.command, ReleaseCommand) for pc in d.commands) and d.delete_pods == ()
+    world.finish_all()
+    d = world.step()
+    assert world.status.phase == Phase.SUSPENDING and d.commands == ()
     assert set(d.delete_pods) == {"job-0", "job-1"}
     world.step()
-    assert world.status.phase == Phase.SUSPENDED
+    assert world.status.phase == Phase.SUSPENDED and not world.status.stopping
     assert world.status.condition(ConditionType.SUSPENDED).status == ConditionStatus.TRUE  # type: ignore[union-attr]
     world.step()
     assert world.status.phase == Phase.SUSPENDED  # stays while spec.suspend

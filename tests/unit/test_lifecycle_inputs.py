@@ -157,10 +157,12 @@ def test_a_permanent_failure_while_suspending_does_not_fail_the_job() -> None:
     world = World(make_spec())
     world.bring_up()
     world.spec = world.spec.model_copy(update={"suspend": True})
-    world.step()  # -> Suspending, drain sent
+    world.step()  # -> Draining (stopping), drain sent
+    world.finish_all()
+    world.step()  # -> Releasing, release sent
     for agent in world.agents.values():
         agent.finish(ok=False, permanent=True, reason="ReleaseShortfall", error="x")
-    world.step()  # the pods go anyway
+    world.step()  # the pods go anyway: Suspending deletes them
     world.step()
     assert world.status.phase == Phase.SUSPENDED
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from lifecycle_world import World, make_spec
 
-from rljob.api.agent import DrainCommand
+from rljob.api.agent import DrainCommand, ReleaseCommand
 from rljob.api.status import ConditionStatus, ConditionType, Phase
 from rljob.lifecycle.model import Admission, EventReason, Observation
 
@@ -87,12 +87,18 @@ def test_eviction_in_rollout_drains_before_the_pods_go_and_resumes_at_the_commit
 
     world.evict()
     d = world.step()
-    assert world.status.phase == Phase.SUSPENDING and world.status.reason == EventReason.EVICTED
+    assert world.status.phase == Phase.DRAINING and world.status.reason == EventReason.EVICTED
+    assert world.status.stopping
     assert {type(pc.command) for pc in d.commands} == {DrainCommand} and d.delete_pods == ()
     assert queued(world)[:2] == (ConditionStatus.TRUE, "Evicted")
     world.finish_all()  # every agent drained
     d = world.step()
-    assert set(d.delete_pods) == {"job-0", "job-1"}  # only after the drain
+    assert world.status.phase == Phase.RELEASING
+    assert {type(pc.command) for pc in d.commands} == {ReleaseCommand} and d.delete_pods == ()
+    world.finish_all()  # every agent released and verified its memory
+    d = world.step()
+    assert world.status.phase == Phase.SUSPENDING
+    assert set(d.delete_pods) == {"job-0", "job-1"}  # only after the drain and the release
     world.step()
     assert world.status.phase == Phase.SUSPENDED and world.status.weight_version == "1"
     assert world.status.reason == EventReason.EVICTED
@@ -143,8 +149,8 @@ def test_eviction_mid_iteration_lets_the_iteration_commit_first() -> None:
     world.finish_all()
     world.step()  # Resuming done: weights 1 committed, the next rollout opens...
     assert world.status.weight_version == "1" and world.status.phase == Phase.ROLLOUT
-    d = world.step()  # ...and stops for the queue: the gang drains
-    assert world.status.phase == Phase.SUSPENDING
+    d = world.step()  # ...and stops for the queue: the gang drains (then releases)
+    assert world.status.phase == Phase.DRAINING and world.status.stopping
     assert {type(pc.command) for pc in d.commands} == {DrainCommand}
 
 

@@ -47,16 +47,20 @@ class Agent:
         self.windows = RefitWindows(self.store, self.client, cfg.group_init_timeout_s)
         self.lease = LeaseDesk(self.store)
         self.watch = SGLangWatch(self.store, self.client, probe_timeout_s=cfg.scheduler_probe_timeout_s)
-        self.sampler = RolloutSampler(self.store, self.client, cfg.rollout_sample_s, cfg.rollout_report_s)
+        probe = make_probe(cfg.gpu_probe, self.client)
+        self.sampler = RolloutSampler(
+            self.store, self.client, cfg.rollout_sample_s, cfg.rollout_report_s, probe=probe
+        )
         ops = Operations(
             self.store,
             self.client,
-            make_probe(cfg.gpu_probe, self.client),
+            probe,
             self.windows,
             self.lease,
             self.metrics,
             cfg.call_timeout_s,
             before_drain=self.sampler.final_sample,
+            before_serving=self.sampler.begin,
         )
         self.store.state.node_rank = cfg.node_rank
         check = transitions.check

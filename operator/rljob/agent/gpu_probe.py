@@ -1,6 +1,7 @@
 """How the agent sees GPU memory: NVML on a real node (every GPU visible to the pod), or a probe plugin
 named by import path (`--gpu-probe module:factory`, the factory called with the agent's SGLang client).
-Release verification compares samples taken before and after the release."""
+Release verification compares samples taken before and after the release; the rollout sampler reads each
+GPU's busy fraction (docs/profiling.md)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import importlib
 import os
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,10 +28,16 @@ class GpuMemory:
     used_bytes: int
     total_bytes: int
     uuid: str = ""
+    name: str = ""  # the device's name (NVML's nvmlDeviceGetName), e.g. "NVIDIA H200"
 
 
 class GpuProbe(Protocol):
     async def sample(self) -> list[GpuMemory]: ...
+
+    async def utilization(self) -> list[float] | None:
+        """Per GPU, the fraction of time (0..1) a kernel ran since the previous call (the first call
+        starts the interval), or None when the probe cannot tell."""
+        ...
 
 
 class NvmlProbe:
@@ -38,6 +46,9 @@ class NvmlProbe:
     def __init__(self) -> None:
         self._nvml: Any = None
         self._handles: list[Any] = []
+        self._names: list[str] = []
+        self._since: list[int] = []  # per GPU: NVML timestamp (µs) of the last utilization sample read
+        self._init_lock = threading.Lock()  # the rollout sampler and a command may both call first
 
     scope: Selection | None = None  # which GPUs are the pod's (agent/gpu_scope.py), once NVML started
     proc_root = Path("/proc")
@@ -58,11 +69,18 @@ class NvmlProbe:
         ]
 
     def _init(self) -> None:
+        with self._init_lock:
+            if self._nvml is None:
+                self._init_locked()
+
+    def _init_locked(self) -> None:
         import pynvml  # type: ignore[import-untyped]  # lazy: only nodes with the NVIDIA driver have it
 
         pynvml.nvmlInit()
-        self._nvml = pynvml
         self._handles = self._own_handles(pynvml)
+        self._names = [_text(pynvml.nvmlDeviceGetName(h)) for h in self._handles]
+        self._since = [0] * len(self._handles)
+        self._nvml = pynvml  # last: other threads test it unlocked
 
     def _sample_blocking(self) -> list[GpuMemory]:
         if self._nvml is None:
@@ -72,8 +90,34 @@ class NvmlProbe:
         out = []
         for i, handle in enumerate(self._handles):
             info = self._nvml.nvmlDeviceGetMemoryInfo(handle)
-            out.append(GpuMemory(i, int(info.used), int(info.total)))
+            out.append(GpuMemory(i, int(info.used), int(info.total), name=self._names[i]))
         return out
+
+    def _busy(self, i: int) -> float:
+        """Mean of the driver's utilization samples (percent of each sample period in which a kernel ran)
+        newer than the last one read: the whole interval since the previous call, not only NVML's last
+        period. Falls back to nvmlDeviceGetUtilizationRates(handle).gpu, the last period's figure."""
+        nvml, handle = self._nvml, self._handles[i]
+        try:
+            _, samples = nvml.nvmlDeviceGetSamples(handle, nvml.NVML_GPU_UTILIZATION_SAMPLES, self._since[i])
+        except nvml.NVMLError:
+            samples = []  # NOT_FOUND: no sample since the timestamp (or the call is unsupported)
+        if samples:
+            self._since[i] = max(int(x.timeStamp) for x in samples)
+            return sum(float(x.sampleValue.uiVal) for x in samples) / len(samples) / 100.0
+        return float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu) / 100.0
+
+    def _utilization_blocking(self) -> list[float]:
+        if self._nvml is None:
+            self._init()
+        return [min(1.0, max(0.0, self._busy(i))) for i in range(len(self._handles))]
+
+    async def utilization(self) -> list[float] | None:
+        started = time.monotonic()
+        try:
+            return await asyncio.to_thread(self._utilization_blocking)
+        finally:
+            add_external(time.monotonic() - started)
 
     async def sample(self) -> list[GpuMemory]:
         started = time.monotonic()
@@ -81,6 +125,10 @@ class NvmlProbe:
             return await asyncio.to_thread(self._sample_blocking)
         finally:
             add_external(time.monotonic() - started)
+
+
+def _text(name: str | bytes) -> str:
+    return name.decode(errors="replace") if isinstance(name, bytes) else str(name)
 
 
 ProbeFactory = Callable[[SGLangClient], GpuProbe]

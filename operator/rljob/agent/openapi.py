@@ -25,6 +25,8 @@ from rljob.api.agent import (
     RefitClose,
     RefitWindow,
     Refusal,
+    RolloutReport,
+    RolloutSamples,
     TensorPush,
     TrainerReport,
 )
@@ -160,6 +162,15 @@ ROUTES: tuple[Route, ...] = (
         trainer=True,
     ),
     Route(
+        "post",
+        "/v1/trainer/rollout",
+        "Report the samples this rollout generated (added to the rollout report; send before asking for "
+        "the GPU): the cost per rollout in status divides the iteration's GPU-seconds by them.",
+        {200: "RolloutReport", **_REFUSALS},
+        body="RolloutSamples",
+        trainer=True,
+    ),
+    Route(
         "get",
         "/v1/trainer/state",
         "Agent state for the trainer; long-polls like /v1/state.",
@@ -186,6 +197,8 @@ MODELS: dict[str, type[BaseModel]] = {
         DistributedPush,
         RefitClose,
         PushResult,
+        RolloutReport,
+        RolloutSamples,
     )
 }
 

@@ -100,8 +100,10 @@ class Operations:
         metrics: AgentMetrics,
         call_timeout_s: float,
         before_drain: Callable[[], Awaitable[None]] | None = None,
+        before_serving: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.before_drain = before_drain
+        self.before_serving = before_serving
         self.store = store
         self.client = client
         self.probe = probe
@@ -491,6 +493,8 @@ class Operations:
             raise CommandFailed(f"cannot read the served weight_version: {e}") from e
         if served != expected:
             raise CommandFailed(f"SGLang serves weight_version {served!r}, expected {expected!r}")
+        if self.before_serving is not None:
+            await self.before_serving()  # the rollout's baseline, before any rollout request can finish
         with self.store.change() as s:
             s.stage = Stage.SERVING
             s.rollout = RolloutReport()

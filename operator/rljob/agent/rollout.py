@@ -1,26 +1,73 @@
-"""Rollout statistics while Serving: SGLang's load endpoint sampled every ~1 s into AgentState.rollout
-(reset at each resume). Rollout-only changes bump the revision at most every `report_s`, so long-polls
-are not woken every second for numbers nobody waits on."""
+"""Rollout statistics while Serving, into AgentState.rollout (reset at each resume); docs/profiling.md
+defines each signal and its source.
+
+- At the resume that opens rollout (`begin`, just before the stage becomes Serving) the sampler takes a
+  baseline: SGLang's cumulative `/metrics` counters and the start of the GPU probe's busy interval.
+- Every `sample_s` while Serving, and once more as a drain starts (`final_sample`, while requests still
+  run): the load route (running and waiting requests, the last prefill batch's cache_hit_rate,
+  gen_throughput), the counters again (their increase since the baseline) and each GPU's busy fraction
+  since the previous sample. Means are weighted by the time each sample stands for.
+
+Rollout-only changes bump the revision at most every `report_s`, so long-polls are not woken every second
+for numbers nobody waits on."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from dataclasses import dataclass, field
 
+from rljob.agent.gpu_probe import GpuProbe
 from rljob.agent.sglang_client import SGLangClient, SGLangError, SGLangUnreachable
 from rljob.agent.state import StateStore
 from rljob.api.agent import RolloutReport, Stage
 
+log = logging.getLogger("rljob.agent")
+
+COUNTERS = {
+    "prompt_tokens": "sglang:prompt_tokens_total",
+    "cached_tokens": "sglang:cached_tokens_total",
+    "generation_tokens": "sglang:generation_tokens_total",
+}
+
+
+@dataclass
+class _Window:
+    """The sums one rollout's report is computed from."""
+
+    started: float  # monotonic time of the baseline
+    counters: dict[str, float] | None  # /metrics at the baseline; None: not read (yet)
+    last_load: float = 0.0  # monotonic time of the previous load sample (the baseline at first)
+    last_busy: float = 0.0  # monotonic time the probe's current busy interval started
+    load_seconds: float = 0.0
+    running_seconds: float = 0.0  # running requests x seconds
+    waiting_seconds: float = 0.0
+    busy_seconds: float = 0.0  # busy fraction x seconds
+    busy_span: float = 0.0
+    tput_sum: float = 0.0
+    tput_busy: int = 0
+    failed: set[str] = field(default_factory=set)
+
 
 class RolloutSampler:
-    def __init__(self, store: StateStore, client: SGLangClient, sample_s: float, report_s: float) -> None:
+    def __init__(
+        self,
+        store: StateStore,
+        client: SGLangClient,
+        sample_s: float,
+        report_s: float,
+        probe: GpuProbe | None = None,
+    ) -> None:
         self._store = store
         self._client = client
+        self._probe = probe
         self._sample_s = sample_s
         self._report_s = report_s
-        self._report: RolloutReport | None = None  # the report object the sums below belong to
-        self._tput_sum = 0.0
-        self._tput_busy = 0
+        self._report: RolloutReport | None = None  # the report object the window below belongs to
+        self._window: _Window | None = None
+        self._pending: _Window | None = None  # the baseline `begin` took for the next report
+        self._devices: tuple[int, str | None] | None = None  # GPU count and name, read once
 
     async def run(self) -> None:
         while self._store.state.stage != Stage.FAILED:
@@ -28,30 +75,120 @@ class RolloutSampler:
             if self._store.state.stage == Stage.SERVING:
                 await self.sample()
 
+    async def begin(self) -> None:
+        """Called by the resume that opens rollout, after SGLang's health check and before the stage
+        becomes Serving: nothing the trainer sends can have finished yet, and /health_generate's own
+        tokens are already counted."""
+        window = _Window(started=time.monotonic(), counters=await self._counters())
+        await self._utilization()  # starts the probe's busy interval
+        window.last_load = window.last_busy = time.monotonic()
+        self._pending = window
+
     async def final_sample(self) -> None:
         """Called as a drain starts: a rollout shorter than the sampling period still gets its numbers."""
         if self._store.state.stage == Stage.SERVING:
             await self.sample(force=True)
 
     async def sample(self, force: bool = False) -> None:
-        try:
-            load = await self._client.load()
-        except (SGLangError, SGLangUnreachable, TimeoutError):
-            return  # death is the watch's business
         if self._store.state.stage != Stage.SERVING:
             return
         report = self._store.state.rollout
         if report is not self._report:
-            self._report, self._tput_sum, self._tput_busy = report, 0.0, 0
+            self._report, self._window, self._pending = report, self._pending, None
+            if self._window is None:  # the agent restarted mid-rollout: measure from now on
+                self._window = _Window(started=time.monotonic(), counters=None)
+                self._window.last_load = self._window.last_busy = self._window.started
+            await self._describe_devices(report)
+        window = self._window
+        assert window is not None
+        try:
+            load = await self._client.load()
+        except (SGLangError, SGLangUnreachable, TimeoutError):
+            return  # death is the watch's business
+        counters = await self._counters()
+        busy = await self._utilization()
+        if self._store.state.stage != Stage.SERVING or self._store.state.rollout is not report:
+            return
+        now = time.monotonic()
         report.samples += 1
+        report.window_seconds = round(now - window.started, 6)
         if load["cache_hit_rate"] is not None:
             report.cache_hit_rate = min(1.0, max(0.0, load["cache_hit_rate"]))
         # `utilization` is not read: SGLang never sets it (0.0, or -1 in PD prefill; C-METRIC-UTILIZATION,
         # managers/scheduler_components/metrics_reporter.py:1303-1315@0.5.23).
         tput = load["gen_throughput"]
         if tput is not None and tput > 0:  # average over busy samples: idle tails say nothing
-            self._tput_sum += tput
-            self._tput_busy += 1
-            report.generation_tokens_per_second = self._tput_sum / self._tput_busy
+            window.tput_sum += tput
+            window.tput_busy += 1
+            report.generation_tokens_per_second = window.tput_sum / window.tput_busy
+        self._queue(report, window, load, now)
+        self._increase(report, window, counters)
+        if busy is not None:
+            window.busy_seconds += busy * (now - window.last_busy)
+            window.busy_span += now - window.last_busy
+            if window.busy_span > 0:
+                report.gpu_busy_fraction = round(min(1.0, window.busy_seconds / window.busy_span), 6)
+        window.last_busy = now
         if force or report.samples == 1 or time.monotonic() - self._store.last_commit >= self._report_s:
             self._store.commit()
+
+    # --- the parts of a sample -----------------------------------------------------------------------
+
+    @staticmethod
+    def _queue(report: RolloutReport, window: _Window, load: dict[str, float | None], now: float) -> None:
+        """Running and waiting requests (the load route, summed over DP ranks), each sample weighted by
+        the time since the previous one."""
+        dt, window.last_load = now - window.last_load, now
+        if load["running"] is None or load["waiting"] is None or dt <= 0:
+            return
+        window.load_seconds += dt
+        window.running_seconds += load["running"] * dt
+        window.waiting_seconds += load["waiting"] * dt
+        report.mean_running_requests = round(window.running_seconds / window.load_seconds, 4)
+        report.mean_waiting_requests = round(window.waiting_seconds / window.load_seconds, 4)
+
+    @staticmethod
+    def _increase(report: RolloutReport, window: _Window, counters: dict[str, float] | None) -> None:
+        """The counters' increase since the baseline. A series absent is 0: SGLang's tokenizer series appear
+        at their first bump (prometheus_client emits a labelled series only once used)."""
+        if counters is None:
+            return
+        if window.counters is None:  # no baseline (the agent restarted mid-rollout): start here
+            window.counters = counters
+            return
+        for key, series in COUNTERS.items():
+            increase = counters.get(series, 0.0) - window.counters.get(series, 0.0)
+            setattr(report, key, max(0, round(increase)))
+
+    async def _counters(self) -> dict[str, float] | None:
+        """/metrics, or None when SGLang has none (no --enable-metrics) or did not answer."""
+        try:
+            return await self._client.metrics()
+        except (SGLangError, SGLangUnreachable, TimeoutError):
+            return None
+
+    async def _utilization(self) -> float | None:
+        """Mean busy fraction over the pod's GPUs since the probe's previous call."""
+        if self._probe is None:
+            return None
+        try:
+            per_gpu = await self._probe.utilization()
+        except Exception as e:  # NVML errors have no common base worth naming; the probe's, not ours
+            log.debug("GPU busy not read: %s: %s", e.__class__.__name__, e)
+            return None
+        if not per_gpu:
+            return None
+        return sum(per_gpu) / len(per_gpu)
+
+    async def _describe_devices(self, report: RolloutReport) -> None:
+        """GPU count and name (for the decode roofline's bandwidth) and SGLang's TP size, once per agent."""
+        if self._devices is None and self._probe is not None:
+            try:
+                gpus = await self._probe.sample()
+                self._devices = (len(gpus), next((g.name for g in gpus if g.name), None))
+            except Exception as e:  # as in _utilization
+                log.debug("GPUs not described: %s: %s", e.__class__.__name__, e)
+        if self._devices is not None:
+            report.gpus, report.gpu_name = self._devices
+        facts = self._store.facts
+        report.tp_size = facts.tp_size if facts is not None else None

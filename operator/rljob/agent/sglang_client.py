@@ -33,7 +33,45 @@ ADMIN_OPTIONAL_ROUTES = frozenset(
 
 # Calls that never occupy the scheduler's control inbox (tokenizer-only or the probe itself): they do not
 # count as control calls in flight, which is what suspends the scheduler probe (C-DEATH-HARD).
-PASSIVE_OPERATIONS = frozenset({"ping", "model_info", "weight_version", "scheduler_probe", "load"})
+PASSIVE_OPERATIONS = frozenset(
+    {"ping", "model_info", "weight_version", "scheduler_probe", "load", "metrics", "gpu_utilization"}
+)
+
+# What the rollout sampler reads from `/metrics` (C-METRIC-PROM): the tokenizer's cumulative counters,
+# bumped as requests finish, and the schedulers' gauges (one series per DP rank). Sums over label sets:
+# `is_streaming` (≥0.5.20) splits requests, `cache_source` (≥0.5.15) splits cached tokens by tier.
+METRIC_SERIES = (
+    "sglang:prompt_tokens_total",
+    "sglang:generation_tokens_total",
+    "sglang:cached_tokens_total",
+    "sglang:num_running_reqs",
+    "sglang:num_queue_reqs",
+    "sglang:gen_throughput",
+    "sglang:cache_hit_rate",
+)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text exposition -> {series name: sum over its label sets} for METRIC_SERIES. Labels are
+    skipped as a whole (a value may hold spaces); a line that does not parse is ignored."""
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        brace = line.find("{")
+        space = line.find(" ")
+        if brace != -1 and (space == -1 or brace < space):
+            name, rest = line[:brace], line[line.rfind("}") + 1 :]
+        else:
+            name, rest = line[:space], line[space:]
+        if name not in METRIC_SERIES:
+            continue
+        try:
+            value = float(rest.split()[0])
+        except (IndexError, ValueError):
+            continue
+        sums[name] = sums.get(name, 0.0) + value
+    return sums
 
 
 class SGLangUnreachable(Exception):
@@ -46,6 +84,18 @@ class SGLangError(Exception):
     def __init__(self, operation: str, status: int, message: str) -> None:
         super().__init__(f"{operation}: HTTP {status}: {message}")
         self.operation, self.status, self.message = operation, status, message
+
+
+def _running_waiting(entry: dict[str, Any]) -> tuple[int, int] | None:
+    """(running, waiting) of one DP rank's load entry: `/v1/loads` has both, 0.5.6's `/get_load` has
+    `num_reqs` = running + waiting (C-METRIC-LOAD-ROUTE, scheduler_metrics_mixin.py:421-426@0.5.6)."""
+    try:
+        waiting = int(entry["num_waiting_reqs"])
+        if "num_running_reqs" in entry:
+            return int(entry["num_running_reqs"]), waiting
+        return int(entry["num_reqs"]) - waiting, waiting
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _message(body: Any, text: str) -> str:
@@ -330,10 +380,11 @@ class SGLangClient:
         return True
 
     async def load(self, timeout: float = 5.0) -> dict[str, float | None]:
-        """cache_hit_rate (mean) and gen_throughput (sum) over the DP ranks; None where the version has none
-        (0.5.6's /get_load has counts only)."""
+        """cache_hit_rate (mean), gen_throughput, running and waiting requests (sums) over the DP ranks; None
+        where the version has none (0.5.6's /get_load has counts only)."""
         route = self._q().load_route
-        none: dict[str, float | None] = {"cache_hit_rate": None, "gen_throughput": None}
+        keys = ("cache_hit_rate", "gen_throughput", "running", "waiting")
+        none: dict[str, float | None] = dict.fromkeys(keys)
         if route == "/get_load":  # scheduler-bound: share the one-outstanding rule with the probe
             if self._get_load_outstanding:
                 return none
@@ -352,10 +403,24 @@ class SGLangClient:
             return sum(vals) / len(vals) if vals else None
 
         tput = [float(x["gen_throughput"]) for x in loads if isinstance(x, dict) and "gen_throughput" in x]
+        counts = [_running_waiting(x) for x in loads if isinstance(x, dict)]
+        known = [c for c in counts if c is not None]
         return {
             "cache_hit_rate": mean("cache_hit_rate"),
             "gen_throughput": sum(tput) if tput else None,
+            "running": float(sum(r for r, _ in known)) if known else None,
+            "waiting": float(sum(w for _, w in known)) if known else None,
         }
+
+    async def metrics(self, timeout: float = 5.0) -> dict[str, float] | None:
+        """`/metrics` summed per series (parse_metrics), or None when the server has none: SGLang serves it
+        only with --enable-metrics (C-METRIC-PROM)."""
+        status, _, text = await self._call("metrics", "GET", "/metrics", timeout=timeout)
+        if status == 404:
+            return None
+        if status != 200:
+            raise SGLangError("metrics", status, text[:500])
+        return parse_metrics(text)
 
     # --- for plugins ---------------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ class ServerFacts:
     weights_cpu_backup: bool
     dp_size: int
     dp_attention: bool = False
+    tp_size: int = 1
 
     @property
     def weight_cache_active(self) -> bool:
@@ -57,6 +58,7 @@ class ServerFacts:
             # @0.5.6), so dp_size and enable_dp_attention are there on every version.
             dp_size=int(info.get("dp_size") or 1),
             dp_attention=bool(info.get("enable_dp_attention", False)),
+            tp_size=int(info.get("tp_size") or 1),  # the decode roofline's bytes per GPU (docs/profiling.md)
         )
 
 

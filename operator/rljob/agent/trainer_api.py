@@ -18,6 +18,8 @@ from rljob.api.agent import (
     InitWeightsGroup,
     PublishRequest,
     RefitClose,
+    RolloutReport,
+    RolloutSamples,
     TensorPush,
 )
 
@@ -27,6 +29,7 @@ TENSOR = TypeAdapter(TensorPush)
 DISTRIBUTED = TypeAdapter(DistributedPush)
 GROUP = TypeAdapter(InitWeightsGroup)
 CLOSE = TypeAdapter(RefitClose)
+SAMPLES = TypeAdapter(RolloutSamples)
 
 
 def build_trainer_app(
@@ -66,6 +69,15 @@ def build_trainer_app(
     async def close_window(request: web.Request) -> web.Response:
         return reply(windows.trainer_close((await read_body(request, CLOSE)).error))
 
+    async def report_rollout(request: web.Request) -> web.Response:
+        """The trainer's count of completed samples, added to this rollout's report: the cost per rollout
+        of docs/profiling.md divides the iteration's GPU-seconds by it."""
+        body = await read_body(request, SAMPLES)
+        with store.change() as s:
+            s.rollout.completed_samples += body.samples
+        report: RolloutReport = store.state.rollout
+        return reply(report)
+
     async def get_state(request: web.Request) -> web.Response:
         since = query_number(request, "since", -1, lo=-1, hi=2**53)
         wait = query_number(request, "wait", 0, lo=0, hi=MAX_WAIT_S)
@@ -84,5 +96,6 @@ def build_trainer_app(
     r.add_post("/v1/trainer/refit/tensor", push_tensor)
     r.add_post("/v1/trainer/refit/distributed", push_distributed)
     r.add_post("/v1/trainer/refit/close", close_window)
+    r.add_post("/v1/trainer/rollout", report_rollout)
     r.add_get("/v1/trainer/state", get_state)
     return app

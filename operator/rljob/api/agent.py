@@ -203,11 +203,48 @@ class RolloutReport(WireModel):
         description="The last sample of SGLang's cache_hit_rate: the hit ratio of its last prefill batch "
         "(C-METRIC-CACHE-HIT), not a running ratio.",
     )
-    generation_tokens_per_second: float | None = Field(default=None, ge=0)
+    generation_tokens_per_second: float | None = Field(
+        default=None, ge=0, description="Mean of SGLang's gen_throughput gauge over the busy samples."
+    )
     utilization: float | None = Field(
         default=None,
         ge=0,
         description="Not reported: SGLang never sets its load utilization (0.0, C-METRIC-UTILIZATION).",
+    )
+    # The signals of docs/profiling.md, measured over the rollout window: from the baseline the agent
+    # takes as it opens rollout (resume) to its last sample (the drain's first step).
+    window_seconds: float | None = Field(
+        default=None, ge=0, description="Agent clock from the rollout's baseline to the last sample."
+    )
+    gpus: int = Field(default=0, ge=0, description="GPUs the agent's probe sees in this pod.")
+    gpu_name: str | None = Field(default=None, max_length=128, description="The GPU probe's device name.")
+    gpu_busy_fraction: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="Time-weighted mean over the window and the pod's GPUs of the fraction of time a kernel "
+        "ran (NVML utilization.gpu).",
+    )
+    prompt_tokens: int | None = Field(
+        default=None, ge=0, description="Increase of sglang:prompt_tokens_total over the window."
+    )
+    cached_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        description="Increase of sglang:cached_tokens_total over the window (every cache_source).",
+    )
+    generation_tokens: int | None = Field(
+        default=None, ge=0, description="Increase of sglang:generation_tokens_total over the window."
+    )
+    mean_running_requests: float | None = Field(
+        default=None, ge=0, description="Time-weighted mean of running requests over the samples."
+    )
+    mean_waiting_requests: float | None = Field(
+        default=None, ge=0, description="Time-weighted mean of queued (waiting) requests over the samples."
+    )
+    tp_size: int | None = Field(default=None, ge=1, description="SGLang's tensor-parallel size.")
+    completed_samples: int = Field(
+        default=0, ge=0, description="Samples the trainer reported (POST /v1/trainer/rollout) this rollout."
     )
 
 
@@ -269,6 +306,13 @@ class PublishRequest(WireModel):
 
     version: WeightVersion
     path: str | None = Field(default=None, max_length=1024)
+
+
+class RolloutSamples(WireModel):
+    """`POST /v1/trainer/rollout`: the trainer generated `samples` completed samples in this rollout
+    (added to the current rollout report; send it before asking for the GPU)."""
+
+    samples: int = Field(ge=0, le=1_000_000_000)
 
 
 class TensorPush(WireModel):

@@ -260,6 +260,24 @@ class Agent(WireModel):
     port: int = Field(default=8471, ge=1, le=65535)
 
 
+class ProfileHints(WireModel):
+    """What the rollout profile cannot measure: the decode roofline's inputs (docs/profiling.md)."""
+
+    model_bytes: int | None = Field(
+        default=None,
+        ge=1,
+        le=2**50,
+        description="Bytes of the model's weights (all GPUs together): each decode step reads modelBytes / "
+        "SGLang's tp_size on every GPU. Unset: no decode roofline.",
+    )
+    memory_bandwidth_bytes_per_second: int | None = Field(
+        default=None,
+        ge=1,
+        le=10**15,
+        description="One GPU's memory bandwidth. Unset: looked up by the GPU's name (H200, H100, A100...).",
+    )
+
+
 REPLICAS_MULTIPLE_MESSAGE = (
     "replicas must be a multiple of rollout.podsPerInstance: every SGLang instance spans that many pods"
 )
@@ -349,6 +367,7 @@ class RLJobSpec(WireModel):
     active_deadline_seconds: int | None = Field(default=None, ge=1, le=31_536_000)
     ttl_seconds_after_finished: int | None = Field(default=None, ge=0, le=31_536_000)
     pods_after_finished: PodsAfterFinished = PodsAfterFinished.DELETE
+    profile: ProfileHints = Field(default_factory=ProfileHints)
 
     @model_validator(mode="after")
     def _containers_exist(self) -> RLJobSpec:

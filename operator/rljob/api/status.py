@@ -13,6 +13,8 @@ from rljob.api.spec import ReleaseTag, WeightVersion
 MAX_PODS_IN_STATUS = 64
 MAX_WEIGHT_HISTORY = 16
 MAX_TIMELINE = 24
+MAX_ITERATION_HISTORY = 16
+MAX_DIAGNOSIS = 5
 MAX_MESSAGE = 1024
 
 
@@ -98,6 +100,27 @@ class PodStatus(StatusModel):
     )
 
 
+class RolloutTotals(StatusModel):
+    """One rollout, summed over the gang's agents (docs/profiling.md defines each number). Kept on the
+    Rollout span until the iteration's report is made from it."""
+
+    pods: int = Field(default=0, ge=0, description="Agents that sampled the rollout.")
+    gpus: int = Field(default=0, ge=0)
+    gpu_name: str | None = Field(default=None, max_length=128)
+    tp_size: int | None = Field(default=None, ge=1)
+    window_seconds: float | None = Field(default=None, ge=0, description="Longest agent window.")
+    gpu_busy_fraction: float | None = Field(default=None, ge=0, le=1, description="GPU-weighted mean.")
+    prompt_tokens: int | None = Field(default=None, ge=0)
+    cached_tokens: int | None = Field(default=None, ge=0)
+    generation_tokens: int | None = Field(default=None, ge=0)
+    generation_tokens_per_second: float | None = Field(
+        default=None, ge=0, description="Sum over pods of generation tokens / window."
+    )
+    mean_running_requests: float | None = Field(default=None, ge=0, description="Sum over pods.")
+    mean_waiting_requests: float | None = Field(default=None, ge=0, description="Sum over pods.")
+    samples: int | None = Field(default=None, ge=0, description="Completed samples the trainers reported.")
+
+
 class PhaseSpan(StatusModel):
     """One phase of one iteration: the timeline `kubectl rljob status` prints."""
 
@@ -109,8 +132,15 @@ class PhaseSpan(StatusModel):
         default=None, ge=0, description="Slowest pod's time inside the agent (SGLang calls included)."
     )
     freed_bytes: int | None = Field(default=None, ge=0, description="Releasing: sum over pods.")
-    cache_hit_rate: float | None = Field(default=None, ge=0, le=1, description="Rollout: mean over pods.")
+    cache_hit_rate: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="Rollout: prefix-cache hit rate, token-weighted over the gang (the mean of the last "
+        "prefill batches' rates where SGLang has no counters).",
+    )
     tokens_per_second: float | None = Field(default=None, ge=0, description="Rollout: sum over pods.")
+    rollout: RolloutTotals | None = Field(default=None, description="Rollout: what the agents measured.")
 
 
 class PhaseSeconds(StatusModel):
@@ -131,14 +161,69 @@ class IterationReport(StatusModel):
         default=0.0, description="Lifecycle wall time not spent inside agents/SGLang: the operator's cost."
     )
     freed_bytes: int = Field(default=0, ge=0, description="Sum over pods.")
-    cache_hit_rate: float | None = Field(default=None, ge=0, le=1)
+    cache_hit_rate: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="Prefix-cache hit rate over the whole rollout: cached / prompt tokens (SGLang's "
+        "counters); the last prefill batches' rate where SGLang has no counters.",
+    )
     generation_tokens_per_second: float | None = Field(default=None, ge=0, description="Sum over pods.")
+    # The signals of docs/profiling.md (lifecycle/signals.py computes them); None where not measured.
+    wall_seconds: float | None = Field(default=None, ge=0, description="The iteration's phases, summed.")
+    rollout_share: float | None = Field(default=None, ge=0, le=1, description="Rollout / (rollout + train).")
+    gpus: int | None = Field(default=None, ge=0)
+    gpu_busy_fraction: float | None = Field(
+        default=None, ge=0, le=1, description="During rollout: fraction of time a kernel ran (NVML)."
+    )
+    mean_running_requests: float | None = Field(default=None, ge=0)
+    mean_waiting_requests: float | None = Field(default=None, ge=0)
+    prompt_tokens: int | None = Field(default=None, ge=0)
+    cached_tokens: int | None = Field(default=None, ge=0)
+    generation_tokens: int | None = Field(default=None, ge=0)
+    samples: int | None = Field(default=None, ge=0, description="Completed samples the trainers reported.")
+    tokens_per_second_per_gpu: float | None = Field(default=None, ge=0)
+    decode_roofline_tokens_per_second: float | None = Field(
+        default=None,
+        ge=0,
+        description="Memory-bandwidth bound on generation tokens/s at the measured batch: running requests "
+        "x bandwidth / weight bytes per GPU.",
+    )
+    roofline_fraction: float | None = Field(default=None, ge=0, description="Tokens/s / decode roofline.")
+    gpu_seconds: float | None = Field(default=None, ge=0, description="Iteration wall x GPUs.")
+    gpu_seconds_per_sample: float | None = Field(default=None, ge=0, description="The cost per rollout.")
+    tokens_per_gpu_second: float | None = Field(default=None, ge=0)
 
 
 class Profile(StatusModel):
     rollout_share: float = Field(ge=0, le=1, description="Rollout / (rollout + training) wall time.")
     rollout_percent: int = Field(ge=0, le=100, description="rolloutShare as a percentage, for kubectl.")
     verdict: Verdict
+
+
+class LeverName(StrEnum):
+    """What to change (docs/profiling.md, the lever table in lifecycle/levers.py)."""
+
+    TRAINER = "Trainer"
+    ROLLOUT_CONCURRENCY = "RolloutConcurrency"
+    RUNNING_REQUEST_LIMIT = "RunningRequestLimit"
+    ROLLOUT_CAPACITY = "RolloutCapacity"
+    RUNTIME_SPEED = "RuntimeSpeed"
+    PROMPT_STRUCTURE = "PromptStructure"
+    WEIGHT_HANDOFF = "WeightHandoff"
+    CONTROL_OVERHEAD = "ControlOverhead"
+    MEASUREMENT = "Measurement"
+
+
+class Lever(StatusModel):
+    """One entry of the diagnosis: a lever, why (what to change), and the measured numbers behind it."""
+
+    lever: LeverName
+    reason: str = Field(max_length=256)
+    evidence: str = Field(default="", max_length=256)
+    share: float | None = Field(
+        default=None, ge=0, le=1, description="Part of the iteration's wall time it bears on (the rank)."
+    )
 
 
 class RLJobStatus(StatusModel):
@@ -154,6 +239,11 @@ class RLJobStatus(StatusModel):
     target_weights: CommittedWeights | None = Field(
         default=None, description="Weights being refitted; committed to weightVersion after verification."
     )
+    stopping: bool = Field(
+        default=False,
+        description="A suspend or a preemption taken at rollout: the gang drains and releases its GPU memory "
+        "(Draining, Releasing) before Suspending deletes its pods.",
+    )
     weight_history: list[CommittedWeights] = Field(default_factory=list, max_length=MAX_WEIGHT_HISTORY)
     replicas: int = Field(default=0, ge=0)
     ready_replicas: int = Field(default=0, ge=0)
@@ -161,7 +251,17 @@ class RLJobStatus(StatusModel):
     pods: list[PodStatus] = Field(default_factory=list, max_length=MAX_PODS_IN_STATUS)
     timeline: list[PhaseSpan] = Field(default_factory=list, max_length=MAX_TIMELINE)
     last_iteration: IterationReport | None = None
+    iteration_history: list[IterationReport] = Field(
+        default_factory=list,
+        max_length=MAX_ITERATION_HISTORY,
+        description="The newest completed iterations' reports, oldest first (`kubectl rljob profile`).",
+    )
     profile: Profile | None = None
+    diagnosis: list[Lever] = Field(
+        default_factory=list,
+        max_length=MAX_DIAGNOSIS,
+        description="Levers, ranked by the share of the last iteration they bear on, with the reasons.",
+    )
     conditions: list[Condition] = Field(
         default_factory=list,
         max_length=8,

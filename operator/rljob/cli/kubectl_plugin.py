@@ -1,5 +1,6 @@
 """`kubectl rljob status NAME`: the phase timeline of recent iterations, per-pod state and versions,
-and where the wall-clock goes (the profile verdict)."""
+where the wall-clock goes (the profile verdict) and the levers worth pulling (status.diagnosis).
+`kubectl rljob profile NAME [--html FILE]`: the per-iteration profile (cli/profile_report.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from typing import Any
 
 from rljob.api import parse_status
 from rljob.api.crd import GROUP, PLURAL, VERSION
-from rljob.api.status import RLJobStatus
+from rljob.api.status import IterationReport, RLJobStatus
+from rljob.cli.profile_report import diagnosis_lines, html_report, terminal_chart
 
 
 def _table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
@@ -31,6 +33,26 @@ def _bytes(n: int | None) -> str:
 
 def _secs(s: float | None) -> str:
     return "-" if s is None else f"{s:.2f}s"
+
+
+def _signals(it: IterationReport) -> list[str]:
+    """The rollout signals of docs/profiling.md, where measured."""
+    parts = []
+    if it.gpu_busy_fraction is not None:
+        parts.append(f"GPU busy {it.gpu_busy_fraction:.0%} during rollout")
+    if it.mean_running_requests is not None and it.mean_waiting_requests is not None:
+        parts.append(
+            f"{it.mean_running_requests:.1f} running / {it.mean_waiting_requests:.1f} waiting requests"
+        )
+    if it.tokens_per_second_per_gpu is not None:
+        parts.append(f"{it.tokens_per_second_per_gpu:.0f} tok/s per GPU")
+    if it.roofline_fraction is not None:
+        parts.append(f"{it.roofline_fraction:.0%} of the decode roofline")
+    if it.gpu_seconds_per_sample is not None:
+        parts.append(f"{it.gpu_seconds_per_sample:.3g} GPU-s per sample")
+    if it.tokens_per_gpu_second is not None:
+        parts.append(f"{it.tokens_per_gpu_second:.0f} tokens per GPU-second")
+    return ["  " + ", ".join(parts)] if parts else []
 
 
 def render(name: str, namespace: str, status: RLJobStatus, spec: dict[str, Any]) -> str:
@@ -106,14 +128,17 @@ def render(name: str, namespace: str, status: RLJobStatus, spec: dict[str, Any])
         hit = f"{it.cache_hit_rate:.0%}" if it.cache_hit_rate is not None else "-"
         tps = f"{it.generation_tokens_per_second:.0f}" if it.generation_tokens_per_second is not None else "-"
         out.append(f"  freed {_bytes(it.freed_bytes)}, prefix-cache hit rate {hit}, generation {tps} tok/s")
+        out.extend(_signals(it))
     if status.profile:
         p = status.profile
         hint = {
-            "RolloutBound": "rollout dominates: tune SGLang (prefix reuse, batch size, more rollout GPUs)",
+            "RolloutBound": "rollout dominates: the levers below say which rollout lever",
             "TrainBound": "training dominates: the trainer, not SGLang, is the lever",
-            "Balanced": "rollout and training are comparable",
+            "Balanced": "rollout and training are comparable: the levers below rank both",
         }[p.verdict.value]
         out.append(f"  Profile: {p.verdict.value}, rollout {p.rollout_percent}% of rollout+train — {hint}")
+    if status.last_iteration:
+        out += ["", "Levers (largest share of the last iteration first):", *diagnosis_lines(status.diagnosis)]
     if status.weight_history:
         out += ["", "Weight history: " + " -> ".join(w.version for w in status.weight_history)]
     return "\n".join(out) + "\n"
@@ -127,6 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     status_cmd = sub.add_parser("status", help="phase timeline, pods, versions and profile of one RLJob")
     status_cmd.add_argument("name")
+    profile_cmd = sub.add_parser(
+        "profile", help="per-iteration chart of where the wall-clock went, the rollout signals and the levers"
+    )
+    profile_cmd.add_argument("name")
+    profile_cmd.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report here")
     args = parser.parse_args(argv)
 
     from kubernetes import client, config
@@ -144,7 +174,15 @@ def main(argv: list[str] | None = None) -> int:
     except ApiException as err:
         print(f"error: rljob {namespace}/{args.name}: {err.reason}", file=sys.stderr)
         return 1
-    sys.stdout.write(render(args.name, namespace, parse_status(obj.get("status")), obj.get("spec", {})))
+    status = parse_status(obj.get("status"))
+    if args.command == "profile":
+        sys.stdout.write(terminal_chart(status))
+        if args.html:
+            with open(args.html, "w", encoding="utf-8") as f:
+                f.write(html_report(args.name, namespace, status))
+            print(f"wrote {args.html}")
+        return 0
+    sys.stdout.write(render(args.name, namespace, status, obj.get("spec", {})))
     return 0
 
 

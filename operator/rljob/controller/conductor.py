@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
+import time
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -26,15 +28,35 @@ from rljob.controller.children import (
     refusal_spec_error,
     token_secret,
 )
-from rljob.controller.kube import ChildRefused, Kube
-from rljob.controller.observe import pod_ip, pod_observation
+from rljob.controller.kube import ChildRefused, Kube, PodList
+from rljob.controller.pod_cache import PodCache
 from rljob.controller.queueing import AdmissionView, JobQueue, Workloads, queue_name, workload_manifest
 from rljob.controller.status_writer import StatusWriter
 from rljob.lifecycle.machine import decide
-from rljob.lifecycle.model import Admission, Decision, EventReason, Observation
+from rljob.lifecycle.model import Admission, Decision, Observation
 
 log = logging.getLogger(__name__)
 TICK_SECONDS = 2.0  # time-based decisions (deadlines) need a heartbeat; everything else wakes us
+RESYNC_SECONDS = 60.0  # a full pod list now and then: a watch that reconnected reports no missed deletions
+# While reports stream in, decide at most this share of the time: a decision waits PACE times the
+# last one's cost after it, and takes every report that came meanwhile (at 512 pods one decision costs
+# ~4 ms and each pod reports once per phase; deciding per report would cost ~2 s a phase).
+PACE = 3.0
+MAX_PAUSE = 0.05  # seconds
+_heap_frozen = False
+
+
+def _freeze_heap() -> None:
+    """Once per process, after the first round: the long-lived heap (kopf, the clients, the models) is
+    built, and the cyclic collector need not rescan it in every full collection (at 64 pods ~5 an
+    iteration of ~100 ms each, which stalled the event loop and freed nothing)."""
+    global _heap_frozen
+    if not _heap_frozen:
+        _heap_frozen = True
+        gc.collect()
+        gc.freeze()
+
+
 MAX_SPEC_ERROR = 1000  # the status message is bounded (api/status.py)
 
 
@@ -56,6 +78,11 @@ class ConductorOptions:
     agent: AgentOptions = field(default_factory=AgentOptions)
     tick_seconds: float = TICK_SECONDS
     finished_tick_seconds: float = 30.0  # finished jobs only wait for their TTL: a slow heartbeat is enough
+    freeze_heap: bool = False  # gc.freeze() after the first round (the operator process; not in tests)
+
+
+def _same(now: tuple[Any, ...], then: tuple[Any, ...]) -> bool:
+    return all(a is b or a == b for a, b in zip(now, then, strict=True))
 
 
 class Conductor:
@@ -78,10 +105,20 @@ class Conductor:
         self.wake = asyncio.Event()
         self._watches: dict[str, AgentWatch] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._uids: dict[str, str] = {}  # pod name -> uid, from the last list
+        self.pods = PodCache()  # from the pod watch (pod_seen), a list at the start and now and then
+        self._resync_at = 0.0  # loop time of the next full pod list
+        self._watched: tuple[int, RLJobSpec | None] | None = None  # (pods.version, spec) watches follow
+        self._reports = 0  # agent reports received: with pods.version, what moves the observation
+        self._decided: tuple[Any, ...] | None = None  # the inputs of the last decision
+        self._decided_at = 0.0  # loop time the last decision ended
+        self._decide_seconds = 0.0  # what it cost
         self._parsed: _Parsed | None = None
         self._children_ready = False  # the token Secret and the Service exist
         self._accepted: set[tuple[str, str, int]] = set()  # (pod uid, action, epoch) an agent took
+        # Refusals for the next decision, and those already reported: a command re-sent each round and
+        # refused each time is one event, not one per round.
+        self._refusals: list[tuple[str, str]] = []
+        self._refused: set[tuple[str, str, int, str]] = set()
         self._workloads = workloads
         self._queue: JobQueue | None = None  # the job's Kueue Workload, once it names a queue
         self._pods_left = 0  # pods seen by the last round, before its deletions
@@ -99,6 +136,15 @@ class Conductor:
 
     def poke(self) -> None:
         self.wake.set()
+
+    def pod_seen(self, pod: dict[str, Any], deleted: bool = False) -> None:
+        """A watch event for one of this job's pods (controller/handlers.py)."""
+        if self.pods.seen(pod, deleted):
+            self.poke()
+
+    def _reported(self) -> None:
+        self._reports += 1
+        self.poke()
 
     def _parse(self) -> _Parsed:
         """The validated spec, parsed again only when metadata.generation moves (every spec edit does)."""
@@ -135,30 +181,43 @@ class Conductor:
     async def run(self, stopped: Callable[[], bool]) -> None:
         status = parse_status(self.body.get("status"))
         writer = StatusWriter(self.kube, self.namespace, self.name, self.body.get("status"))
+        loop = asyncio.get_running_loop()
         async with AgentClient() as agents:
             try:
                 while not stopped():
                     self.wake.clear()
-                    parsed = await self._checked_spec(agents, status)
-                    decision = await self._round(agents, parsed, status)
-                    await writer.write(decision.status)  # persist first, then act (see Decision)
-                    self._observe_metrics(status, decision.status)
-                    status = decision.status
-                    try:
-                        await self._act(parsed.spec, decision)
-                    except ChildRefused as refused:  # what a dry run could not foresee
-                        parsed.refused(refused)
-                        continue
-                    await self._settle_workload(decision.status)
-                    if decision.delete_job:
-                        await self.kube.delete_job(self.namespace, self.name)
-                        return
-                    if decision.commands or decision.create_pods or decision.delete_pods:
-                        continue  # effects usually change what we observe: look again at once
                     options = self.options
                     tick = options.finished_tick_seconds if status.phase.terminal else options.tick_seconds
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self.wake.wait(), tick)
+                    # Time-based decisions (deadlines, the TTL) need a decision now and then even when
+                    # nothing was observed to change.
+                    due = loop.time() - self._decided_at >= tick
+                    parsed = await self._checked_spec(agents, status)
+                    decision = await self._round(agents, parsed, status, due)
+                    progressed = False
+                    if decision is not None:
+                        # persist first, then act (see Decision)
+                        written = await writer.write(decision.status)
+                        self._observe_metrics(status, decision.status)
+                        if written:  # else the same status: keep the object the next round compares
+                            status = decision.status
+                        try:
+                            progressed = await self._act(parsed.spec, decision) or written
+                        except ChildRefused as refused:  # what a dry run could not foresee
+                            parsed.refused(refused)
+                            continue
+                        await self._settle_workload(decision.status)
+                        if decision.delete_job:
+                            await self.kube.delete_job(self.namespace, self.name)
+                            return
+                    if options.freeze_heap:
+                        _freeze_heap()
+                    if progressed:
+                        continue  # what we sent or wrote changes what we observe: look again at once
+                    # Nothing sent, created, deleted or written: a round now would see what this one
+                    # saw, so wait to be woken (a report, a pod event, an edit) or for the heartbeat.
+                    wait = max(0.0, self._decided_at + tick - loop.time())
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.wake.wait(), wait)
             finally:
                 for watch in self._watches.values():
                     await watch.close()
@@ -166,28 +225,52 @@ class Conductor:
                 if self._tasks:
                     await asyncio.wait(self._tasks, timeout=5)
 
-    async def _round(self, agents: AgentClient, parsed: _Parsed, status: RLJobStatus) -> Decision:
-        pods = await self.kube.list_pods(self.namespace, self.name)
-        self._uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods}
-        self._sync_watches(agents, parsed.spec if parsed.error is None else None, pods)
-        states: dict[str, AgentState | None] = {}
-        for pod in pods:
-            watch = self._watches.get(pod["metadata"]["name"])
-            # A report counts only for the pod it came from: a recreated pod has a new uid.
-            fresh = watch is not None and watch.endpoint.uid == pod["metadata"]["uid"]
-            states[pod["metadata"]["name"]] = watch.latest if fresh and watch else None
-        self._pods_left = len(pods)
+    async def _round(
+        self, agents: AgentClient, parsed: _Parsed, status: RLJobStatus, due: bool
+    ) -> Decision | None:
+        """The next decision; None when nothing it depends on changed since the last one (a decision
+        that is `due` is made anyway: time is an input too)."""
+        loop = asyncio.get_running_loop()
+        if not self.pods.listed_once or loop.time() >= self._resync_at:
+            pods = await self.kube.list_pods(self.namespace, self.name)
+            self.pods.listed(pods, pods.resource_version if isinstance(pods, PodList) else None)
+            self._resync_at = loop.time() + RESYNC_SECONDS
+        self._sync_watches(agents, parsed.spec if parsed.error is None else None)
+        self._pods_left = len(self.pods)
         queued = await self._admission(parsed, status)
+        generation = self.body.get("metadata", {}).get("generation")
+        inputs = (
+            self.pods.version, self._reports, generation, parsed, parsed.error, queued.admission,
+            queued.message, status, len(self._refusals),
+        )  # fmt: skip
+        if not due and self._decided is not None and _same(inputs, self._decided):
+            return None
+        pause = min(MAX_PAUSE, PACE * self._decide_seconds) - (loop.time() - self._decided_at)
+        if not due and pause > 0:
+            await asyncio.sleep(pause)  # reports that come meanwhile go into this decision
+        states: dict[str, AgentState | None] = {}
+        for pod in self.pods.pods():
+            watch = self._watches.get(pod.name)
+            # A report counts only for the pod it came from: a recreated pod has a new uid.
+            fresh = watch is not None and watch.endpoint.uid == pod.uid
+            states[pod.name] = watch.latest if fresh and watch else None
+        self._decided = inputs
         obs = Observation(
             now=self.clock(),
-            pods=tuple(pod_observation(p) for p in pods),
+            pods=self.pods.observations(),
             agents=states,
             generation=self.body.get("metadata", {}).get("generation"),
             spec_error=parsed.error,
             admission=queued.admission,
             admission_message=queued.message,
+            refusals=tuple(self._refusals),
         )
-        return decide(parsed.spec, status, obs)
+        self._refusals.clear()  # each refusal reaches exactly one decision, hence one event
+        began = time.thread_time()  # CPU, not wall: a decision preempted on a busy machine cost no more
+        decision = decide(parsed.spec, status, obs)
+        self._decide_seconds = time.thread_time() - began
+        self._decided_at = loop.time()
+        return decision
 
     async def _admission(self, parsed: _Parsed, status: RLJobStatus) -> AdmissionView:
         """Kueue's word on the job (controller/queueing.py), creating its Workload when it has none."""
@@ -215,44 +298,55 @@ class Conductor:
         ready = status.replicas > 0 and status.ready_replicas == status.replicas
         await self._queue.settle(queue, status.phase, status.message or "", suspend, self._pods_left, ready)
 
-    def _sync_watches(self, agents: AgentClient, spec: RLJobSpec | None, pods: list[dict[str, Any]]) -> None:
+    def _sync_watches(self, agents: AgentClient, spec: RLJobSpec | None) -> None:
         """One watch per running agent; none while the spec is invalid (the job is failing)."""
+        if self._watched is not None and self._watched[0] == self.pods.version and self._watched[1] is spec:
+            return
+        self._watched = (self.pods.version, spec)
         wanted: dict[str, AgentEndpoint] = {}
-        for pod in pods:
-            ip = pod_ip(pod)
-            meta = pod["metadata"]
-            running = pod.get("status", {}).get("phase") == "Running" and not meta.get("deletionTimestamp")
-            if spec is not None and ip and running:
-                wanted[meta["name"]] = AgentEndpoint(meta["name"], meta["uid"], ip, spec.agent.port)
+        for pod in self.pods.pods():
+            if spec is not None and pod.ip and pod.running:
+                wanted[pod.name] = AgentEndpoint(pod.name, pod.uid, pod.ip, spec.agent.port)
         for name in list(self._watches):
             if name not in wanted or self._watches[name].endpoint != wanted[name]:
                 watch = self._watches.pop(name)
                 asyncio.get_running_loop().create_task(watch.close())
         for name, endpoint in wanted.items():
             if name not in self._watches:
-                self._watches[name] = AgentWatch(agents, endpoint, self.poke)
+                self._watches[name] = AgentWatch(agents, endpoint, self._reported)
 
     def _pod(self, spec: RLJobSpec, index: int, gang: int) -> dict[str, Any]:
         manifest = gang_pod(self.name, self.uid, spec, index, gang, self.options.agent, spec.iterations)
         manifest["metadata"]["namespace"] = self.namespace
         return manifest
 
-    async def _act(self, spec: RLJobSpec | None, decision: Decision) -> None:
-        """Raises ChildRefused when the API server refuses a pod as invalid (after the others are made)."""
+    async def _act(self, spec: RLJobSpec | None, decision: Decision) -> bool:
+        """Carry out the decision's effects; True when any reached the API server or an agent (a command
+        already accepted and a pod already deleted are not sent again). Raises ChildRefused when the API
+        server refuses a pod as invalid (after the others are made)."""
         ns = self.namespace
-        if decision.events:  # events are for people: never on the lifecycle's critical path
-            self._background(self._post_events(decision))
-        await asyncio.gather(*(self.kube.delete_pod(ns, n, self._uids.get(n)) for n in decision.delete_pods))
+        doomed = [(n, self.pods.uid(n)) for n in decision.delete_pods if not self.pods.deleted_by_us(n)]
+        await asyncio.gather(*(self.kube.delete_pod(ns, n, uid) for n, uid in doomed))
+        for name, uid in doomed:
+            self.pods.deleting(name, uid)
         if spec is not None and decision.create_pods:
             manifests = [self._pod(spec, index, decision.status.restarts) for index in decision.create_pods]
             outcomes = await asyncio.gather(
                 *(self.kube.create(ns, m) for m in manifests), return_exceptions=True
             )
+            for outcome in outcomes:
+                if isinstance(outcome, dict):
+                    self.pods.seen(outcome)  # the watch's event for it may come after the next round
+                elif outcome is None:
+                    self._resync_at = 0.0  # it existed already: the cache missed it, list again
             errors = [e for e in outcomes if isinstance(e, BaseException)]
             refused = [e for e in errors if isinstance(e, ChildRefused)]
             if refused or errors:
                 raise (refused or errors)[0]
-        await self._send(decision)
+        sent = await self._send(decision)
+        if decision.events:  # events are for people: never on the lifecycle's critical path
+            self._background(self._post_events(decision))
+        return sent or bool(doomed) or bool(spec is not None and decision.create_pods)
 
     async def _post_events(self, decision: Decision) -> None:
         body = dict(self.body)
@@ -266,11 +360,14 @@ class Conductor:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _send(self, decision: Decision) -> None:
-        """Fan out concurrently. A command an agent already accepted is not sent again while its state
-        report catches up (a repeat would be a harmless no-op, but at 64 pods it doubles the traffic)."""
+    async def _send(self, decision: Decision) -> bool:
+        """Fan out concurrently; True when an agent accepted a command or refused one for the first time.
+        A command an agent already accepted is not sent again while its state report catches up (a
+        repeat would be a harmless no-op, but at 64 pods it doubles the traffic, and the long-poll does
+        not report an acceptance: agent/reports.py)."""
         epoch = decision.status.epoch
         self._accepted = {a for a in self._accepted if a[2] >= epoch}
+        self._refused = {r for r in self._refused if r[2] >= epoch}
         sends, keys = [], []
         for pc in decision.commands:
             watch = self._watches.get(pc.pod)
@@ -281,17 +378,20 @@ class Conductor:
                 continue
             sends.append(watch.client.send(watch.endpoint, pc.command))
             keys.append(key)
+        progressed = False
         for key, outcome in zip(keys, await asyncio.gather(*sends), strict=True):
             if outcome.accepted:
                 self._accepted.add(key)
-            elif outcome.refusal and not outcome.refusal.startswith("unreachable"):
-                await self.kube.post_event(
-                    self.namespace,
-                    dict(self.body),
-                    "Warning",
-                    EventReason.COMMAND_REFUSED.value,
-                    f"{outcome.pod}: {outcome.refusal}",
-                )
+                progressed = True
+            elif (
+                outcome.refusal
+                and not outcome.refusal.startswith("unreachable")
+                and (*key, outcome.refusal) not in self._refused
+            ):
+                self._refused.add((*key, outcome.refusal))
+                self._refusals.append((outcome.pod, outcome.refusal))  # an event via the next Decision
+                progressed = True
+        return progressed
 
     async def _ensure_token_and_service(self, spec: RLJobSpec) -> str:
         token = await self.kube.read_token(self.namespace, self.name)
@@ -327,3 +427,4 @@ class Conductor:
             )
         if new.last_iteration is not None and new.last_iteration != old.last_iteration:
             metrics.CONTROL_OVERHEAD.observe(new.last_iteration.control_overhead_seconds)
+            metrics.observe_iteration(self.namespace, self.name, new)

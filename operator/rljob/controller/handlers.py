@@ -48,10 +48,11 @@ async def conduct(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo,
 
 
 @kopf.on.event("pods", labels={LABEL_JOB: kopf.PRESENT})
-def pod_changed(namespace: str, labels: kopf.Labels, **_: Any) -> None:
+def pod_changed(namespace: str, labels: kopf.Labels, event: kopf.RawEvent, **_: Any) -> None:
+    """The conductor keeps its pods from these events (controller/pod_cache.py) instead of listing them."""
     conductor = CONDUCTORS.get((namespace, labels.get(LABEL_JOB, "")))
     if conductor is not None:
-        conductor.poke()
+        conductor.pod_seen(event["object"], deleted=event.get("type") == "DELETED")
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)

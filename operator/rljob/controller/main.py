@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
             native_sidecar=_native_sidecar(args.agent_sidecar),
         ),
         tick_seconds=args.tick_seconds,
+        freeze_heap=True,
     )
     elector = None
     if args.leader_elect:

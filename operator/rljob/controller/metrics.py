@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import Counter, Gauge, Histogram
+
+from rljob.api.status import LeverName, RLJobStatus
 
 PHASE_SECONDS = Histogram(
     "rljob_phase_duration_seconds",
@@ -29,3 +33,89 @@ API_CALLS = Counter("rljob_api_calls_total", "Kubernetes API calls, by verb.", [
 AGENT_COMMANDS = Counter(
     "rljob_agent_commands_total", "Commands sent to agents, by action and outcome.", ["action", "outcome"]
 )
+
+# The rollout profile of the last completed iteration, per job (docs/profiling.md defines each signal).
+ITERATION_SECONDS = Histogram(
+    "rljob_iteration_duration_seconds",
+    "Wall time of each completed iteration (all its phases).",
+    buckets=(0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600, 14400),
+)
+ROLLOUT_SHARE = Gauge(
+    "rljob_rollout_share_ratio",
+    "Last iteration: rollout / (rollout + training) wall time.",
+    ["namespace", "job"],
+)
+GPU_BUSY = Gauge(
+    "rljob_rollout_gpu_busy_ratio",
+    "Last iteration: fraction of the rollout the GPUs ran kernels (NVML), GPU-weighted.",
+    ["namespace", "job"],
+)
+PREFIX_CACHE_HIT = Gauge(
+    "rljob_prefix_cache_hit_ratio",
+    "Last iteration: cached / prompt tokens over the whole rollout (SGLang's counters).",
+    ["namespace", "job"],
+)
+ROLLOUT_REQUESTS = Gauge(
+    "rljob_rollout_requests",
+    "Last iteration: mean requests in SGLang during rollout, by state (running, waiting), gang total.",
+    ["namespace", "job", "state"],
+)
+GENERATION_TPS = Gauge(
+    "rljob_generation_tokens_per_second",
+    "Last iteration: generation tokens/s during rollout, gang total.",
+    ["namespace", "job"],
+)
+ROOFLINE = Gauge(
+    "rljob_decode_roofline_ratio",
+    "Last iteration: generation tokens/s / the decode roofline (memory bandwidth at the measured batch).",
+    ["namespace", "job"],
+)
+GPU_SECONDS_PER_SAMPLE = Gauge(
+    "rljob_gpu_seconds_per_sample",
+    "Last iteration: GPU-seconds of the iteration / completed samples the trainers reported.",
+    ["namespace", "job"],
+)
+LEVER_SHARE = Gauge(
+    "rljob_diagnosis_lever_share_ratio",
+    "Levers of the last diagnosis: the share of the iteration each bears on (absent: not a lever now).",
+    ["namespace", "job", "lever"],
+)
+
+_PROFILE_GAUGES: tuple[tuple[Gauge, str], ...] = (
+    (ROLLOUT_SHARE, "rollout_share"),
+    (GPU_BUSY, "gpu_busy_fraction"),
+    (PREFIX_CACHE_HIT, "cache_hit_rate"),
+    (GENERATION_TPS, "generation_tokens_per_second"),
+    (ROOFLINE, "roofline_fraction"),
+    (GPU_SECONDS_PER_SAMPLE, "gpu_seconds_per_sample"),
+)
+
+
+def observe_iteration(namespace: str, job: str, status: RLJobStatus) -> None:
+    """A new last iteration: its profile into the per-job gauges (a signal not measured leaves its gauge
+    absent for the job, not 0), the diagnosis into the lever gauges."""
+    report = status.last_iteration
+    if report is None:
+        return
+    if report.wall_seconds is not None:
+        ITERATION_SECONDS.observe(report.wall_seconds)
+    for gauge, field in _PROFILE_GAUGES:
+        value = getattr(report, field)
+        if value is None:
+            with contextlib.suppress(KeyError):
+                gauge.remove(namespace, job)
+        else:
+            gauge.labels(namespace=namespace, job=job).set(value)
+    for state, value in (
+        ("running", report.mean_running_requests),
+        ("waiting", report.mean_waiting_requests),
+    ):
+        if value is not None:
+            ROLLOUT_REQUESTS.labels(namespace=namespace, job=job, state=state).set(value)
+    levers = {lv.lever.value: lv.share or 0.0 for lv in status.diagnosis}
+    for name in LeverName:
+        if name.value in levers:
+            LEVER_SHARE.labels(namespace=namespace, job=job, lever=name.value).set(levers[name.value])
+        else:
+            with contextlib.suppress(KeyError):
+                LEVER_SHARE.remove(namespace, job, name.value)

@@ -46,6 +46,8 @@ class EmulatorConfig:
     region_sizes: dict[str, int]
     cuda_graph_in_memory_saver: bool  # env SGLANG_MEMORY_SAVER_CUDA_GRAPH=1 at launch
     tokens_per_second: float
+    saturation_batch: int
+    gpu_name: str
     startup_seconds: float
     health_check_timeout: float
     health_poll_seconds: float
@@ -119,6 +121,18 @@ def _parser() -> argparse.ArgumentParser:
         "LD_PRELOAD set when it is not (SGLang sets it up the same way)",
     )
     e.add_argument("--tokens-per-second", type=float, default=50.0, help="per request; 0 = instant")
+    e.add_argument(
+        "--saturation-batch",
+        type=int,
+        default=64,
+        help="running requests per DP rank at which its GPUs are fully busy; more share the same tokens/s "
+        "(the busy fraction the GPU probe reports falls as batches shrink below it)",
+    )
+    e.add_argument(
+        "--gpu-name",
+        default="NVIDIA H100 80GB HBM3",
+        help="the device name the emulator's GPU probe reports (what NVML's nvmlDeviceGetName says)",
+    )
     e.add_argument("--startup-seconds", type=float, default=0.0, help="delay before the port opens")
     e.add_argument("--health-check-timeout", type=float, default=None, help="default: env or 20 s")
     e.add_argument(
@@ -214,6 +228,8 @@ def parse_config(argv: list[str]) -> EmulatorConfig:
         cuda_graph_in_memory_saver=os.environ.get("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "").lower()
         in ("1", "true"),
         tokens_per_second=args.tokens_per_second,
+        saturation_batch=max(1, args.saturation_batch),
+        gpu_name=args.gpu_name,
         startup_seconds=args.startup_seconds,
         health_check_timeout=args.health_check_timeout
         if args.health_check_timeout is not None

@@ -61,6 +61,7 @@ class Engine:
                 weight_version=lambda: self.weight_version,
                 retract_zeroes_throughput=self.profile.retract_zeroes_gen_throughput,
                 tokenizer=self.tokenizer,
+                saturation_batch=cfg.saturation_batch,
             )
             for dp_rank in range(cfg.dp_size)
         ]
@@ -69,6 +70,11 @@ class Engine:
         self._tasks: set[asyncio.Future[None]] = set()
         # With --nnodes > 1 on node 0: the other nodes' ranks, reached as SGLang's TP broadcast does.
         self.nodes: NodeLink | None = None
+
+    def gpu_busy_seconds(self, gpu: int) -> float:
+        """GPU time the emulated decode cost on `gpu`: each DP rank runs on tp_size GPUs of its own."""
+        per_rank = max(1, self.cfg.gpus // len(self.ranks))
+        return self.ranks[min(gpu // per_rank, len(self.ranks) - 1)].busy_seconds
 
     @property
     def scheduler(self) -> Scheduler:
@@ -112,6 +118,7 @@ class Engine:
         self.scheduler_dead = True
         for rank in self.ranks:
             rank.blocked = True  # nothing generates, nothing answers
+            rank.update_busy()  # nor keeps a GPU busy
 
     def _memory_saver_exit(self, message: str) -> None:
         """torch_memory_saver calls exit(1) in the scheduler (C-MEM-DOUBLE-RELEASE)."""

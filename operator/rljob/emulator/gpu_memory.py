@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from rljob.emulator.memory import REGIONS
@@ -165,6 +165,60 @@ class CudaRegionBackend:
         rec = {"op": op, "tag": tag, "seconds": round(seconds, 6), "at": round(time.time(), 6), **fields}
         self.timings.append(rec)
         log.info("tms %s", json.dumps(rec))
+
+    # --- busy GPUs for NVML -----------------------------------------------------------------------
+
+    def drive_busy(self, busy_seconds: Callable[[int], float], tick_s: float = 0.02) -> None:
+        """Keep each GPU as busy as the emulated decode says (`busy_seconds(gpu)`, cumulative), so that
+        NVML's utilization, which the agent's nvml probe reads, sees it: every tick, one spin kernel
+        (torch.cuda._sleep) per GPU for the busy time the emulated tokens cost during the previous tick.
+        The kernel touches no memory, so released regions stay untouched; each tick waits for its kernels,
+        so a synchronize elsewhere (a release's) waits at most one tick."""
+        thread = threading.Thread(
+            target=self._busy_loop, args=(busy_seconds, tick_s), name="gpu-busy", daemon=True
+        )
+        thread.start()
+
+    def _spin_cycles_per_second(self) -> float:
+        torch = self._torch
+        with torch.cuda.device(0):
+            torch.cuda._sleep(1_000_000)  # warm up
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            cycles = 50_000_000
+            start.record()
+            torch.cuda._sleep(cycles)
+            end.record()
+            end.synchronize()
+            return cycles / max(1e-6, start.elapsed_time(end) / 1000.0)
+
+    def _busy_loop(self, busy_seconds: Callable[[int], float], tick_s: float) -> None:
+        torch = self._torch
+        rate = self._spin_cycles_per_second()
+        log.info("gpu-busy: spin kernel at %.3g cycles/s, tick %.0f ms", rate, tick_s * 1000)
+        rates = [rate] * self.gpus  # per GPU, corrected from each tick's timed kernel (clocks change)
+        streams = [torch.cuda.Stream(device=g) for g in range(self.gpus)]
+        last = [busy_seconds(g) for g in range(self.gpus)]
+        while True:
+            started = time.monotonic()
+            timed: list[tuple[int, int, Any, Any]] = []
+            for g, stream in enumerate(streams):
+                now = busy_seconds(g)
+                owed, last[g] = min(now - last[g], tick_s), now
+                cycles = int(owed * rates[g])
+                if cycles <= 0:
+                    continue
+                with torch.cuda.device(g), torch.cuda.stream(stream):
+                    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    begin.record(stream)
+                    torch.cuda._sleep(cycles)
+                    end.record(stream)
+                timed.append((g, cycles, begin, end))
+            for g, cycles, begin, end in timed:
+                end.synchronize()
+                took = begin.elapsed_time(end) / 1000.0
+                if took > 0.002:  # long enough to measure: follow the clock
+                    rates[g] = 0.7 * rates[g] + 0.3 * cycles / took
+            time.sleep(max(0.0, tick_s - (time.monotonic() - started)))
 
     # --- RegionBackend ---------------------------------------------------------------------------
 

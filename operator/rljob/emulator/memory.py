@@ -5,6 +5,7 @@ through torch_memory_saver, as SGLang does."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -59,6 +60,10 @@ class RegionBackend(Protocol):
 
     def region_bytes(self, gpu: int) -> dict[str, int]: ...
 
+    def drive_busy(self, busy_seconds: Callable[[int], float]) -> None:
+        """Make each GPU as busy as `busy_seconds(gpu)` (cumulative emulated GPU time) says, where a real
+        GPU would show it (NVML); the accounting backend has none to drive."""
+
 
 @dataclass
 class _Region:
@@ -105,3 +110,6 @@ class AccountingBackend:
     def region_bytes(self, gpu: int) -> dict[str, int]:
         now = time.monotonic()
         return {name: r.mapped_bytes(now) for name, r in self._regions.items()}
+
+    def drive_busy(self, busy_seconds: Callable[[int], float]) -> None:
+        return None  # numbers only: /_emulator/utilization serves the busy time

@@ -1,6 +1,6 @@
 """The emulator's GPU probe, an agent plugin: `rljob-agent --gpu-probe rljob.emulator.probe:EmulatorProbe`.
-It reads the emulator's per-GPU accounting (`/_emulator/memory`, not an SGLang route) through the agent's
-SGLang client, so the agent's product code never names the emulator."""
+It reads the emulator's per-GPU accounting (`/_emulator/memory` and `/_emulator/utilization`, not SGLang
+routes) through the agent's SGLang client, so the agent's product code never names the emulator."""
 
 from __future__ import annotations
 
@@ -13,7 +13,22 @@ PROBE = "rljob.emulator.probe:EmulatorProbe"  # what the test world passes as --
 class EmulatorProbe:
     def __init__(self, client: SGLangClient) -> None:
         self._client = client
+        self._last: tuple[float, list[float]] | None = None  # (emulator clock, busy seconds per GPU)
 
     async def sample(self) -> list[GpuMemory]:
         body = await self._client.get_json("emulator_memory", "/_emulator/memory")
-        return [GpuMemory(int(g["index"]), int(g["used_bytes"]), int(g["total_bytes"])) for g in body["gpus"]]
+        return [
+            GpuMemory(
+                int(g["index"]), int(g["used_bytes"]), int(g["total_bytes"]), name=str(g.get("name", ""))
+            )
+            for g in body["gpus"]
+        ]
+
+    async def utilization(self) -> list[float] | None:
+        """Busy fraction per GPU since the previous call, from the emulator's cumulative busy seconds."""
+        body = await self._client.get_json("gpu_utilization", "/_emulator/utilization")
+        now, busy = float(body["monotonic"]), [float(g["busy_seconds"]) for g in body["gpus"]]
+        last, self._last = self._last, (now, busy)
+        if last is None or now <= last[0] or len(last[1]) != len(busy):
+            return None
+        return [min(1.0, max(0.0, (b - a) / (now - last[0]))) for a, b in zip(last[1], busy, strict=True)]

@@ -1,9 +1,10 @@
-"""`/_emulator/*`: not SGLang. Memory accounting per GPU (the agent's emulator GPU probe reads it),
-runtime fault injection, call counters and the loaded-weights evidence."""
+"""`/_emulator/*`: not SGLang. Memory accounting and busy time per GPU (the agent's emulator GPU probe reads
+them), runtime fault injection, call counters and the loaded-weights evidence."""
 
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from aiohttp import web
@@ -19,12 +20,22 @@ def memory_report(eng: Engine) -> dict[str, Any]:
         "gpus": [
             {
                 "index": g,
+                "name": eng.cfg.gpu_name,
                 "used_bytes": b.used_bytes(g),
                 "total_bytes": b.total_bytes(g),
                 "regions": b.region_bytes(g),
             }
             for g in range(b.gpus)
         ]
+    }
+
+
+def utilization_report(eng: Engine) -> dict[str, Any]:
+    """Cumulative busy seconds per GPU and the clock they are read on (the probe turns two reads into a
+    busy fraction, as NVML's utilization samples are turned into one)."""
+    return {
+        "monotonic": time.monotonic(),
+        "gpus": [{"index": g, "busy_seconds": eng.gpu_busy_seconds(g)} for g in range(eng.backend.gpus)],
     }
 
 
@@ -42,6 +53,10 @@ def weights_report(eng: Engine) -> dict[str, Any]:
 
 async def memory(request: web.Request) -> web.Response:
     return web.json_response(memory_report(engine_of(request)))
+
+
+async def utilization(request: web.Request) -> web.Response:
+    return web.json_response(utilization_report(engine_of(request)))
 
 
 async def weights(request: web.Request) -> web.Response:
@@ -118,6 +133,7 @@ def add_routes(app: web.Application) -> None:
     r = app.router
     r.add_get("/_emulator/calls", calls)
     r.add_get("/_emulator/memory", memory)
+    r.add_get("/_emulator/utilization", utilization)
     r.add_get("/_emulator/weights", weights)
     r.add_get("/_emulator/stats", stats)
     r.add_get("/_emulator/faults", get_faults)

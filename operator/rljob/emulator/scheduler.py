@@ -8,12 +8,18 @@
   (C-IDLE-FLUSH) and its load numbers (C-METRIC-*).
 
 One asyncio task per request stands in for SGLang's batch loop; the point is the observable contract
-(what blocks, what aborts, when a rank is idle), not batching."""
+(what blocks, what aborts, when a rank is idle), not batching. What the profile reads (docs/profiling.md)
+follows a simple model of one rank's GPUs: at most --max-running-requests run, the rest wait in the queue
+(SGLang's scheduler admits no more, …/managers/schedule_policy.py); up to `saturation_batch` running
+requests each decode at `tokens_per_second`, beyond it they share that capacity, and the GPUs are busy
+for the fraction of it in use: `busy_seconds` integrates min(1, running / saturation_batch) over time
+(0 while the scheduler is paused or blocked), so busy falls as batches shrink."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 import uuid
 from collections import deque
@@ -38,6 +44,7 @@ class GenRequest:
     cached_tokens: int = 0
     phase: str = "waiting"  # waiting | running | finished (finished = still in the batch until reaped)
     holds_kv: bool = False
+    prefilled: bool = False
     aborted: bool = False
     garbage: bool = False
     finish_reason: dict[str, Any] | None = None
@@ -150,6 +157,7 @@ class Scheduler:
         weight_version: Callable[[], str],
         retract_zeroes_throughput: bool,
         tokenizer: Tokenizer,
+        saturation_batch: int = 64,
     ) -> None:
         self.dp_rank = dp_rank
         self.idle_predicate = idle_predicate
@@ -157,6 +165,13 @@ class Scheduler:
         self.lag = lag_seconds
         self.cache = cache
         self.max_running_requests = max_running_requests
+        self.saturation_batch = max(1, saturation_batch)
+        # busy seconds up to _busy_at, and the level since (min(1, running / saturation_batch), 0 paused):
+        # read from the cuda backend's thread too, so kept under a lock and never derived there
+        self._busy_lock = threading.Lock()
+        self._busy_integral = 0.0
+        self._busy_at = time.monotonic()
+        self._busy_level = 0.0
         self._memory_guard = memory_guard  # dies when a kernel would touch released memory
         self._weights_id = weights_id
         self._weight_version = weight_version
@@ -178,8 +193,27 @@ class Scheduler:
     async def wait_for(self, predicate: Callable[[], bool], timeout: float | None = None) -> bool:
         return await self.changes.wait_for(predicate, timeout)
 
+    def update_busy(self) -> None:
+        """Called after the running set or the paused/blocked state changed (on the event loop): close
+        the busy integral at the old level, take the new one."""
+        now = time.monotonic()
+        level = 0.0
+        if not self.scheduler_paused and not self.blocked:
+            level = min(1.0, self.num_running() / self.saturation_batch)
+        with self._busy_lock:
+            self._busy_integral += (now - self._busy_at) * self._busy_level
+            self._busy_at, self._busy_level = now, level
+
+    @property
+    def busy_seconds(self) -> float:
+        """GPU time the emulated decode kept this rank's GPUs busy (the module docstring's model); safe
+        from any thread."""
+        with self._busy_lock:
+            return self._busy_integral + (time.monotonic() - self._busy_at) * self._busy_level
+
     async def set_blocked(self, blocked: bool) -> None:
         self.blocked = blocked
+        self.update_busy()
         await self._notify()
 
     # --- idle predicates (C-IDLE-FLUSH, C-IDLE-RELEASE) ------------------------------------------
@@ -224,7 +258,10 @@ class Scheduler:
             await self._run(req)
         finally:
             req.phase, req.holds_kv = "finished", False
-            self.cache.insert(req.prompt + req.output)
+            self.update_busy()
+            self._notify_soon()  # a slot is free for a queued request
+            if req.prefilled:  # one aborted in the queue never reached the cache
+                self.cache.insert(req.prompt + req.output)
             self.tokenizer.finished(req)
             self.tokenizer.received()
             req.done.set()
@@ -233,6 +270,9 @@ class Scheduler:
 
     def _reap(self, rid: str) -> None:
         self.requests.pop(rid, None)
+        self._notify_soon()
+
+    def _notify_soon(self) -> None:
         task = asyncio.ensure_future(self._notify())
         self._tasks.add(task)  # the loop holds tasks weakly
         task.add_done_callback(self._tasks.discard)
@@ -240,6 +280,10 @@ class Scheduler:
     async def _run(self, req: GenRequest) -> None:
         if self.blocked:
             await self.wait_for(lambda: not self.blocked)
+        await self._admission(req)
+        if req.aborted:
+            req.finish_reason = {"type": "abort", "message": "Abort in waiting queue"}
+            return
         self._prefill(req, first=True)
         await self._notify()
         while len(req.output) < req.max_new_tokens:
@@ -248,7 +292,7 @@ class Scheduler:
                 break
             if self.tps > 0:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(req.wake.wait(), 1.0 / self.tps)
+                    await asyncio.wait_for(req.wake.wait(), 1.0 / self._per_request_tps())
                 if self.blocked or (self.scheduler_paused and not req.aborted):
                     continue  # a stuck or paused scheduler emits nothing
                 if req.aborted:
@@ -260,15 +304,34 @@ class Scheduler:
             else {"type": "length", "length": req.max_new_tokens}
         )
 
+    async def _admission(self, req: GenRequest) -> None:
+        """Wait in the queue while --max-running-requests run; an abort ends the wait ("Abort in waiting
+        queue")."""
+        while not req.aborted and self.num_running() >= self.max_running_requests:
+            req.wake.clear()
+            waiter = asyncio.ensure_future(
+                self.wait_for(lambda: self.num_running() < self.max_running_requests)
+            )
+            woken = asyncio.ensure_future(req.wake.wait())
+            _, pending = await asyncio.wait({waiter, woken}, return_when=asyncio.FIRST_COMPLETED)
+            for t in pending:
+                t.cancel()
+
+    def _per_request_tps(self) -> float:
+        """Each running request's decode speed: full up to the saturation batch, then a share of it."""
+        return self.tps * min(1.0, self.saturation_batch / max(1, self.num_running()))
+
     def _prefill(self, req: GenRequest, *, first: bool) -> None:
         self._memory_guard()
         seq = req.prompt + req.output
         cached = self.cache.match(seq)
         if first:
+            req.prefilled = True
             req.cached_tokens = cached
             self._log_prefill(min(cached, len(req.prompt)), len(req.prompt))
         self.cache.insert(req.prompt)
         req.phase, req.holds_kv = "running", True
+        self.update_busy()
         self.tokenizer.received()
 
     def _log_prefill(self, hit: int, prompt: int) -> None:
@@ -321,10 +384,12 @@ class Scheduler:
                     r.phase, r.holds_kv = "waiting", False  # back to the queue; KV freed
             if self._retract_zeroes_throughput:
                 self._gen_events.clear()
+        self.update_busy()
         await self._notify()
 
     async def continue_generation(self) -> None:
         self.scheduler_paused = False
+        self.update_busy()
         await self._notify()
 
     def abort(self, *, rid: str = "", abort_all: bool = False) -> int:

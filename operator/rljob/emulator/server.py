@@ -25,6 +25,7 @@ def build_app(cfg: EmulatorConfig) -> web.Application:
         raise fatal.StartupError(f"Scheduler hit an exception while starting: {error}")
     backend = make_backend(cfg)
     engine = Engine(cfg, backend)
+    backend.drive_busy(engine.gpu_busy_seconds)  # NVML sees the emulated decode on a real GPU
     app = web.Application(middlewares=[sglang_middleware], client_max_size=64 << 20)
     app[ENGINE_KEY] = engine
     if cfg.nnodes > 1:  # node 0 of a multi-node instance: the port opens once every node joined

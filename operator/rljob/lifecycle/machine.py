@@ -50,7 +50,7 @@ from rljob.lifecycle.model import (
     PodCommand,
     PodObservation,
 )
-from rljob.lifecycle.profile import iteration_report, profile
+from rljob.lifecycle.profile import record_iteration
 from rljob.lifecycle.versions import is_newer
 
 
@@ -138,16 +138,25 @@ class _Step:
             "evicted by its queue" if evicted else "waiting for quota"
         )
 
-    def stop_for_queue(self) -> bool:
-        """Held by the queue: stop (Suspending drains the gang first). True when it did."""
+    def stop_for_queue(self, release: bool = False) -> bool:
+        """Held by the queue: stop (Suspending drains the gang first; with `release`, a serving gang also
+        releases its memory before its pods go). True when it did."""
         if not self.held():
             return False
         reason, message = self.queue_reason()
-        if self.obs.pods:
+        if self.obs.pods and release:
+            self.stop_through_release(reason, message)
+        elif self.obs.pods:
             self.enter(Phase.SUSPENDING, reason, message)
         else:  # nothing to drain: straight to Suspended, without a Suspending span in the timeline
             self.enter(Phase.SUSPENDED, reason, message)
         return True
+
+    def stop_through_release(self, reason: EventReason, message: str) -> None:
+        """Suspend or preemption of a serving gang: Draining, Releasing (memory freed and verified, so
+        whoever gets these GPUs next finds them free even while the pods terminate), then Suspending."""
+        self.status.stopping = True
+        self.enter(Phase.DRAINING, reason, f"{message}: draining and releasing before the pods go")
 
     # --- status helpers ---------------------------------------------------------------------------
 
@@ -247,8 +256,9 @@ class LockStep:
     SGLang call is what acts on the follower's ranks, and the follower then checks its own GPUs.
 
     A lost member, a phase running past `deadline` or a failed command restarts the gang (a permanent
-    failure fails the job), unless `best_effort`: the pods are going away anyway, so a lost member or
-    the deadline ends the phase early and a failed command counts as done."""
+    failure fails the job), unless `best_effort` or the gang is stopping (status.stopping): the pods are
+    going away anyway, so a lost member or the deadline ends the phase early and a failed command counts
+    as done."""
 
     action: Action
     deadline: Callable[[PhaseTimeouts], int | None]
@@ -258,6 +268,7 @@ class LockStep:
     record: SpanRecord | None = None
     best_effort: bool = False
     after_leader: bool = False
+    already_done: Callable[[_Step], bool] | None = None  # then() at once: nothing left to send
 
 
 # The command builders. A follower's agent reads each command by its own role (docs/agent.md, "Leader and
@@ -376,9 +387,7 @@ def _commit_and_open_rollout(step: _Step, agents: list[AgentState]) -> None:
         )
         return
     step.close_span()  # fold the Resuming span into this iteration's report
-    report = iteration_report(st.iteration, st.timeline)
-    st.last_iteration = report
-    st.profile = profile(report) or st.profile
+    record_iteration(st, step.spec.profile)  # report, history, verdict, diagnosis
     set_condition(
         st,
         ConditionType.DEGRADED,
@@ -403,10 +412,19 @@ def _commit_and_open_rollout(step: _Step, agents: list[AgentState]) -> None:
     )
 
 
+def _train_or_stop(step: _Step, agents: list[AgentState]) -> None:
+    """Released: the trainers get the GPUs, or, when the gang is stopping, Suspending deletes it."""
+    if step.status.stopping:
+        step.enter(Phase.SUSPENDING, EventReason.PHASE_CHANGED, "memory freed and verified on every pod")
+    else:
+        step.enter(Phase.TRAINING, EventReason.PHASE_CHANGED, "memory freed and verified on every pod")
+
+
 def _delete_gang_then_suspend(step: _Step, agents: list[AgentState]) -> None:
     """Suspending drained (or gave up draining): delete the gang; Suspended once no pod is left."""
     asked = [p for p in step.obs.pods if not p.deleting]
     if step.delete_all_pods():
+        step.status.stopping = False
         at = f"suspended at weights {step.status.weight_version}"
         if step.held() and not step.spec.suspend:
             reason, message = step.queue_reason()
@@ -431,7 +449,7 @@ LOCK_STEPS: dict[Phase, LockStep] = {
         deadline=lambda t: t.releasing,
         command=_release,
         done=_memory_verified,
-        then=_advance_to(Phase.TRAINING, "memory freed and verified on every pod"),
+        then=_train_or_stop,
         record=timeline.record_freed_bytes,
         after_leader=True,
     ),
@@ -465,6 +483,7 @@ LOCK_STEPS: dict[Phase, LockStep] = {
         done=_command_succeeded,
         then=_delete_gang_then_suspend,
         best_effort=True,
+        already_done=lambda step: step.status.stopping,  # drained and released on the way here
     ),
 }
 
@@ -473,9 +492,12 @@ SPAN_RECORDS: dict[Phase, SpanRecord] = {Phase.ROLLOUT: timeline.record_rollout_
 
 
 def _lock_step(step: _Step, row: LockStep) -> None:
+    if row.already_done is not None and row.already_done(step):
+        row.then(step, [])
+        return
     lost = step.lost_member()
     limit = row.deadline(step.spec.phase_timeout_seconds)
-    if row.best_effort:
+    if row.best_effort or step.status.stopping:  # a stopping gang's pods go anyway
         if lost is not None or _past(step, limit):
             row.then(step, [])
             return
@@ -521,7 +543,7 @@ def _send_and_collect(step: _Step, row: LockStep) -> list[AgentState] | None:
         if cmd.state == CommandState.RUNNING:
             waiting = True
         elif cmd.state == CommandState.FAILED:
-            if row.best_effort:
+            if row.best_effort or st.stopping:
                 finished.append(agent)
                 continue
             _fail_or_recover_after_command_failure(step, pod, cmd)
@@ -653,9 +675,9 @@ def _rollout(step: _Step) -> None:
         _recover(step, lost)
         return
     if step.spec.suspend:
-        step.enter(Phase.SUSPENDING, EventReason.SUSPENDED, "suspend requested during rollout")
+        step.stop_through_release(EventReason.SUSPENDED, "suspend requested during rollout")
         return
-    if step.stop_for_queue():
+    if step.stop_for_queue(release=True):
         return
     if _restart_gang_if_timed_out(step, step.spec.phase_timeout_seconds.rollout):
         return
@@ -753,7 +775,12 @@ def decide(spec: RLJobSpec | None, status: RLJobStatus, obs: Observation) -> Dec
             HANDLERS[st.phase](step)
         row = LOCK_STEPS.get(st.phase)
         if (st.phase, st.epoch) != entered and row is not None:
-            _send_and_collect(step, row)  # a new lock-step phase sends its commands in the same decision
+            if row.already_done is not None and row.already_done(step):
+                row.then(step, [])
+            else:
+                _send_and_collect(step, row)  # a new lock-step phase sends its commands in the same decision
+    for refused_pod, refusal in obs.refusals:
+        step.event(EventReason.COMMAND_REFUSED, f"{refused_pod}: {refusal}", warning=True)
     refresh_phase_conditions(st, step.now)
     if obs.admission != Admission.NOT_QUEUED and not st.phase.terminal:
         reason, message = (
@@ -781,6 +808,7 @@ def _recover(step: _Step, why: str) -> None:
         return
     st.restarts += 1
     st.target_weights = None
+    st.stopping = False  # a fresh gang: a suspend still asked for is taken again from its own phases
     step.enter(Phase.RECOVERING, EventReason.GANG_MEMBER_LOST, why)  # the one GangMemberLost event
     step.delete_all_pods()
 

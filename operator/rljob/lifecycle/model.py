@@ -53,6 +53,9 @@ class Observation:
     # the queue's own reason): status.message and the Queued condition carry it.
     admission: Admission = Admission.NOT_QUEUED
     admission_message: str = ""
+    # Commands the agents refused since the last decision, as (pod, "Error: reason"): each becomes one
+    # CommandRefused Warning event, so refusals reach people through the Decision like every other event.
+    refusals: tuple[tuple[str, str], ...] = ()
 
 
 class EventType(StrEnum):

@@ -9,6 +9,7 @@ from datetime import datetime
 
 from rljob.api.agent import Action, AgentState, CommandState
 from rljob.api.status import MAX_MESSAGE, MAX_PODS_IN_STATUS, MAX_TIMELINE, Phase, PhaseSpan, PodStatus
+from rljob.lifecycle import signals
 from rljob.lifecycle.clock import seconds_between
 from rljob.lifecycle.model import PodObservation
 
@@ -57,7 +58,8 @@ def record_rollout_sample(
     timeline: list[PhaseSpan], span: PhaseSpan, iteration: int, agents: Sequence[AgentState]
 ) -> None:
     """Rollout and Draining: the agent takes its last rollout sample as the drain starts, so the numbers
-    are read at the end of Draining too, and kept on this iteration's Rollout span."""
+    are read at the end of Draining too, and kept on this iteration's Rollout span (with the gang's
+    RolloutTotals, from which the iteration's report is made)."""
     at = next(
         (
             i
@@ -74,7 +76,8 @@ def record_rollout_sample(
         for a in agents
         if a.rollout.generation_tokens_per_second is not None
     ]
-    if not rates and not tps:
+    totals = signals.rollout_totals(agents)
+    if not rates and not tps and totals is None:
         return
     rollout = timeline[at] if timeline[at] is span else timeline[at].model_copy()  # copy before writing
     timeline[at] = rollout
@@ -82,6 +85,13 @@ def record_rollout_sample(
         rollout.cache_hit_rate = round(sum(rates) / len(rates), 6)
     if tps:
         rollout.tokens_per_second = round(sum(tps), 3)
+    if totals is not None:
+        rollout.rollout = totals
+        hit = signals.prefix_hit_rate(totals)
+        if hit is not None:  # the whole rollout's, token-weighted, over the last batches'
+            rollout.cache_hit_rate = hit
+        if totals.generation_tokens_per_second is not None:
+            rollout.tokens_per_second = totals.generation_tokens_per_second
 
 
 def gpu_summary(agent: AgentState) -> str | None:

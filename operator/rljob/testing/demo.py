@@ -4,7 +4,8 @@ Brings up etcd, kube-apiserver, kube-scheduler and kube-controller-manager (cach
 kubelet with two 8-GPU nodes, installs the chart (CRD, RBAC, operator settings) with helm, runs the
 operator as the chart's ServiceAccount, applies examples/rljob.yaml with kubectl (v1.34.4, the server's
 release), shows where the scheduler placed the gang, prints a live table, then `kubectl get rljob` and
-`kubectl rljob status`."""
+`kubectl rljob status`. A second, rollout-bound job (examples/rljob-rollout-bound.yaml) runs beside it:
+its `kubectl rljob status` and `kubectl rljob profile` name other levers than the first's."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from rljob.testing.pods import rljob_mapping
 
 NAMESPACE = "rljob-demo"
 JOB = "demo"
+ROLLOUT_EXAMPLE, ROLLOUT_JOB = "examples/rljob-rollout-bound.yaml", "demo-rollout"
 
 
 def _kubectl(kubeconfig: Path, *args: str) -> str:
@@ -101,6 +103,9 @@ def run(timeout: float) -> int:
                     kubeconfig, "apply", "-n", NAMESPACE, "-f", str(ROOT / "examples/rljob.yaml")
                 ).strip()
             )
+            # A second trainer, rollout-bound, for a second diagnosis (kubectl rljob status/profile below).
+            print(f"$ kubectl apply -f {ROLLOUT_EXAMPLE}")
+            print(_kubectl(kubeconfig, "apply", "-n", NAMESPACE, "-f", str(ROOT / ROLLOUT_EXAMPLE)).strip())
             replicas = int(get_rljob(api, NAMESPACE, JOB)["spec"]["replicas"])
 
             def placed() -> bool:
@@ -120,10 +125,12 @@ def run(timeout: float) -> int:
             print("\nITER  PHASE       WALL-ms  AGENT-ms", flush=True)
             printed: set[tuple[str, str]] = set()
             deadline = time.monotonic() + timeout
-            phase = ""
-            while time.monotonic() < deadline and phase not in ("Succeeded", "Failed"):
+            phase = rollout_phase = ""
+            done = ("Succeeded", "Failed")
+            while time.monotonic() < deadline and not (phase in done and rollout_phase in done):
                 obj = get_rljob(api, NAMESPACE, JOB)
                 phase = obj.get("status", {}).get("phase", "")
+                rollout_phase = get_rljob(api, NAMESPACE, ROLLOUT_JOB).get("status", {}).get("phase", "")
                 for row in _new_rows(obj, printed):
                     print(row, flush=True)
                 if not operator.alive:
@@ -132,6 +139,7 @@ def run(timeout: float) -> int:
                 time.sleep(0.2)
             status = obj.get("status", {})
             print(f"{phase}: {status.get('message', '')}", flush=True)
+            print(f"{ROLLOUT_JOB}: {rollout_phase}", flush=True)
             print("\n$ kubectl get rljob -o wide")
             print(_kubectl(kubeconfig, "get", "rljob", "-n", NAMESPACE, "-o", "wide").rstrip())
             print(f"\n$ kubectl rljob status {JOB}")
@@ -139,7 +147,17 @@ def run(timeout: float) -> int:
             print(f"\n$ kubectl describe rljob {JOB} | tail (events)")
             described = _kubectl(kubeconfig, "describe", "rljob", "-n", NAMESPACE, JOB).rstrip().splitlines()
             print("\n".join(described[-14:]))
-            ok = phase == "Succeeded"
+            print(f"\n$ kubectl rljob status {ROLLOUT_JOB} | tail (its last iteration and levers)")
+            shown = (
+                _kubectl(kubeconfig, "rljob", "-n", NAMESPACE, "status", ROLLOUT_JOB).rstrip().splitlines()
+            )
+            print("\n".join(shown[next((i for i, x in enumerate(shown) if x.startswith("Last it")), 0) :]))
+            report = work / f"{ROLLOUT_JOB}-profile.html"
+            print(f"\n$ kubectl rljob profile {ROLLOUT_JOB} --html {report}")
+            print(
+                _kubectl(kubeconfig, "rljob", "-n", NAMESPACE, "profile", ROLLOUT_JOB, "--html", str(report))
+            )
+            ok = phase == "Succeeded" and rollout_phase == "Succeeded"
             print(
                 f"\n== demo {'succeeded' if ok else 'did not succeed: ' + phase}; logs in {work}", flush=True
             )

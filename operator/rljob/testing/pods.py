@@ -24,6 +24,7 @@ from rljob.testing.kubelet import ContainerContext, Launch, Mapping, default_map
 SGLANG_ENTRY = "sglang.launch_server"
 TRAINER_ENTRY = "rljob.testing.trainer"
 SIM_ARGS_ENV = "RLJOB_SIM_ARGS"  # extra emulator-only flags (sizes, version, faults) set per container
+AGENT_TEST_ARGS = ("--rollout-sample-seconds", "0.1")
 
 
 def pod_loopback(text: str, pod_ip: str) -> str:
@@ -72,7 +73,9 @@ def rljob_mapping(extra_sglang_args: Sequence[str] = ()) -> Mapping:
     def mapping(ctx: ContainerContext) -> Launch:
         c = classify(ctx, extra_sglang_args)
         if c.kind == "agent":
-            return Launch([*_console_script("rljob-agent", "rljob.agent.main"), *c.args], env=c.env)
+            # Rollouts here last a second or less: sample them more often than the agent's 1 s default.
+            argv = [*_console_script("rljob-agent", "rljob.agent.main"), *c.args, *AGENT_TEST_ARGS]
+            return Launch(argv, env=c.env)
         if c.kind == "sglang":
             return Launch([*_python(), "-m", "rljob.emulator", *c.args], env=c.env)
         if c.kind == "trainer":

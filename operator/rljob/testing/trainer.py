@@ -1,8 +1,9 @@
 """Simulated trainer: the end-to-end proof that no stale weights or KV are ever served.
 
 Loop: wait until the agent reports Serving; send rollout requests (a shared prompt prefix, several
-samples per prompt) to SGLang and check every answer's meta_info.weight_version (and per-token spans)
-equals the served version and that the text is not garbage; then take the GPU lease, write a real
+samples per prompt, `--concurrency` requests in flight) to SGLang and check every answer's
+meta_info.weight_version (and per-token spans) equals the served version and that the text is not
+garbage; report the samples to the agent (`handoff.report_rollout`); then take the GPU lease, write a real
 safetensors checkpoint for version int(served)+1, publish it, and for tensor/distributed refits push it
 through the agent's refit window. Exits 2 with a message when a check fails.
 
@@ -95,15 +96,21 @@ class Rollout:
             return {"responses": 0, "completed": 0, "cached_tokens": 0, "prompt_tokens": 0}
         prefix = " ".join(f"sys{i}" for i in range(self.args.prefix_tokens))
         prompts = [f"{prefix} question-{iteration}-{i} please answer" for i in range(self.args.prompts)]
-        with ThreadPoolExecutor(max_workers=min(4, len(prompts))) as pool:
+        with ThreadPoolExecutor(max_workers=max(1, min(self.args.concurrency, len(prompts)))) as pool:
             results = [r for batch in pool.map(self._generate, prompts) for r in batch]
-        cached = prompt_tokens = 0
+        cached = prompt_tokens = completed = 0
         for r in results:
             meta = r["meta_info"]
             self.check(r, served)
             cached += int(meta.get("cached_tokens", 0))
             prompt_tokens += int(meta.get("prompt_tokens", 0))
-        return {"responses": len(results), "cached_tokens": cached, "prompt_tokens": prompt_tokens}
+            completed += (meta.get("finish_reason") or {}).get("type") != "abort"
+        return {
+            "responses": len(results),
+            "completed": completed,
+            "cached_tokens": cached,
+            "prompt_tokens": prompt_tokens,
+        }
 
     @staticmethod
     def check(response: dict[str, Any], served: str) -> None:
@@ -168,6 +175,9 @@ def parser() -> argparse.ArgumentParser:
         "--prefix-tokens", type=int, default=64, help="length of the prompt prefix all prompts share"
     )
     p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument(
+        "--concurrency", type=int, default=4, help="rollout requests (one per prompt) in flight at once"
+    )
     p.add_argument("--train-seconds", type=float, default=0.0)
     p.add_argument(
         "--world",
@@ -207,6 +217,7 @@ def train_loop(
             raise StaleServing(f"agent serves {served!r} after this trainer published {expected!r}")
         stats = rollout.run(iteration, served)
         log("rollout", iteration=iteration, served=served, **stats)
+        handoff.report_rollout(samples=stats["completed"])  # the job's cost per rollout divides by it
         version = next_version(served)
         tensors = make_tensors(version, args.weights_bytes)
         with handoff.train(timeout=args.timeout) as lease:

@@ -5,6 +5,9 @@ with handoff.train(timeout=3600) as lease:   # asks for the GPU, returns once th
     ...                                      # train: the GPU memory SGLang released is yours
     lease.publish(version, path)             # hands the GPU back with the new weights' version
 
+handoff.report_rollout(samples=256)          # before train(): the samples this rollout generated,
+                                             # the job's cost per rollout (status) divides by them
+
 with handoff.refit_window(timeout=600) as window:  # tensor/distributed refit only
     window.push_tensors([...])                     # forwarded to SGLang by the agent
 
@@ -100,7 +103,7 @@ class RefitSession:
         tp_size: int = 1,
     ) -> PushReport:
         """Push CUDA tensors, e.g. `model.state_dict().items()`: packed into flat buckets of at most
-        `bucket_bytes` (default 1 GiB; one dtype per bucket), one payload per TP rank in the format
+        `bucket_bytes` (default 2 GiB; one dtype per bucket), one payload per TP rank in the format
         SGLang's `update_weights_from_tensor` reads (load_format "flattened_bucket"), sent one bucket at a
         time through the agent, each packed while the previous one is in flight. The buckets are a ring of
         buffers per device (2 with TP=1, else 3) kept by the Handoff and reused by every later refit
@@ -271,6 +274,12 @@ class Handoff:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise
                 time.sleep(0.2)
+
+    def report_rollout(self, samples: int) -> None:
+        """Count `samples` completed samples (generations kept for training) in this rollout. Call it
+        before `train()`: the operator reads the count as the drain starts, for the cost per rollout
+        (the iteration's GPU-seconds divided by the samples, docs/profiling.md). Calls add up."""
+        self.client.call("POST", "/v1/trainer/rollout", {"samples": int(samples)})
 
     @contextmanager
     def train(self, timeout: float | None = None) -> Iterator[Lease]:

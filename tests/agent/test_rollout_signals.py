@@ -1,0 +1,93 @@
+"""The emulator produces the signals the rollout profile reads (docs/profiling.md), and the real agent
+reads them: queueing past --max-running-requests, GPU busy falling as batches shrink, prefix reuse
+following the prompts, and the trainer's sample count."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from agent_procs import Agent, Conductor, Emulator, http
+
+
+def _generate(emu: Emulator, text: str | list[str], tokens: int) -> Any:
+    r = http(
+        "POST",
+        emu.url + "/generate",
+        {"text": text, "sampling_params": {"max_new_tokens": tokens}},
+        timeout=60,
+    )
+    assert r.status == 200, r.text
+    return r.body
+
+
+def _busy(emu: Emulator) -> tuple[float, float]:
+    body = emu.call("GET", "/_emulator/utilization").body
+    return float(body["monotonic"]), float(body["gpus"][0]["busy_seconds"])
+
+
+def _busy_rate(emu: Emulator, seconds: float) -> float:
+    t0, b0 = _busy(emu)
+    time.sleep(seconds)
+    t1, b1 = _busy(emu)
+    return (b1 - b0) / (t1 - t0)
+
+
+def test_requests_queue_past_the_running_limit_and_busy_follows_the_batch(
+    start_emulator: Callable[..., Emulator],
+) -> None:
+    emu = start_emulator("0.5.23", "--max-running-requests", "4", "--saturation-batch", "8", tps=50)
+    emu.wait_ready()
+    with ThreadPoolExecutor(12) as pool:
+        many = [pool.submit(_generate, emu, f"q{i}", 60) for i in range(12)]
+        time.sleep(0.3)
+        load = emu.call("GET", "/v1/loads").body["loads"][0]
+        assert (load["num_running_reqs"], load["num_waiting_reqs"]) == (4, 8)  # 4 slots, the rest queue
+        assert 0.35 < _busy_rate(emu, 0.5) < 0.65  # 4 running of the 8 that saturate: half busy
+        for f in many:
+            f.result()
+    with ThreadPoolExecutor(1) as pool:
+        one = pool.submit(_generate, emu, "alone", 60)
+        time.sleep(0.2)
+        assert 0.05 < _busy_rate(emu, 0.5) < 0.2  # one running of 8
+        one.result()
+    assert _busy_rate(emu, 0.3) == 0.0  # nothing runs: not busy
+
+
+def test_saturated_requests_share_the_gpu(start_emulator: Callable[..., Emulator]) -> None:
+    """Past the saturation batch the tokens/s stay at tokens_per_second x saturation_batch."""
+    emu = start_emulator("0.5.23", "--saturation-batch", "2", tps=100)
+    emu.wait_ready()
+    started = time.monotonic()
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: _generate(emu, f"s{i}", 25), range(8)))
+    took = time.monotonic() - started
+    assert took > 8 * 25 / (100 * 2) * 0.9  # 200 tokens at 200 tok/s: at least ~1 s, not 0.25 s
+
+
+def test_agent_reports_queue_busy_reuse_and_samples(
+    start_emulator: Callable[..., Emulator], start_agent: Callable[..., Agent]
+) -> None:
+    emu = start_emulator(
+        "0.5.23", "--enable-metrics", "--max-running-requests", "4", "--saturation-batch", "4", tps=100
+    )
+    agent = start_agent(emu, "--rollout-sample-seconds", "0.05")
+    prefix = " ".join(f"sys{i}" for i in range(100))
+    with ThreadPoolExecutor(4) as pool:  # 4 prompts x 3 samples: 12 requests for 4 slots
+        list(pool.map(lambda i: _generate(emu, [f"{prefix} q{i}"] * 3, 30), range(4)))
+    r = agent.trainer("POST", "/v1/trainer/rollout", {"samples": 12})
+    assert r.status == 200 and r.body["completedSamples"] == 12, r.text
+    Conductor(agent).ok("drain")  # the drain's sample closes the window
+    report = agent.state()["rollout"]
+    assert report["completedSamples"] == 12
+    assert report["promptTokens"] == 12 * 101 and report["generationTokens"] == 12 * 30
+    # the first sample of each prompt misses the prompt (but hits the shared prefix after the first
+    # prompt), the other two hit all of it
+    assert report["cachedTokens"] / report["promptTokens"] > 0.8, report
+    assert report["meanWaitingRequests"] > 0, report  # 12 requests, 4 slots
+    assert report["meanRunningRequests"] <= 4.0, report
+    assert 0.0 < report["gpuBusyFraction"] <= 1.0, report
+    assert report["gpus"] == 1 and report["gpuName"] == "NVIDIA H100 80GB HBM3" and report["tpSize"] == 1
+    assert report["windowSeconds"] > 0
