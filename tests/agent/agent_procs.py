@@ -266,7 +266,7 @@ class Agent(Proc):
         return http(method, self.trainer_url + path, body, timeout=timeout)
 
 
-class Conductor:
+class AgentDriver:
     """Test stand-in for the operator's lifecycle machine on one pod: epochs, commands, assertions."""
 
     def __init__(self, agent: Agent) -> None:
@@ -331,7 +331,7 @@ class Pod:
     def __init__(self, emulator: Emulator, agent: Agent) -> None:
         self.emu = emulator
         self.agent = agent
-        self.conductor = Conductor(agent)
+        self.conductor = AgentDriver(agent)
 
 
 def write_weights(directory: Path, version: str, size: int = 16 << 10) -> Path:

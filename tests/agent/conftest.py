@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_procs import VERSIONS, Agent, Conductor, Emulator, Pod, Proc
+from agent_procs import VERSIONS, Agent, AgentDriver, Emulator, Pod, Proc
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -46,7 +46,7 @@ def start_agent(procs: list[Proc], tmp_path: Path) -> Callable[..., Agent]:
         procs.append(agent)
         if serving:
             agent.wait_stage("Ready")
-            Conductor(agent).ok("resume")
+            AgentDriver(agent).ok("resume")
         return agent
 
     return start

@@ -17,7 +17,7 @@ from agent_procs import (
     ALL_TAGS,
     RETRACT_REFUSED,
     Agent,
-    Conductor,
+    AgentDriver,
     Emulator,
     free_port,
     http,
@@ -83,7 +83,7 @@ def _in_flight(emu: Emulator) -> None:
     wait_until(lambda: emu.stats()["running"] > 0, 10, "rollout requests in flight")
 
 
-def _refit_async(agent: Agent, c: Conductor, **fields: Any) -> None:
+def _refit_async(agent: Agent, c: AgentDriver, **fields: Any) -> None:
     c.epoch += 1
     r = agent.command("refit", c.epoch, wait=0, **fields)
     assert r.status == 202, r.text
@@ -109,7 +109,7 @@ def test_abort_and_retract_drains_with_requests_in_flight(
     `?timeout=` one would never pass (drain timeout 5 s). /health* is never called while paused."""
     emu = start_emulator(version, tps=100)
     agent = start_agent(emu)
-    c = Conductor(agent)
+    c = AgentDriver(agent)
     traffic = Traffic(emu)
     for v, mode in (("1", "abort"), ("2", "retract")):
         _in_flight(emu)
@@ -183,7 +183,7 @@ def test_dp2_release_proves_every_rank_idle(
     refused."""
     emu = start_emulator(version, "--dp-size", "2", tps=100)
     agent = start_agent(emu)
-    c = Conductor(agent)
+    c = AgentDriver(agent)
     traffic = Traffic(emu, clients=2)  # round robin: both ranks serve
     wait_until(lambda: all(r["running"] > 0 for r in emu.stats()["ranks"]), 10, "both ranks busy")
     c.ok("drain")
@@ -231,7 +231,7 @@ def test_distributed_refit_where_the_trainer_joins_the_group(
     wait outlasts two probe timeouts without the agent declaring SGLang dead."""
     emu = start_emulator(version, "--weight-update-group-timeout", "30")
     agent = start_agent(emu, "--scheduler-probe-timeout", str(PROBE_TIMEOUT_S))
-    c = Conductor(agent)
+    c = AgentDriver(agent)
     c.iteration_to_trained("1", None)
     _refit_async(agent, c, version="1", source="distributed")
     handoff = Handoff(agent.trainer_url)
@@ -268,7 +268,7 @@ def test_group_that_nobody_joins_fails_and_frees_the_agent(
     trainer's wait raises, the refit fails, and the agent takes commands again."""
     emu = start_emulator("0.5.23", "--weight-update-group-timeout", "1")
     agent = start_agent(emu)
-    c = Conductor(agent)
+    c = AgentDriver(agent)
     c.iteration_to_trained("1", str(write_weights(tmp_path, "1")))
     _refit_async(agent, c, version="1", source="distributed")
     handoff = Handoff(agent.trainer_url)
@@ -293,7 +293,7 @@ def test_paused_refit_on_0_5_6_serves_the_new_version(
     reads it back from /model_info. Generation after the resume carries the new version."""
     emu = start_emulator("0.5.6")
     agent = start_agent(emu)
-    c = Conductor(agent)
+    c = AgentDriver(agent)
     c.iteration_to_trained("7", str(write_weights(tmp_path, "7")))
     c.ok("refit", version="7")
     assert _calls(emu, "/update_weight_version") == 1
@@ -319,7 +319,7 @@ def test_scheduler_death_is_detected_within_its_deadline(
     reaches SGLang meanwhile."""
     emu = start_emulator(version)
     agent = start_agent(emu, "--scheduler-probe-timeout", str(PROBE_TIMEOUT_S))
-    c = Conductor(agent)
+    c = AgentDriver(agent)
     c.ok("drain")
     c.ok("release", tags=ALL_TAGS)
     time.sleep(2 * (PROBE_TIMEOUT_S + 1))  # probes answered while paused and released: no false alarm

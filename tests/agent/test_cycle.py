@@ -13,7 +13,7 @@ from agent_procs import (
     ALL_TAGS,
     RETRACT_REFUSED,
     Agent,
-    Conductor,
+    AgentDriver,
     Emulator,
     Pod,
     sha256_file,
@@ -106,7 +106,7 @@ def test_rollout_traffic_during_the_lifecycle(
     drain_mode = "abort" if refused else mode
     emu = start_emulator(version, "--weight-version", "0", tps=200)
     agent = start_agent(emu)
-    c = Conductor(agent)
+    c = AgentDriver(agent)
     stop = threading.Event()
     replies: list[dict[str, Any]] = []
     errors: list[str] = []
@@ -166,7 +166,7 @@ def test_fresh_server_is_ready_until_the_operator_opens_rollout(
     agent = start_agent(emu, serving=False)
     st = agent.wait_stage("Ready")
     assert st["sglang"]["servedVersion"] == "3" and st["sglang"]["paused"] is False and st["epoch"] == 0
-    c = Conductor(agent)
+    c = AgentDriver(agent)
     for action in ("release", "grant"):
         c.refused(
             action,

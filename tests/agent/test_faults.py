@@ -1,5 +1,5 @@
-"""Faults SGLang really has (contract §7), injected into the emulator: the agent must fail safely, by its
-deadlines, without killing SGLang and without granting the GPU early."""
+"""Faults SGLang really has (docs/sglang-conformance.md), injected into the emulator: the agent must fail
+safely, by its deadlines, without killing SGLang and without granting the GPU early."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from agent_procs import ALL_TAGS, VERSIONS, Agent, Conductor, Emulator, wait_until, write_weights
+from agent_procs import ALL_TAGS, VERSIONS, Agent, AgentDriver, Emulator, wait_until, write_weights
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -19,7 +19,7 @@ def test_release_returning_early_does_not_grant_before_memory_is_freed(
     """slime#579 / miles#86: release answers while other ranks still hold memory."""
     emu = start_emulator(version, "--gpus", "2", "--fault-release-unmap-delay", "1.5")
     agent = start_agent(emu)
-    c = Conductor(agent)
+    c = AgentDriver(agent)
     c.ok("drain")
     c.epoch += 1
     r = agent.command("release", c.epoch, wait=0, tags=ALL_TAGS)
@@ -44,7 +44,7 @@ def test_release_freeing_too_late_never_grants(
 ) -> None:
     emu = start_emulator("0.5.23", "--fault-release-unmap-delay", "30")
     agent = start_agent(emu)
-    c = Conductor(agent)
+    c = AgentDriver(agent)
     c.ok("drain")
     st = c.failed("release", tags=ALL_TAGS, verify={"timeoutSeconds": 1})
     assert "GPU 0 freed 0 of" in st["error"]
@@ -61,7 +61,7 @@ def test_resume_oom_fails_by_deadline_and_agent_survives(
     """sglang#14092: resume OOMs in torch_memory_saver and the call never completes."""
     emu = start_emulator(version, "--fault-resume-oom", "kv_cache")
     agent = start_agent(emu)
-    c = Conductor(agent)
+    c = AgentDriver(agent)
     c.iteration_to_trained("1", str(write_weights(tmp_path, "1")))
     c.ok("refit", version="1")
     started = time.monotonic()
@@ -83,7 +83,7 @@ def test_refit_success_false_fails_the_refit(
 ) -> None:
     emu = start_emulator(version, "--fault-refit-fail")
     agent = start_agent(emu)
-    c = Conductor(agent)
+    c = AgentDriver(agent)
     path = str(write_weights(tmp_path, "1"))
     c.iteration_to_trained("1", path)
     st = c.failed("refit", version="1")
@@ -99,7 +99,7 @@ def test_slow_routes_count_as_sglang_time(
     start_emulator: Callable[..., Emulator], start_agent: Callable[..., Agent]
 ) -> None:
     emu = start_emulator("0.5.23", "--fault-slow", "/flush_cache=0.4")
-    c = Conductor(start_agent(emu))
+    c = AgentDriver(start_agent(emu))
     st = c.ok("drain")
     assert st["seconds"] >= 0.4 and st["sglangSeconds"] >= 0.4
     assert st["seconds"] - st["sglangSeconds"] < 0.2  # the agent's own share stays small
@@ -112,7 +112,7 @@ def test_hung_route_fails_the_drain_by_its_deadline(
     emu = start_emulator("0.5.23")
     agent = start_agent(emu)
     emu.set_faults(hang=[route])
-    c = Conductor(agent)
+    c = AgentDriver(agent)
     started = time.monotonic()
     st = c.failed("drain", timeoutSeconds=1)
     assert time.monotonic() - started < 5
@@ -144,7 +144,7 @@ def test_sglang_death_during_a_command(
 ) -> None:
     emu = start_emulator("0.5.23", "--fault-slow", "/release_memory_occupation=3")
     agent = start_agent(emu)
-    c = Conductor(agent)
+    c = AgentDriver(agent)
     c.ok("drain")
     assert agent.command("release", 3, wait=0, tags=ALL_TAGS).status == 202
     time.sleep(0.5)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from agent_procs import ALL_TAGS, Agent, Conductor, Emulator, Pod, http, write_weights
+from agent_procs import ALL_TAGS, Agent, AgentDriver, Emulator, Pod, http, write_weights
 
 
 def test_illegal_transitions_are_refused_and_not_forwarded(pod: Pod, tmp_path: Path) -> None:
@@ -46,7 +46,7 @@ def test_double_release_after_failed_verification_is_refused(
 ) -> None:
     emu = start_emulator("0.5.23")
     agent = start_agent(emu)
-    c = Conductor(agent)
+    c = AgentDriver(agent)
     c.ok("drain")
     # Verification asks for more than the GPU holds: SGLang released, the agent refuses to grant. The
     # freed amount stopped moving, so the failure is permanent (ReleaseShortfall), not retryable.
@@ -67,7 +67,7 @@ def test_resume_refuses_garbage_weights(
 ) -> None:
     emu = start_emulator("0.5.23")
     agent = start_agent(emu)
-    c = Conductor(agent)
+    c = AgentDriver(agent)
     c.ok("drain")
     c.failed("release", tags=["weights"], verify={"minFreedBytes": 2**49, "timeoutSeconds": 1})
     c.refused("resume", "WeightsNotRefitted", _emulator_url=emu.url)
@@ -78,7 +78,7 @@ def test_resume_from_drained_with_cpu_backup(
 ) -> None:
     emu = start_emulator("0.5.23", "--enable-weights-cpu-backup")
     agent = start_agent(emu)
-    c = Conductor(agent)
+    c = AgentDriver(agent)
     c.ok("drain")
     c.failed("release", tags=["weights"], verify={"minFreedBytes": 2**49, "timeoutSeconds": 1})
     c.ok("resume")  # weights survive with CPU backup
@@ -93,7 +93,7 @@ def test_weight_cache_refusals(
     emu = start_emulator(version, "--weight-cache-mode", "daemon")
     agent = start_agent(emu)
     assert agent.state()["sglang"]["weightCacheMode"] == "daemon"
-    c = Conductor(agent)
+    c = AgentDriver(agent)
     c.ok("drain")
     r = c.refused("release", "WeightCacheActive", tags=ALL_TAGS, _emulator_url=emu.url)
     assert "weight-cache-mode" in r["reason"]
@@ -105,7 +105,7 @@ def test_memory_saver_disabled_refused(
     start_emulator: Callable[..., Emulator], start_agent: Callable[..., Agent]
 ) -> None:
     emu = start_emulator("0.5.23", memory_saver=False)
-    c = Conductor(start_agent(emu))
+    c = AgentDriver(start_agent(emu))
     c.ok("drain")
     c.refused("release", "MemorySaverDisabled", tags=ALL_TAGS, _emulator_url=emu.url)
 
@@ -189,7 +189,7 @@ def test_commands_refused_until_sglang_answers(
     r = agent.command("drain", 1)
     assert r.status == 409 and r.body["error"] == "NotReady"
     agent.wait_stage("Ready", timeout=15)
-    Conductor(agent).ok("drain")  # a fresh server may be drained before rollout opened (suspend)
+    AgentDriver(agent).ok("drain")  # a fresh server may be drained before rollout opened (suspend)
 
 
 def test_trainer_calls_outside_their_window(pod: Pod) -> None:
@@ -221,11 +221,11 @@ def test_sglang_api_keys(
         "--sglang-admin-api-key-file",
         str(tmp_path / "admin"),
     )
-    Conductor(both).full_iteration("1", str(write_weights(tmp_path, "1")))
+    AgentDriver(both).full_iteration("1", str(write_weights(tmp_path, "1")))
     # only the api key: SGLang refuses lifecycle calls (401), the agent reports it, SGLang lives
     user_only = start_agent(emu, "--sglang-api-key-file", str(tmp_path / "api"), serving=False)
     user_only.wait_stage("Ready")
-    failed = Conductor(user_only).failed("drain")
+    failed = AgentDriver(user_only).failed("drain")
     assert "HTTP 401" in failed["error"]
     # no key at all: SGLang cannot even be identified
     none = start_agent(emu, serving=False)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from agent_procs import ALL_TAGS, Agent, Conductor, Emulator, write_weights
+from agent_procs import ALL_TAGS, Agent, AgentDriver, Emulator, write_weights
 
 
 def _value(text: str, sample: str) -> float:
@@ -22,7 +22,7 @@ def test_metrics_after_an_iteration(
 ) -> None:
     emu = start_emulator("0.5.23", "--gpus", "2")
     agent = start_agent(emu, "--log-json")
-    c = Conductor(agent)
+    c = AgentDriver(agent)
     c.full_iteration("1", str(write_weights(tmp_path, "1")))
     c.refused("release", "IllegalTransition", tags=ALL_TAGS)
     text = agent.get("/metrics", token=None).text
@@ -59,7 +59,7 @@ def test_sglang_liveness_probe_goes_through_the_agent(
     emu = start_emulator("0.5.23")
     agent = start_agent(emu)
     assert agent.get("/probe/sglang", token=None).status == 200  # open: probes carry no token
-    c = Conductor(agent)
+    c = AgentDriver(agent)
     c.ok("drain")
     assert agent.get("/probe/sglang", token=None).status == 200  # paused is alive
     emu.stop()

@@ -10,7 +10,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_procs import ALL_TAGS, Agent, Conductor, Emulator, Proc, free_port, http, wait_until, write_weights
+from agent_procs import (
+    ALL_TAGS,
+    Agent,
+    AgentDriver,
+    Emulator,
+    Proc,
+    free_port,
+    http,
+    wait_until,
+    write_weights,
+)
 
 from rljob.emulator.config import GiB
 from rljob.emulator.http_common import LIFECYCLE_ROUTES
@@ -35,7 +45,7 @@ def instance(
     return leader, follower, leader_agent, follower_agent
 
 
-def both(a: Conductor, b: Conductor, action: str, **fields: Any) -> None:
+def both(a: AgentDriver, b: AgentDriver, action: str, **fields: Any) -> None:
     """The leader's command first; the follower's once the leader's finished (after_leader)."""
     a.ok(action, **fields)
     b.ok(action, **fields)
@@ -47,7 +57,7 @@ def test_the_follower_frees_and_maps_its_own_memory_through_the_leaders_calls(
     _leader, follower, la, fa = instance(procs, tmp_path)
     assert fa.state()["nodeRank"] == 1 and la.state()["nodeRank"] == 0
     assert http("GET", follower.url + "/server_info").status == 404  # the dummy server has no API
-    lc, fc = Conductor(la), Conductor(fa)
+    lc, fc = AgentDriver(la), AgentDriver(fa)
     both(lc, fc, "resume", version="0")  # open rollout at the launch version
     assert fa.state()["sglang"]["servedVersion"] == "0"
     used = [g["used_bytes"] for g in follower.memory()]
@@ -87,7 +97,7 @@ def test_a_follower_that_keeps_its_memory_is_not_verified_and_gets_no_lease(
     procs: list[Proc], tmp_path: Path
 ) -> None:
     _leader, _follower, la, fa = instance(procs, tmp_path, "--fault-release-ignore")
-    lc, fc = Conductor(la), Conductor(fa)
+    lc, fc = AgentDriver(la), AgentDriver(fa)
     both(lc, fc, "resume", version="0")
     both(lc, fc, "drain")
     lc.ok("release", tags=ALL_TAGS)  # node 0's own GPUs freed: the leader's agent cannot tell more
@@ -149,7 +159,7 @@ def test_several_trainer_processes_of_a_pod_share_one_lease_request_and_one_publ
     agent = Agent(tmp_path, emu.url)
     procs.append(agent)
     agent.wait_stage("Ready")
-    conductor = Conductor(agent)
+    conductor = AgentDriver(agent)
     conductor.ok("resume")
     ranks = [Handoff(agent.trainer_url, local_rank=r) for r in (0, 1)]
     calls: dict[int, list[tuple[str, str]]] = {0: [], 1: []}

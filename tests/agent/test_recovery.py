@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_procs import ALL_TAGS, Agent, Conductor, Emulator, http, wait_until, write_weights
+from agent_procs import ALL_TAGS, Agent, AgentDriver, Emulator, http, wait_until, write_weights
 
 VERSION = "0.5.23"
 
@@ -54,11 +54,11 @@ def wait_command(agent: Agent, epoch: int, timeout: float = 30) -> dict[str, Any
 @pytest.fixture
 def start_pod(
     start_emulator: Callable[..., Emulator], start_agent: Callable[..., Agent], tmp_path: Path
-) -> Callable[..., tuple[Emulator, Agent, Conductor]]:
-    def start(*flags: str, version: str = VERSION) -> tuple[Emulator, Agent, Conductor]:
+) -> Callable[..., tuple[Emulator, Agent, AgentDriver]]:
+    def start(*flags: str, version: str = VERSION) -> tuple[Emulator, Agent, AgentDriver]:
         emu = start_emulator(version, *flags)
         agent = start_agent(emu, "--state-dir", str(tmp_path / f"state-{emu.port}"))
-        return emu, agent, Conductor(agent)
+        return emu, agent, AgentDriver(agent)
 
     return start
 

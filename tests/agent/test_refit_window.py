@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from agent_procs import Agent, Conductor, Emulator
+from agent_procs import Agent, AgentDriver, Emulator
 
 from rljob.emulator.rendezvous import Rank0
 from rljob.trainer import AgentError, Handoff, packing
@@ -48,11 +48,11 @@ def bucket_payloads(
     return out
 
 
-def _to_trained(c: Conductor, version: str) -> None:
+def _to_trained(c: AgentDriver, version: str) -> None:
     c.iteration_to_trained(version, None)
 
 
-def _refit_async(agent: Agent, c: Conductor, **fields: Any) -> None:
+def _refit_async(agent: Agent, c: AgentDriver, **fields: Any) -> None:
     """Start a refit without waiting: the window needs the trainer to act before it can finish."""
     c.epoch += 1
     r = agent.command("refit", c.epoch, wait=0, **fields)
@@ -70,7 +70,7 @@ def test_tensor_window_pushes_in_order_and_last_carries_version(
 ) -> None:
     emu = start_emulator(version)
     agent = start_agent(emu)
-    c = Conductor(agent)
+    c = AgentDriver(agent)
     _to_trained(c, "1")
     _refit_async(agent, c, version="1", source="tensor")
     handoff = Handoff(agent.trainer_url)
@@ -106,7 +106,7 @@ def test_window_closed_with_error_fails_the_refit_and_ends_the_session(
 ) -> None:
     emu = start_emulator("0.5.23")
     agent = start_agent(emu)
-    c = Conductor(agent)
+    c = AgentDriver(agent)
     _to_trained(c, "1")
     _refit_async(agent, c, version="1", source="tensor")
     handoff = Handoff(agent.trainer_url)
@@ -129,7 +129,7 @@ def test_window_not_closed_fails_by_deadline(
 ) -> None:
     emu = start_emulator("0.5.21")
     agent = start_agent(emu)
-    c = Conductor(agent)
+    c = AgentDriver(agent)
     _to_trained(c, "1")
     started = time.monotonic()
     _refit_async(agent, c, version="1", source="tensor", timeoutSeconds=1)
@@ -145,7 +145,7 @@ def test_push_refused_by_sglang_fails_the_window(
 ) -> None:
     emu = start_emulator("0.5.23")
     agent = start_agent(emu)
-    c = Conductor(agent)
+    c = AgentDriver(agent)
     _to_trained(c, "1")
     _refit_async(agent, c, version="1", source="tensor")
     handoff = Handoff(agent.trainer_url)
@@ -162,7 +162,7 @@ def test_wrong_source_and_final_push_guards(
 ) -> None:
     emu = start_emulator("0.5.23")
     agent = start_agent(emu)
-    c = Conductor(agent)
+    c = AgentDriver(agent)
     _to_trained(c, "1")
     _refit_async(agent, c, version="1", source="distributed")
     agent.wait_state(lambda s: s["trainer"].get("refitWindowVersion") == "1", 5)
@@ -223,7 +223,7 @@ def test_a_bucket_sglang_cannot_view_kills_it_and_fails_the_refit(
 ) -> None:
     emu = start_emulator("0.5.23")
     agent = start_agent(emu)
-    c = Conductor(agent)
+    c = AgentDriver(agent)
     _to_trained(c, "1")
     _refit_async(agent, c, version="1", source="tensor")
     # bfloat16 at an odd byte offset: tensor_bucket.py's view(dtype) raises in the scheduler
@@ -244,7 +244,7 @@ def test_push_named_tensors_without_torch_says_what_is_missing(
 ) -> None:
     emu = start_emulator("0.5.23")
     agent = start_agent(emu)
-    c = Conductor(agent)
+    c = AgentDriver(agent)
     _to_trained(c, "1")
     _refit_async(agent, c, version="1", source="tensor")
     handoff = Handoff(agent.trainer_url)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from agent_procs import ALL_TAGS, Agent, Conductor, Emulator
+from agent_procs import ALL_TAGS, Agent, AgentDriver, Emulator
 
 GiB = 1 << 30
 CUDA_GRAPH_IN_SAVER = {"SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1"}  # makes the cuda_graph tag free memory
@@ -19,7 +19,7 @@ def test_tags_that_cannot_free_enough_fail_permanently_with_freed_and_needed_per
     # 2 GiB of CUDA graphs on each GPU, 60 GiB used: releasing only cuda_graph frees 1/30, not 1/2.
     emu = start_emulator("0.5.23", "--gpus", "2", *NO_PREFILL_GRAPH, env=CUDA_GRAPH_IN_SAVER)
     agent = start_agent(emu)
-    c = Conductor(agent)
+    c = AgentDriver(agent)
     c.ok("drain")
     st = c.failed("release", tags=["cuda_graph"], verify={"minFreedFraction": 0.5, "timeoutSeconds": 2})
     assert st["permanent"] is True and st["failureReason"] == "ReleaseShortfall", st
@@ -38,7 +38,7 @@ def test_a_shortfall_after_a_delayed_unmap_is_still_permanent_once_it_stops_movi
     emu = start_emulator(
         "0.5.23", "--fault-release-unmap-delay", "0.5", *NO_PREFILL_GRAPH, env=CUDA_GRAPH_IN_SAVER
     )
-    c = Conductor(start_agent(emu))
+    c = AgentDriver(start_agent(emu))
     c.ok("drain")
     st = c.failed("release", tags=["cuda_graph"], verify={"minFreedFraction": 0.5, "timeoutSeconds": 3})
     assert st["permanent"] is True and st["failureReason"] == "ReleaseShortfall", st
@@ -49,7 +49,7 @@ def test_a_delayed_unmap_that_completes_succeeds(
     start_emulator: Callable[..., Emulator], start_agent: Callable[..., Agent]
 ) -> None:
     emu = start_emulator("0.5.23", "--gpus", "2", "--fault-release-unmap-delay", "1.5")
-    c = Conductor(start_agent(emu))
+    c = AgentDriver(start_agent(emu))
     c.ok("drain")
     st = c.ok("release", tags=ALL_TAGS, verify={"minFreedFraction": 0.5, "timeoutSeconds": 10})
     assert st["permanent"] is False and st.get("failureReason") is None, st
@@ -61,7 +61,7 @@ def test_an_unmap_not_yet_visible_at_the_deadline_stays_retryable(
 ) -> None:
     """Nothing freed yet is no evidence that the tags cannot free enough: the gang may be restarted."""
     emu = start_emulator("0.5.23", "--fault-release-unmap-delay", "30")
-    c = Conductor(start_agent(emu))
+    c = AgentDriver(start_agent(emu))
     c.ok("drain")
     st = c.failed("release", tags=ALL_TAGS, verify={"timeoutSeconds": 1})
     assert st["permanent"] is False and st.get("failureReason") is None, st

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from agent_procs import Agent, Conductor, Emulator, http
+from agent_procs import Agent, AgentDriver, Emulator, http
 
 
 def _generate(emu: Emulator, text: str | list[str], tokens: int) -> Any:
@@ -79,7 +79,7 @@ def test_agent_reports_queue_busy_reuse_and_samples(
         list(pool.map(lambda i: _generate(emu, [f"{prefix} q{i}"] * 3, 30), range(4)))
     r = agent.trainer("POST", "/v1/trainer/rollout", {"samples": 12})
     assert r.status == 200 and r.body["completedSamples"] == 12, r.text
-    Conductor(agent).ok("drain")  # the drain's sample closes the window
+    AgentDriver(agent).ok("drain")  # the drain's sample closes the window
     report = agent.state()["rollout"]
     assert report["completedSamples"] == 12
     assert report["promptTokens"] == 12 * 101 and report["generationTokens"] == 12 * 30

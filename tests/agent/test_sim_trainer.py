@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_procs import ALL_TAGS, PY, Agent, Conductor, Emulator, Proc, sha256_file
+from agent_procs import ALL_TAGS, PY, Agent, AgentDriver, Emulator, Proc, sha256_file
 from safetensors.numpy import save
 
 from rljob.testing.trainer import make_tensors
@@ -58,7 +58,7 @@ def start_trainer(
 
 def conduct(agent: Agent, source: str, iterations: int, seen: list[dict[str, Any]]) -> None:
     """The operator's part of each iteration, driven by the agent's state."""
-    c = Conductor(agent)
+    c = AgentDriver(agent)
     c.epoch = agent.state()["epoch"]
     for _ in range(iterations):
         st = agent.wait_state(lambda s: s["trainer"]["requested"], 60, "the trainer to ask for the GPU")
@@ -175,7 +175,7 @@ def test_trainer_exiting_without_publish_is_reported(
 
     emu = start_emulator("0.5.23")
     agent = start_agent(emu)
-    c = Conductor(agent)
+    c = AgentDriver(agent)
     handoff = Handoff(agent.trainer_url)
     errors: list[BaseException] = []
 

@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "agent"))  # agent_procs: shared helpers
 
-from agent_procs import Agent, Conductor, Emulator, Proc
+from agent_procs import Agent, AgentDriver, Emulator, Proc
 
 
 @functools.cache
@@ -98,7 +98,7 @@ def start_nvml_agent(procs: list[Proc], tmp_path: Path) -> Callable[..., Agent]:
         agent = Agent(tmp_path, emulator.url, probe="nvml")
         procs.append(agent)
         agent.wait_stage("Ready", timeout=60)
-        Conductor(agent).ok("resume")
+        AgentDriver(agent).ok("resume")
         return agent
 
     return start

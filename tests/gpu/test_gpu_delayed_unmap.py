@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from agent_procs import ALL_TAGS, Agent, Conductor, Emulator, wait_until, write_weights
+from agent_procs import ALL_TAGS, Agent, AgentDriver, Emulator, wait_until, write_weights
 from gpu_helpers import GiB, NvmlSampler, gib, nvml_used, tms_events
 
 pytestmark = pytest.mark.gpu
@@ -42,7 +42,7 @@ def test_delayed_unmap_is_not_granted_early(
     )
     assert "re-executing with LD_PRELOAD=" in emu.log_text()  # `python -m rljob.emulator` sets the hook
     agent = start_nvml_agent(emu)
-    c = Conductor(agent)
+    c = AgentDriver(agent)
     c.ok("drain")
     used_before = nvml_used()
     need = footprint - SLACK  # every region, cuda_graph (> SLACK) included

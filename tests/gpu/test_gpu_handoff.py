@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_procs import ALL_TAGS, PY, Agent, Conductor, Emulator, Proc, write_weights
+from agent_procs import ALL_TAGS, PY, Agent, AgentDriver, Emulator, Proc, write_weights
 from gpu_helpers import (
     GiB,
     gib,
@@ -93,7 +93,7 @@ def test_release_train_refit_resume_on_real_gpu(
     assert emu.weights()["checksum"] == sha256_file(launch)  # launch load went through the GPU region
 
     agent = start_nvml_agent(emu)
-    c = Conductor(agent)
+    c = AgentDriver(agent)
     result_file = tmp_path / "trainer.json"
     argv = [PY, "-m", "rljob.testing.gpu_trainer", "--version", "2", "--weights-dir", str(tmp_path / "ckpt")]
     trainer = Proc(

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_procs import Agent, Conductor, Emulator, Proc, http
+from agent_procs import Agent, AgentDriver, Emulator, Proc, http
 from gpu_helpers import GiB
 
 pytestmark = pytest.mark.gpu
@@ -86,7 +86,7 @@ def test_nvml_reads_gpu_busy_during_an_emulated_rollout(
     agent = Agent(tmp_path, emu.url, "--rollout-sample-seconds", "0.25", probe="nvml")
     procs.append(agent)
     agent.wait_stage("Ready", timeout=60)
-    conductor = Conductor(agent)
+    conductor = AgentDriver(agent)
     conductor.ok("resume")  # opens rollout: the agent's baseline
     with NvmlBusy() as nvml:
         opened = time.monotonic()

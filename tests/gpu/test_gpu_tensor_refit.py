@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_procs import ALL_TAGS, PY, Agent, Conductor, Emulator, Proc, write_weights
+from agent_procs import ALL_TAGS, PY, Agent, AgentDriver, Emulator, Proc, write_weights
 from gpu_helpers import gib, markdown_table, nvml_total, sha256_file, tms_events
 from test_gpu_handoff import generate, region_sizes, size_flags, wait_trained
 
@@ -61,7 +61,7 @@ def test_ipc_copy_floor(results_dir: Path) -> None:
     assert res["d2d_copy_median_seconds"] < 0.1  # 15 GiB at HBM speed: milliseconds
 
 
-def run(agent: Agent, c: Conductor, action: str, timeout: float, **fields: Any) -> dict[str, Any]:
+def run(agent: Agent, c: AgentDriver, action: str, timeout: float, **fields: Any) -> dict[str, Any]:
     """A command to its end (the HTTP wait caps at 30 s; a 15 GiB disk refit may take longer)."""
     c.epoch += 1
     epoch = c.epoch
@@ -104,7 +104,7 @@ def test_tensor_refit_through_the_agent(
         "1",
     )
     agent = start_nvml_agent(emu)
-    c = Conductor(agent)
+    c = AgentDriver(agent)
     tr_dir = tmp_path / "trainer"
     trainer = Proc(
         "tensor-trainer",

@@ -3,7 +3,7 @@
 Random interleavings of: decisions, repeated and stale agent reports, decisions whose commands are
 lost (operator killed after writing status), agents finishing or failing commands, trainers asking
 and publishing, pods lost at any phase, time jumps, suspend toggles. After every decision the seven
-invariants of DESIGN §4 are checked against the world's truth."""
+invariants of docs/lifecycle.md are checked against the world's truth."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""What each accepted command does to SGLang, in the contract's safe order (contract §9): drain, release
-with per-GPU verification, grant, refit (disk, or a tensor/distributed window), resume. Every SGLang call
+"""What each accepted command does to SGLang, in the safe order of docs/lifecycle.md (each call's rules:
+docs/sglang-conformance.md): drain, release with per-GPU verification, grant, refit (disk, or a
+tensor/distributed window), resume. Every SGLang call
 is bounded by the command's deadline. A non-idempotent call that does not answer leaves SGLang's state
 unknown: that raises StateLost (the pod must be replaced) rather than guessing.
 

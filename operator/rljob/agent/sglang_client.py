@@ -13,7 +13,7 @@ import aiohttp
 from rljob.agent.quirks import SGLangQuirks
 from rljob.agent.timing import add_external
 
-# Lifecycle routes SGLang guards as ADMIN_OPTIONAL (contract §5).
+# Lifecycle routes SGLang guards as ADMIN_OPTIONAL (docs/sglang-conformance.md, C-ROUTE-AUTH).
 ADMIN_OPTIONAL_ROUTES = frozenset(
     {
         "/pause_generation",
@@ -121,8 +121,9 @@ class SGLangClient:
         self.base_url = base_url
         self.call_timeout_s = call_timeout_s
         self._observe = observe  # latency histogram by operation
-        # Auth levels (contract §5): lifecycle routes are ADMIN_OPTIONAL (the admin key if the server has one,
-        # else its api key); every other route needs the api key if one is set.
+        # Auth levels (docs/sglang-conformance.md, C-ROUTE-AUTH): lifecycle routes are ADMIN_OPTIONAL (the
+        # admin key if the server has one, else its api key); every other route needs the api key if one is
+        # set.
         self._normal_auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         admin = admin_api_key or api_key
         self._admin_auth = {"Authorization": f"Bearer {admin}"} if admin else {}

@@ -1,5 +1,5 @@
-"""Which command is legal in which stage, and the guards that keep SGLang alive (DESIGN §4 invariants).
-Pure functions of the state: a refusal here means nothing was sent to SGLang."""
+"""Which command is legal in which stage, and the guards that keep SGLang alive (the invariants of
+docs/lifecycle.md). Pure functions of the state: a refusal here means nothing was sent to SGLang."""
 
 from __future__ import annotations
 

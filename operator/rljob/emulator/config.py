@@ -204,7 +204,7 @@ def parse_config(argv: list[str]) -> EmulatorConfig:
         served_model_name=args.served_model_name or args.model_path,
         weight_version=args.weight_version,
         enable_memory_saver=args.enable_memory_saver,
-        # The weight cache forces CPU backup off (contract §3.2).
+        # The weight cache forces CPU backup off (docs/sglang-conformance.md, C-MEM-WEIGHT-CACHE).
         enable_weights_cpu_backup=args.enable_weights_cpu_backup
         and (args.weight_cache_mode or "off") == "off",
         weight_cache_mode=args.weight_cache_mode or "off",

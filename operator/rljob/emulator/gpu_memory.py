@@ -4,8 +4,9 @@ kv_cache, weights and cuda_graph are real CUDA allocations made inside `torch_me
 as SGLang makes them (`--enable-memory-saver`; cuda_graph only with SGLANG_MEMORY_SAVER_CUDA_GRAPH=1, and
 with CPU backup, as SGLang captures graphs). Release is `torch_memory_saver.pause(tag)`: the physical memory
 is unmapped and NVML sees it come back. Resume is `resume(tag)`: new physical memory at the same addresses,
-so without CPU backup the contents are garbage (weights, contract §3.3) and a refit must follow; a disk
-refit copies the safetensors bytes into the weights region and the checksum the emulator then serves is
+so without CPU backup the contents are garbage (weights; docs/sglang-conformance.md,
+C-MEM-RELEASE-ORDER) and a refit must follow; a disk refit copies the safetensors bytes into the weights
+region and the checksum the emulator then serves is
 computed over what the GPU holds, read back. A tensor refit (`tensor_refit.py`) copies each pushed bucket
 from the trainer's memory (CUDA IPC) into the weights region (`write_weights`); its checksum is computed on
 the GPU (`weights_checksum`), when first asked for or at the latest before the region is released.

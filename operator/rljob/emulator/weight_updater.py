@@ -1,5 +1,6 @@
-"""Refit endpoints (contract §2.4, §3.5): disk/tensor/distributed updates, begin/end sessions by version,
-weight-update groups, /update_weight_version and /weights_checker. Each returns (HTTP status, JSON body)."""
+"""Refit endpoints (docs/sglang-conformance.md, C-ROUTE-DISK/TENSOR/DIST/SESSION, C-REFIT-*):
+disk/tensor/distributed updates, begin/end sessions by version, weight-update groups, /update_weight_version
+and /weights_checker. Each returns (HTTP status, JSON body)."""
 
 from __future__ import annotations
 
