@@ -6,12 +6,16 @@ bench_control_overhead.py after a job succeeded and its operator stopped, as a p
 A transition is the least any operator must do: POST one small command (drain, then resume, epochs
 counting on from the job's) to every agent at once, take each agent's report of the finished command
 over a long-poll already open (`GET /v1/state?changes=operator`, JSON parsed, nothing validated), and
-write one status merge-patch (kubernetes client, as the operator does) once the last report came. Its
+write one status merge-patch (kubernetes client, as the operator does) once the last report came: to an
+RLJob that carries the benchmark job's final status, and of what a phase change of the operator
+changes (phase, epoch, phaseStartTime, reason, message, and the timeline, conditions and pods lists,
+which a merge patch replaces whole). Its
 floor is that wall time minus the slowest agent's own time for the command (`lastCommand.seconds`), as
 the operator's overhead is the phase's wall time minus `agentSeconds`.
 
 REQUEST: {"agents": [[ip, port], ...], "token": str, "epoch": int (the job's last), "pairs": int,
-"kubeconfig": path, "namespace": str, "name": str (an RLJob no operator watches: its status is patched)}.
+"kubeconfig": path, "namespace": str, "name": str (an RLJob no operator watches: its status is patched),
+"status": the job's final status (the floor RLJob already carries it)}.
 RESULT: {"samples": [{"action", "wall", "in_agent", "patch"}], "cpu": seconds of this process over the
 transitions}.
 """
@@ -83,9 +87,7 @@ class Floor:
         await asyncio.gather(*(send(u) for u in self.urls))
         await asyncio.wait_for(self.done.wait(), 120)
         reported = time.perf_counter()
-        phase = {"drain": "Draining", "resume": "Resuming"}[action]
-        now = datetime.now(UTC).isoformat()
-        patch = {"status": {"phase": phase, "epoch": self.epoch, "phaseStartTime": now}}
+        patch = {"status": self._phase_change(action)}
         ns, name = self.req["namespace"], self.req["name"]
         await asyncio.to_thread(
             self.custom.patch_namespaced_custom_object_status, GROUP, VERSION, ns, PLURAL, name, patch
@@ -93,6 +95,20 @@ class Floor:
         ended = time.perf_counter()
         in_agent = max((s or {}).get("lastCommand", {}).get("seconds") or 0.0 for s in self.latest)
         return {"action": action, "wall": ended - began, "in_agent": in_agent, "patch": ended - reported}
+
+    def _phase_change(self, action: str) -> dict[str, Any]:
+        """What the operator's merge patch holds when the job enters a phase (status_writer.merge_patch of
+        two consecutive statuses): the scalars, and the lists it changes, replaced whole."""
+        status = self.req.get("status") or {}
+        phase = {"drain": "Draining", "resume": "Resuming"}[action]
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        timeline = [*status.get("timeline", [])[1:], {"phase": phase, "iteration": 1, "startTime": now}]
+        conditions = [{**c, "lastTransitionTime": now} for c in status.get("conditions", [])]
+        pods = [{**p, "stage": "Drained" if action == "drain" else "Serving"} for p in status.get("pods", [])]
+        return {
+            "phase": phase, "epoch": self.epoch, "phaseStartTime": now, "reason": "PhaseChanged",
+            "message": f"floor: {phase}", "timeline": timeline, "conditions": conditions, "pods": pods,
+        }  # fmt: skip
 
     async def run(self) -> list[dict[str, Any]]:
         connector = aiohttp.TCPConnector(limit=0)
