@@ -196,7 +196,9 @@ class Conductor:
                     progressed = False
                     if decision is not None:
                         # persist first, then act (see Decision)
-                        written = await writer.write(decision.status)
+                        # Most decisions while reports come in change nothing: comparing the models is
+                        # cheaper than building the wire form the writer diffs.
+                        written = decision.status != status and await writer.write(decision.status)
                         self._observe_metrics(status, decision.status)
                         if written:  # else the same status: keep the object the next round compares
                             status = decision.status
