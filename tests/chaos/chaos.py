@@ -11,7 +11,8 @@ Every lifecycle route is slowed down a little and the rollout generates at 100 t
 phase lasts long enough to be hit. Faults, each scenario in its own namespace:
 
 - operator: the operator SIGKILLed at `--operator-kills` seeded random moments (a random delay after its
-  first status write since it started), restarted each time; new jobs keep coming while kills remain;
+  first status write since it started), restarted each time, new 5-iteration jobs coming while kills
+  remain; then once more in each phase (Pending ... Resuming) the random moments missed;
 - agent: one pod's agent SIGKILLed in each phase (the kubelet restarts it; it recovers from its record);
 - sglang: one pod's SGLang emulator SIGKILLed in each phase (a lost member: the gang restarts, within
   backoffLimit), then a job with backoffLimit 1 losing SGLang twice (it must fail, BackoffLimitExceeded);
@@ -66,6 +67,7 @@ from test_standby import chart_replicas, holder  # the standby harness of the e2
 
 PHASES = ("Initializing", "Rollout", "Draining", "Releasing", "Training", "Refitting", "Resuming")
 LOCK_STEP = PHASES[2:]
+FINISHED = ("Succeeded", "Failed")
 SLOW = " ".join(
     f"--fault-slow {route}=0.2"
     for route in (
@@ -291,29 +293,52 @@ class Chaos:
     # --- the scenarios -----------------------------------------------------------------------------
 
     def operator_kills(self, kills: int) -> None:
+        """`kills` at seeded random moments; then one more in each phase the random ones missed."""
         with self.scenario("operator") as (ns, row, _):
             op = self.operator(ns, "operator-kills")
             jobs: dict[str, str | None] = {}
             phases: Counter[str] = Counter()
+            missed: list[str] = []
+
+            def current(fresh: bool = False) -> str:
+                name = list(jobs)[-1] if jobs else None
+                if fresh or name is None or self.status(ns, name).get("phase") in ("Succeeded", "Failed"):
+                    name = f"op-{len(jobs)}"
+                    self.apply(ns, job_manifest(name, iterations=5))
+                    jobs[name] = None
+                return name
+
+            def kill(job: str) -> None:
+                phases[self.status(ns, job).get("phase", "?")] += 1
+                op.kill()
+                row.faults += 1
+                time.sleep(self.rng.uniform(0.0, 0.3))  # the world goes on without an operator
+                op.start()
+
             try:
                 for _ in range(kills):
-                    current = list(jobs)[-1] if jobs else None
-                    if current is None or self.status(ns, current).get("phase") in ("Succeeded", "Failed"):
-                        current = f"op-{len(jobs)}"
-                        self.apply(ns, job_manifest(current, iterations=8))
-                        jobs[current] = None
+                    job = current()
                     # A random moment of an operator at work: after its first write since it started.
-                    self._first_write(ns, current, timeout=20)
+                    self._first_write(ns, job, timeout=20)
                     time.sleep(self.rng.uniform(0.0, 1.2))
-                    phases[self.status(ns, current).get("phase", "?")] += 1
-                    op.kill()
-                    row.faults += 1
-                    time.sleep(self.rng.uniform(0.0, 0.3))  # the world goes on without an operator
-                    op.start()
+                    kill(job)
+                missed = [p for p in ("Pending", *PHASES) if not phases[p]]
+                for phase in missed:  # targeted: a new job for the phases a job passes once
+                    job = current(fresh=phase in ("Pending", "Initializing"))
+                    st = self.wait(ns, job, lambda s, p=phase: s.get("phase") in (p, *FINISHED), 120, phase)
+                    if st.get("phase") in FINISHED:  # it finished first: the next job passes it
+                        job = current(fresh=True)
+                        self.wait(ns, job, lambda s, p=phase: s.get("phase") == p, 120, phase)
+                    kill(job)
                 self.finish(ns, row, jobs)
             finally:
                 op.stop()
-            row.note = "killed in " + ", ".join(f"{p} {n}" for p, n in phases.most_common())
+            targeted = (
+                f" (the last {len(missed)} targeted at phases the random ones missed)" if missed else ""
+            )
+            row.note = f"{row.faults} kills{targeted}: " + ", ".join(
+                f"{p} {n}" for p, n in phases.most_common()
+            )
 
     def agent_kills(self) -> None:
         with self.scenario("agent") as (ns, row, _):
@@ -420,7 +445,7 @@ class Chaos:
             downtime = []
             phases = []
             try:
-                self.apply(ns, job_manifest("api", iterations=2 + restarts))
+                self.apply(ns, job_manifest("api", iterations=1 + restarts))
                 for k in range(restarts):
                     phase = self.rng.choice(LOCK_STEP)
                     self.wait(
