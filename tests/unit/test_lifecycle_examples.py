@@ -250,6 +250,35 @@ def test_suspend_in_rollout_drains_deletes_and_resumes_at_the_committed_version(
     assert world.status.restarts == 0
 
 
+def test_a_stopping_drain_past_its_deadline_skips_the_release() -> None:
+    """Found by test_lifecycle_properties: a drain that never finished must not be followed by a release
+    (invariant 1; the agent refuses a release of a serving server), even though the pods go anyway."""
+    world = World(make_spec(iterations=3))
+    world.bring_up()
+    world.spec = world.spec.model_copy(update={"suspend": True})
+    world.step()
+    assert world.status.phase == Phase.DRAINING and world.status.stopping
+    world.tick(world.spec.phase_timeout_seconds.draining + 1)  # nobody finishes the drain
+    d = world.step()
+    assert not any(isinstance(pc.command, ReleaseCommand) for pc in d.commands)
+    assert world.status.phase == Phase.SUSPENDING and set(d.delete_pods) == {"job-0", "job-1"}
+    assert "stopping without finishing" in (world.status.message or "")
+    world.step()
+    assert world.status.phase == Phase.SUSPENDED
+    assert world.refusals() == []
+
+
+def test_a_stopping_drain_that_fails_skips_the_release() -> None:
+    world = World(make_spec(iterations=3))
+    world.bring_up()
+    world.spec = world.spec.model_copy(update={"suspend": True})
+    world.step()
+    world.finish_all(ok=False)
+    d = world.step()
+    assert not any(isinstance(pc.command, ReleaseCommand) for pc in d.commands)
+    assert world.status.phase == Phase.SUSPENDING
+
+
 def test_suspend_mid_iteration_waits_for_the_iteration_to_commit() -> None:
     world = World(make_spec(iterations=5))
     world.bring_up()

@@ -256,9 +256,9 @@ class LockStep:
     SGLang call is what acts on the follower's ranks, and the follower then checks its own GPUs.
 
     A lost member, a phase running past `deadline` or a failed command restarts the gang (a permanent
-    failure fails the job), unless `best_effort` or the gang is stopping (status.stopping): the pods are
-    going away anyway, so a lost member or the deadline ends the phase early and a failed command counts
-    as done."""
+    failure fails the job), unless `best_effort`: the pods are going away anyway, so a lost member or the
+    deadline ends the phase early and a failed command counts as done. A stopping gang (status.stopping)
+    that meets any of these goes straight to Suspending."""
 
     action: Action
     deadline: Callable[[PhaseTimeouts], int | None]
@@ -497,7 +497,11 @@ def _lock_step(step: _Step, row: LockStep) -> None:
         return
     lost = step.lost_member()
     limit = row.deadline(step.spec.phase_timeout_seconds)
-    if row.best_effort or step.status.stopping:  # a stopping gang's pods go anyway
+    if step.status.stopping and row.best_effort is False:
+        if lost is not None or _past(step, limit):
+            _stop_without_finishing(step, lost or f"{step.status.phase.value} past its deadline")
+            return
+    elif row.best_effort:  # the pods go anyway
         if lost is not None or _past(step, limit):
             row.then(step, [])
             return
@@ -509,6 +513,13 @@ def _lock_step(step: _Step, row: LockStep) -> None:
     done = _send_and_collect(step, row)
     if done is not None:
         row.then(step, done)
+
+
+def _stop_without_finishing(step: _Step, why: str) -> None:
+    """A stopping gang whose drain or release cannot finish goes straight to Suspending: the next phase's
+    command would be illegal on a pod that did not finish this one (a release of a server still serving,
+    invariant 1), and the pods go anyway."""
+    step.enter(Phase.SUSPENDING, EventReason.PHASE_CHANGED, f"stopping without finishing: {why}")
 
 
 def _send_and_collect(step: _Step, row: LockStep) -> list[AgentState] | None:
@@ -543,9 +554,12 @@ def _send_and_collect(step: _Step, row: LockStep) -> list[AgentState] | None:
         if cmd.state == CommandState.RUNNING:
             waiting = True
         elif cmd.state == CommandState.FAILED:
-            if row.best_effort or st.stopping:
+            if row.best_effort:
                 finished.append(agent)
                 continue
+            if st.stopping:
+                _stop_without_finishing(step, f"{cmd.action.value} failed on {pod.name}: {cmd.error}")
+                return None
             _fail_or_recover_after_command_failure(step, pod, cmd)
             return None
         elif not row.done(step, agent):
