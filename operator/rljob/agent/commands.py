@@ -51,9 +51,7 @@ class CommandDesk:
                 "StaleEpoch", f"epoch {cmd.epoch} is older than the last accepted epoch {st.epoch}"
             )
         if self._store.recovering:
-            raise conflict(
-                "Busy", "the agent restarted and is checking its record against SGLang (recovery)"
-            )
+            raise conflict("Busy", "the agent restarted and is checking its record against SGLang (recovery)")
         if last is not None and last.state == CommandState.RUNNING:
             raise conflict("Busy", f"{last.action.value} (epoch {last.epoch}) is still running")
         self._check(cmd, st, self._store.facts)

@@ -82,9 +82,7 @@ def pod_gpu_lists(proc_root: Path = Path("/proc"), own_pid: int | None = None) -
         yield int(entry.name), value
 
 
-def select_gpus(
-    visible: str | None, listed: str | None, pod_lists: Iterable[tuple[int, str]]
-) -> Selection:
+def select_gpus(visible: str | None, listed: str | None, pod_lists: Iterable[tuple[int, str]]) -> Selection:
     if listed and listed.strip():
         return Selection(GpuScope.LISTED, tuple(d.strip() for d in listed.split(",") if d.strip()))
     if visible is None or visible.strip().lower() != "all":

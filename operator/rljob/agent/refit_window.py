@@ -160,9 +160,7 @@ class RefitWindows:
         w = self._usable(RefitSource.DISTRIBUTED)
         facts = self._store.facts
         if facts is not None and facts.dp_size > 1:  # a distributed window is refused first; kept explicit
-            raise conflict(
-                "DataParallelUnsupported", "init_weights_update_group is refused with dp_size > 1"
-            )
+            raise conflict("DataParallelUnsupported", "init_weights_update_group is refused with dp_size > 1")
         w.group, w.group_error = GroupState.PENDING, None
         with self._store.change() as s:
             s.trainer.weights_group = GroupState.PENDING

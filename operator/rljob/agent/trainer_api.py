@@ -52,9 +52,7 @@ def build_trainer_app(
         """With `wait`: until a window is open and its weight-update group (if any) is no longer Pending."""
         wait = query_number(request, "wait", 0, lo=0, hi=MAX_WAIT_S)
         if wait > 0:
-            await store.wait_until(
-                lambda: (v := windows.view()).open and v.group != GroupState.PENDING, wait
-            )
+            await store.wait_until(lambda: (v := windows.view()).open and v.group != GroupState.PENDING, wait)
         return reply(windows.view())
 
     async def push_tensor(request: web.Request) -> web.Response:

@@ -547,9 +547,7 @@ class LocalControlPlane:
                         {
                             "schedulerName": "default-scheduler",
                             "plugins": {
-                                "multiPoint": {
-                                    "disabled": [{"name": n} for n in SCHEDULER_DISABLED_PLUGINS]
-                                }
+                                "multiPoint": {"disabled": [{"name": n} for n in SCHEDULER_DISABLED_PLUGINS]}
                             },
                         }
                     ],

@@ -206,7 +206,6 @@ def delete_namespace(api: KubeApi, name: str, wait: float = 0.0) -> None:
             raise
         return
     if wait > 0:
-
         left: list[str] = []
 
         def gone() -> bool:
