@@ -64,3 +64,16 @@ def test_sglang_liveness_probe_goes_through_the_agent(
     assert agent.get("/probe/sglang", token=None).status == 200  # paused is alive
     emu.stop()
     assert agent.get("/probe/sglang", token=None).status == 503
+
+
+def test_gang_startup_probe_passes_once_the_operator_reached_the_agent(
+    start_emulator: Callable[..., Emulator], start_agent: Callable[..., Agent]
+) -> None:
+    """The agent's startupProbe (a native sidecar's: it holds back SGLang and the trainer) passes only once
+    a request with the operator's token came; an unauthenticated one does not count."""
+    agent = start_agent(start_emulator("0.5.23"), serving=False)  # up (/healthz), never asked with the token
+    assert agent.get("/probe/gang", token=None).status == 503  # open: the kubelet carries no token
+    assert agent.get("/v1/state", token="wrong").status == 401
+    assert agent.get("/probe/gang", token=None).status == 503
+    agent.state()  # what the operator's watch asks first
+    assert agent.get("/probe/gang", token=None).status == 200

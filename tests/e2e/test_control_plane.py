@@ -366,6 +366,56 @@ def test_kubelet_reflects_exits_under_restart_policy(
 
 
 @pytest.mark.e2e
+def test_kubelet_starts_containers_only_after_a_sidecars_startup_probe_passes(
+    kubectl: Kubectl, namespace: str, kubelet: Kubelet, tmp_path: Path
+) -> None:
+    """What the operator's gang gate relies on (docs/control-plane.md, "Gangs that do not fit"): a native
+    sidecar with a startupProbe holds back the pod's containers until the probe passes."""
+    go = tmp_path / "go"
+    check = f"import os, sys; sys.exit(0 if os.path.exists({str(go)!r}) else 1)"
+    sleeper = {"image": "python:3.11", "command": ["python3", "-c", "import time; time.sleep(600)"]}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "gated"},
+        "spec": {
+            "terminationGracePeriodSeconds": 1,
+            "initContainers": [
+                {
+                    **sleeper,
+                    "name": "gate",
+                    "restartPolicy": "Always",
+                    "startupProbe": {
+                        "exec": {"command": ["python3", "-c", check]},
+                        "periodSeconds": 1,
+                        "failureThreshold": 600,
+                    },
+                }
+            ],
+            "containers": [{**sleeper, "name": "main"}],
+        },
+    }
+    kubectl.apply(pod, namespace=namespace)
+
+    def statuses() -> tuple[dict[str, Any], dict[str, Any], str]:
+        status = get_pod(kubectl, namespace, "gated").get("status", {})
+        inits, mains = status.get("initContainerStatuses") or [{}], status.get("containerStatuses") or [{}]
+        return inits[0], mains[0], status.get("phase", "")
+
+    wait_for(lambda: "running" in statuses()[0].get("state", {}), timeout=30, what="the sidecar running")
+    for _ in range(6):  # the probe fails every second: the container is held back
+        gate, main, phase = statuses()
+        assert gate["started"] is False and "running" in gate["state"], gate
+        assert "running" not in main.get("state", {}) and phase == "Pending", (main, phase)
+        time.sleep(0.5)
+    go.touch()
+    wait_for(lambda: "running" in statuses()[1].get("state", {}), timeout=30, what="the container running")
+    gate, main, phase = statuses()
+    assert gate["started"] is True and phase == "Running"
+    assert gate["restartCount"] == 0  # failures below failureThreshold never kill it
+
+
+@pytest.mark.e2e
 def test_kubelet_custom_mapping_sees_env_secrets_and_remapped_mounts(
     kubectl: Kubectl, namespace: str, kubelet_factory: KubeletFactory
 ) -> None:

@@ -1,5 +1,6 @@
 """An RLJob placed by the real kube-scheduler on simulated GPU nodes: a gang larger than the free GPUs
-waits (its last member Unschedulable, the job not started), and runs once a node is added."""
+waits (its last member Unschedulable, the job not started, the placed members' GPU containers not
+started, condition Scheduled=False says why), and runs once a node is added."""
 
 from __future__ import annotations
 
@@ -88,22 +89,21 @@ def test_gang_larger_than_free_gpus_waits_then_runs_after_a_node_is_added(
         on_timeout=operator.log_tail,
     )  # fmt: skip
     assert obj["status"]["weightVersion"] == "2" and obj["status"]["restarts"] == 0
+    scheduled = {c["type"]: c for c in obj["status"]["conditions"]}["Scheduled"]
+    assert (scheduled["status"], scheduled["reason"]) == ("True", "GangPlaced"), scheduled
     placed = {p["metadata"]["name"]: p["spec"]["nodeName"] for p in gang(kube_api, namespace, "wide")}
     assert placed[waiting["metadata"]["name"]] == added
     assert sorted(placed.values()) == sorted(kubelet.node_names)
 
 
-class IncompleteGangRuns(Exception):
-    """Members of a gang that cannot be placed whole run (and hold their GPUs)."""
+def containers(pod: dict[str, Any]) -> dict[str, str]:
+    """Container name -> its state (running, waiting, terminated), init containers too."""
+    status = pod.get("status") or {}
+    listed = (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or [])
+    return {c["name"]: next(iter(c.get("state") or {"waiting": {}})) for c in listed}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=IncompleteGangRuns,
-    reason="operator change needed (docs/control-plane.md, 'Gangs that do not fit'): the default scheduler "
-    "binds 3 of the 4 pods and they run, holding 3 GPUs, while the 4th is Unschedulable",
-)
-def test_no_member_of_an_incomplete_gang_runs(
+def test_no_member_of_an_incomplete_gang_starts_its_gpu_containers(
     kube_api: KubeApi,
     kubectl: Kubectl,
     namespace: str,
@@ -111,17 +111,40 @@ def test_no_member_of_an_incomplete_gang_runs(
     simulated_rljob_factory: Callable[..., dict[str, Any]],
     operator: OperatorProcess,
 ) -> None:
+    """The scheduler binds 3 of the 4 pods; their agents run, but SGLang and the trainer wait for the
+    agent's startup probe, which passes only once the operator watches the gang, which it does only once
+    the gang is placed whole. The job says why it waits (docs/control-plane.md, "Gangs that do not fit")."""
     kubelet_factory(mapping=rljob_mapping(), nodes=3, shape=ONE_GPU)
     kubectl.apply(simulated_rljob_factory("half", replicas=4, iterations=2), namespace=namespace)
-    wait_for_unschedulable_member(kube_api, namespace, "half", 4)
+    pods = wait_for_unschedulable_member(kube_api, namespace, "half", 4)
+    (waiting,) = [p for p in pods if not p["spec"].get("nodeName")]
 
-    def running() -> list[str]:
-        pods = gang(kube_api, namespace, "half")
-        return [p["metadata"]["name"] for p in pods if p["status"].get("phase") == "Running"]
+    def condition() -> dict[str, Any] | None:
+        conditions = get_rljob(kube_api, namespace, "half").get("status", {}).get("conditions") or []
+        return next((c for c in conditions if c["type"] == "Scheduled" and c["status"] == "False"), None)
 
-    try:  # the bound members start within seconds if anything starts them
-        started = wait_for(running, timeout=15, interval=0.25, what="a member Running")
-    except TimeoutError:
-        started = []
-    if started:
-        raise IncompleteGangRuns(f"{started} run (and hold GPUs) while the gang is incomplete")
+    said = wait_for(condition, timeout=30, interval=0.25, what="condition Scheduled=False")
+    assert said["reason"] == "Unschedulable", said
+    assert "1 of 4 pods cannot be placed" in said["message"], said
+    assert "Insufficient nvidia.com/gpu" in said["message"], said
+    assert waiting["metadata"]["name"] in said["message"]
+    status = get_rljob(kube_api, namespace, "half")["status"]
+    assert status["phase"] == "Pending" and status["reason"] == "Unschedulable", status
+    about = "involvedObject.name=half,reason=Unschedulable"
+    events = kube_api.get(f"/api/v1/namespaces/{namespace}/events", fieldSelector=about)["items"]
+    assert [e["type"] for e in events] == ["Warning"], events  # said once
+
+    # For 10 s: the placed members' agents run, SGLang and the trainer never start, no pod is Running.
+    placed = [p["metadata"]["name"] for p in pods if p["spec"].get("nodeName")]
+    agent_seen = set()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for pod in gang(kube_api, namespace, "half"):
+            name, state = pod["metadata"]["name"], containers(pod)
+            assert pod["status"].get("phase") == "Pending", (name, pod["status"].get("phase"))
+            assert state.get("sglang", "waiting") == "waiting", (name, state)
+            assert state.get("trainer", "waiting") == "waiting", (name, state)
+            if state.get("rljob-agent") == "running":
+                agent_seen.add(name)
+        time.sleep(0.5)
+    assert agent_seen == set(placed), (agent_seen, placed)  # the gate is the agent's probe, not a dead pod

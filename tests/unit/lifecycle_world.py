@@ -204,6 +204,7 @@ class FakePod:
     phase: str = "Pending"
     broken: str | None = None
     deleting: bool = False  # deletionTimestamp set, still terminating
+    unschedulable: str | None = None  # the scheduler's PodScheduled message when no node fits
 
 
 class World:
@@ -241,6 +242,7 @@ class World:
                 ready=p.phase == "Running",
                 deleting=p.deleting,
                 broken=p.broken,
+                unschedulable=p.unschedulable,
             )
             for p in self.pods.values()
         )

@@ -69,6 +69,21 @@ def test_gang_pod_injects_agent_token_env_and_probe() -> None:
     assert "weights" in volumes
 
 
+def test_a_native_sidecar_agent_holds_back_the_pod_until_the_operator_watches_it() -> None:
+    spec = demo_spec()
+    options = AgentOptions(image="agent:1", native_sidecar=True)
+    pod = gang_pod("demo", "uid-1", spec, index=0, gang=0, options=options, iterations=3)
+    (agent,) = [c for c in pod["spec"]["initContainers"] if c["name"] == AGENT_CONTAINER]
+    probe = agent["startupProbe"]
+    assert probe["httpGet"] == {"path": "/probe/gang", "port": 8471}
+    # It keeps failing for as long as the gang may wait to be placed: the operator restarts the gang then.
+    waits = spec.phase_timeout_seconds.initializing
+    assert probe["periodSeconds"] * probe["failureThreshold"] > waits
+    plain = gang_pod("demo", "uid-1", spec, 0, 0, AgentOptions(image="agent:1"), 3)
+    (agent,) = [c for c in plain["spec"]["containers"] if c["name"] == AGENT_CONTAINER]
+    assert "startupProbe" not in agent  # a regular container's probe holds nothing back
+
+
 def test_user_env_wins_over_injected_env() -> None:
     doc = yaml.safe_load((ROOT / "examples/rljob.yaml").read_text())
     doc["spec"]["template"]["spec"]["containers"][1]["env"].append(

@@ -120,3 +120,21 @@ def test_pod_observation_reads_labels_and_conditions() -> None:
     p["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     obs = pod_observation(p)
     assert obs.index == -1 and obs.deleting and not obs.running
+
+
+def test_pod_observation_carries_the_schedulers_words_for_an_unplaceable_pod() -> None:
+    p = pod()
+    p["status"]["phase"] = "Pending"
+    p["status"]["conditions"] = [
+        {
+            "type": "PodScheduled",
+            "status": "False",
+            "reason": "Unschedulable",
+            "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.",
+        }
+    ]
+    assert pod_observation(p).unschedulable == "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."
+    p["status"]["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "SchedulingGated"}]
+    assert pod_observation(p).unschedulable is None  # held back on purpose, not refused
+    p["status"]["conditions"] = [{"type": "PodScheduled", "status": "True"}]
+    assert pod_observation(p).unschedulable is None

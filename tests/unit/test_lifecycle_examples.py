@@ -250,6 +250,44 @@ def test_suspend_in_rollout_drains_deletes_and_resumes_at_the_committed_version(
     assert world.status.restarts == 0
 
 
+def test_a_member_the_scheduler_cannot_place_is_said_and_the_job_waits_for_it() -> None:
+    world = World(make_spec(replicas=3, iterations=1))
+    world.step()  # creates the gang
+    no_gpu = "0/2 nodes are available: 2 Insufficient nvidia.com/gpu."
+    for name in ("job-0", "job-1"):
+        world.pods[name].phase = "Running"  # placed (their containers wait, unstarted: the conductor's gate)
+    world.pods["job-2"].unschedulable = no_gpu
+    d = world.step()
+    st = world.status
+    cond = st.condition(ConditionType.SCHEDULED)
+    assert st.phase == Phase.PENDING and cond is not None and cond.status == ConditionStatus.FALSE
+    assert cond.reason == "Unschedulable" and no_gpu in cond.message and "1 of 3 pods" in cond.message
+    assert st.reason == EventReason.UNSCHEDULABLE and no_gpu in (st.message or "")
+    assert [(e.reason, e.type.value) for e in d.events] == [(EventReason.UNSCHEDULABLE, "Warning")]
+    assert d.create_pods == () and d.delete_pods == () and d.commands == ()
+    d = world.step()
+    assert d.events == () and world.status == st  # said once; nothing else moves while it waits
+    world.pods["job-2"].unschedulable = None  # a node was added
+    d = world.step()
+    cond = world.status.condition(ConditionType.SCHEDULED)
+    assert cond is not None and cond.status == ConditionStatus.TRUE and cond.reason == "GangPlaced"
+    assert [e.reason for e in d.events] == [EventReason.GANG_PLACED]
+    world.start_pods()
+    world.step()
+    assert world.status.phase == Phase.INITIALIZING
+
+
+def test_a_gang_never_placed_restarts_after_the_initializing_deadline() -> None:
+    world = World(make_spec(replicas=2, iterations=1, backoffLimit=1))
+    world.step()
+    world.pods["job-1"].unschedulable = "0/1 nodes are available: 1 Insufficient nvidia.com/gpu."
+    world.step()
+    world.tick(world.spec.phase_timeout_seconds.initializing + 1)
+    d = world.step()
+    assert world.status.phase == Phase.RECOVERING and world.status.restarts == 1
+    assert set(d.delete_pods) == {"job-0", "job-1"}  # the placed member's GPU is given back
+
+
 def test_a_stopping_drain_past_its_deadline_skips_the_release() -> None:
     """Found by test_lifecycle_properties: a drain that never finished must not be followed by a release
     (invariant 1; the agent refuses a release of a serving server), even though the pods go anyway."""

@@ -34,11 +34,11 @@ def test_an_older_object_never_replaces_a_newer_one() -> None:
     cache = PodCache()
     assert cache.seen(pod("a", "u1", 5, "Running"))
     assert not cache.seen(pod("a", "u1", 4, "Pending"))  # a list served from an older cache
-    assert cache.pods()[0].running
+    assert cache.observations()[0].running
     assert not cache.seen(pod("a", "u1", 6, "Running"))  # newer, but nothing the conductor reads moved
     assert cache.pods()[0].version == 6
     assert cache.seen(pod("a", "u1", 7, "Running", deletionTimestamp="2026-01-01T00:00:00Z"))
-    assert cache.observations()[0].deleting and not cache.pods()[0].running
+    assert cache.observations()[0].deleting and not cache.observations()[0].running
 
 
 def test_a_deleted_uid_does_not_come_back_from_a_stale_list() -> None:

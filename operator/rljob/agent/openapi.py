@@ -89,6 +89,16 @@ ROUTES: tuple[Route, ...] = (
         text="text/plain",
     ),
     Route(
+        "get",
+        "/probe/gang",
+        "Startup probe of the agent container: 200 once the operator has reached this agent (it watches a "
+        "gang's agents only after the scheduler placed every member), 503 before. As a native sidecar's "
+        "startupProbe it holds back the pod's SGLang and trainer containers.",
+        {200: None, 503: None},
+        open=True,
+        text="text/plain",
+    ),
+    Route(
         "post",
         "/v1/trainer/request",
         "The trainer asks for the GPU.",

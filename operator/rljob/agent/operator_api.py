@@ -1,5 +1,5 @@
 """Operator-facing API on the pod IP: state long-poll and commands, behind the bearer token.
-/healthz, /metrics and /openapi.json are open (probes and scrapers carry no token)."""
+/healthz, /metrics, /openapi.json and the probes are open (probes and scrapers carry no token)."""
 
 from __future__ import annotations
 
@@ -20,10 +20,20 @@ from rljob.api.agent import COMMAND_ADAPTER, AgentHealth, CommandState, Stage
 
 # /probe/sglang is the SGLang container's liveness probe: SGLang binds 127.0.0.1, which the kubelet
 # can't reach, so the kubelet asks the agent, which asks SGLang's /ping (200 even while paused).
-OPEN_PATHS = frozenset({"/healthz", "/metrics", "/openapi.json", "/probe/sglang"})
+# /probe/gang is the agent's startupProbe: the kubelet starts the pod's SGLang and trainer only after it
+# passes (a native sidecar's startupProbe, docs/control-plane.md "Gangs that do not fit").
+OPEN_PATHS = frozenset({"/healthz", "/metrics", "/openapi.json", "/probe/sglang", "/probe/gang"})
 
 
-def _auth_middleware(token: str) -> Middleware:
+class OperatorContact:
+    """Whether the operator has reached this agent since it booted. The operator watches a gang's agents
+    only once the scheduler placed every member, so until then the pod's GPU containers wait."""
+
+    def __init__(self) -> None:
+        self.reached = False
+
+
+def _auth_middleware(token: str, contact: OperatorContact) -> Middleware:
     expected = f"Bearer {token}".encode()
 
     @web.middleware
@@ -32,6 +42,7 @@ def _auth_middleware(token: str) -> Middleware:
             presented = request.headers.get("Authorization", "").encode()
             if not hmac.compare_digest(presented, expected):  # constant time
                 raise Refused(401, "Unauthorized", "missing or wrong bearer token")
+            contact.reached = True
         return await handler(request)
 
     return auth
@@ -45,6 +56,7 @@ def build_operator_app(
     ping_sglang: Callable[[], Awaitable[int]] | None = None,
 ) -> web.Application:
     document = build_document()
+    contact = OperatorContact()
 
     async def get_state(request: web.Request) -> web.Response:
         since = query_number(request, "since", -1, lo=-1, hi=2**53)
@@ -84,6 +96,12 @@ def build_operator_app(
             code = 503
         return web.Response(status=200 if code == 200 else 503, text="ok" if code == 200 else "unavailable")
 
+    async def probe_gang(request: web.Request) -> web.Response:
+        if contact.reached:
+            return web.Response(text="the operator watches this agent: its gang is placed")
+        waiting = "waiting for the operator: it watches a gang once all of it is placed"
+        return web.Response(status=503, text=waiting)
+
     async def metrics_route(request: web.Request) -> web.Response:
         resp = web.Response(body=generate_latest(metrics.registry))
         resp.content_type = CONTENT_TYPE_LATEST.split(";")[0]
@@ -92,11 +110,12 @@ def build_operator_app(
     async def openapi(request: web.Request) -> web.Response:
         return web.json_response(document)
 
-    app = web.Application(middlewares=[make_error_middleware(metrics), _auth_middleware(token)])
+    app = web.Application(middlewares=[make_error_middleware(metrics), _auth_middleware(token, contact)])
     app.router.add_get("/v1/state", get_state)
     app.router.add_post("/v1/commands", post_command)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics_route)
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/probe/sglang", probe_sglang)
+    app.router.add_get("/probe/gang", probe_gang)
     return app

@@ -46,6 +46,7 @@ class ConditionType(StrEnum):
     COMPLETE = "Complete"
     FAILED = "Failed"
     QUEUED = "Queued"  # only for jobs that name a queue (Kueue): True while it holds the gang back
+    SCHEDULED = "Scheduled"  # only once a member was Unschedulable: False until the scheduler places all
 
 
 class ConditionStatus(StrEnum):

@@ -198,6 +198,23 @@ def agent_container(spec: RLJobSpec, options: AgentOptions) -> dict[str, Any]:
     }
 
 
+GANG_PROBE_PERIOD = 2  # seconds
+
+
+def gang_startup(spec: RLJobSpec) -> dict[str, Any]:
+    """The agent's startupProbe as a native sidecar: it passes once the operator reached the agent, which
+    it does only after the scheduler placed the whole gang, and until then the kubelet starts neither
+    SGLang nor the trainer (docs/control-plane.md, "Gangs that do not fit"). It keeps failing for as long as
+    the gang may wait to be placed (phaseTimeoutSeconds.initializing; a day without one): after that the
+    operator restarts the gang, and a kubelet that kills the agent first would only restart it."""
+    waits = spec.phase_timeout_seconds.initializing or 86400
+    return {
+        "httpGet": {"path": "/probe/gang", "port": spec.agent.port},
+        "periodSeconds": GANG_PROBE_PERIOD,
+        "failureThreshold": -(-waits // GANG_PROBE_PERIOD) + 30,
+    }
+
+
 def sglang_liveness(spec: RLJobSpec) -> dict[str, Any]:
     """SGLang binds 127.0.0.1, which a kubelet probe can't reach, so the probe goes through the agent,
     which asks SGLang's `/ping`. Never `/health`: it blocks while paused, then fails."""
@@ -280,6 +297,7 @@ def gang_pod(
         # Started before the pod's containers (after the template's own init containers), restarted by the
         # kubelet whenever it exits, whatever the pod's restartPolicy; stopped after them.
         agent["restartPolicy"] = "Always"
+        agent["startupProbe"] = gang_startup(spec)
         pod_spec.setdefault("initContainers", []).append(agent)
     else:
         pod_spec["containers"].append(agent)

@@ -122,6 +122,7 @@ class Conductor:
         self._workloads = workloads
         self._queue: JobQueue | None = None  # the job's Kueue Workload, once it names a queue
         self._pods_left = 0  # pods seen by the last round, before its deletions
+        self._placed: set[int] = set()  # gangs (status.restarts) the scheduler placed whole
 
     def job_queue(self) -> JobQueue:
         if self._queue is None:
@@ -300,14 +301,29 @@ class Conductor:
         ready = status.replicas > 0 and status.ready_replicas == status.replicas
         await self._queue.settle(queue, status.phase, status.message or "", suspend, self._pods_left, ready)
 
+    def _placed_gangs(self, spec: RLJobSpec) -> set[int]:
+        """Gangs every member of which the scheduler placed (each has a pod IP), at any time so far."""
+        members: dict[int, int] = {}
+        for pod in self.pods.pods():
+            if pod.ip and not pod.observation.deleting:
+                members[pod.observation.gang] = members.get(pod.observation.gang, 0) + 1
+        self._placed.update(g for g, n in members.items() if n >= spec.replicas)
+        return self._placed
+
     def _sync_watches(self, agents: AgentClient, spec: RLJobSpec | None) -> None:
-        """One watch per running agent; none while the spec is invalid (the job is failing)."""
+        """One watch per agent of a placed gang (none while the spec is invalid: the job is failing). The
+        first watch request is what lets the agent's startupProbe pass (agent/operator_api.py,
+        /probe/gang): no member of a gang the scheduler could not place whole starts SGLang or its
+        trainer."""
         if self._watched is not None and self._watched[0] == self.pods.version and self._watched[1] is spec:
             return
         self._watched = (self.pods.version, spec)
         wanted: dict[str, AgentEndpoint] = {}
+        placed = self._placed_gangs(spec) if spec is not None else set()
         for pod in self.pods.pods():
-            if spec is not None and pod.ip and pod.running:
+            obs = pod.observation
+            alive = obs.phase in ("Pending", "Running") and not obs.deleting
+            if spec is not None and pod.ip and alive and obs.gang in placed:
                 wanted[pod.name] = AgentEndpoint(pod.name, pod.uid, pod.ip, spec.agent.port)
         for name in list(self._watches):
             if name not in wanted or self._watches[name].endpoint != wanted[name]:

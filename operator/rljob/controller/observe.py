@@ -40,6 +40,7 @@ def pod_observation(pod: dict[str, Any]) -> PodObservation:
     labels = meta.get("labels") or {}
     status = pod.get("status") or {}
     conditions = {c["type"]: c["status"] for c in status.get("conditions") or []}
+    scheduled = next((c for c in status.get("conditions") or [] if c.get("type") == "PodScheduled"), {})
     return PodObservation(
         index=_int_label(labels, LABEL_INDEX),
         name=meta["name"],
@@ -48,6 +49,11 @@ def pod_observation(pod: dict[str, Any]) -> PodObservation:
         ready=conditions.get("Ready") == "True",
         deleting=meta.get("deletionTimestamp") is not None,
         broken=broken_reason(pod),
+        unschedulable=(
+            str(scheduled.get("message") or "no node fits the pod")[:512]
+            if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable"
+            else None
+        ),
     )
 
 

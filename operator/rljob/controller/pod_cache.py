@@ -3,8 +3,8 @@ every round: at 64 pods the list was a 648 KB body parsed ~25 times an iteration
 cache at the start, after a create that found its pod already there, and now and then as a resync (a
 watch that reconnected does not report the deletions it missed).
 
-Each pod is kept as the little the conductor reads (name, uid, IP, whether its agent can be watched,
-the lifecycle machine's PodObservation), not as its JSON. Lists and watch events can arrive out of
+Each pod is kept as the little the conductor reads (name, uid, IP, the lifecycle machine's
+PodObservation), not as its JSON. Lists and watch events can arrive out of
 order (a list served from the API server's watch cache may be older than an event already seen), so an
 object replaces the cached one only when its resourceVersion is newer, and a deleted uid never comes
 back from a stale list. resourceVersions are compared as integers: what etcd's revisions are, and what
@@ -32,17 +32,13 @@ class CachedPod:
     uid: str
     version: int | None  # metadata.resourceVersion
     ip: str | None
-    running: bool  # phase Running and no deletionTimestamp: its agent can be watched
     observation: PodObservation
 
     @classmethod
     def of(cls, pod: dict[str, Any]) -> CachedPod:
         meta = pod["metadata"]
-        running = (pod.get("status") or {}).get("phase") == "Running" and not meta.get("deletionTimestamp")
-        return cls(
-            meta["name"], meta["uid"], _version(meta.get("resourceVersion")), pod_ip(pod), running,
-            pod_observation(pod),
-        )  # fmt: skip
+        version = _version(meta.get("resourceVersion"))
+        return cls(meta["name"], meta["uid"], version, pod_ip(pod), pod_observation(pod))
 
     def seen_as(self, other: CachedPod) -> bool:
         """The same as far as the conductor can tell (only the resourceVersion may differ)."""
@@ -133,7 +129,7 @@ class PodCache:
         if pod is None or (uid is not None and pod.uid != uid):
             return
         self._deleted.add(pod.uid)
-        self._pods[name] = replace(pod, running=False, observation=replace(pod.observation, deleting=True))
+        self._pods[name] = replace(pod, observation=replace(pod.observation, deleting=True))
         self._changed()
 
     def deleted_by_us(self, name: str) -> bool:

@@ -32,6 +32,7 @@ from rljob.api.status import (
     MAX_MESSAGE,
     MAX_WEIGHT_HISTORY,
     CommittedWeights,
+    ConditionStatus,
     ConditionType,
     Phase,
     PhaseSpan,
@@ -616,8 +617,32 @@ def _pending(step: _Step) -> None:
         step.create.extend(missing)
         step.event(EventReason.PODS_CREATED, f"creating {len(missing)} pod(s) of gang {step.status.restarts}")
         return
+    _note_placement(step, gang)
     if all(p.running for p in gang.values()):
         step.enter(Phase.INITIALIZING)
+
+
+def _note_placement(step: _Step, gang: dict[int, PodObservation]) -> None:
+    """A member the scheduler cannot place is said, with the scheduler's words: condition Scheduled False,
+    reason Unschedulable, one Warning event. The placed members wait unstarted (their agents' startup
+    probe passes only once the operator watches them, which it does once the gang is placed whole), until
+    a node frees up or phaseTimeoutSeconds.initializing restarts the gang (docs/lifecycle.md)."""
+    st = step.status
+    stuck = sorted((p for p in gang.values() if p.unschedulable), key=lambda p: p.index)
+    before = st.condition(ConditionType.SCHEDULED)
+    if stuck:
+        first = stuck[0]
+        count = f"{len(stuck)} of {step.spec.replicas} pods cannot be placed"
+        message = f"{count}; {first.name}: {first.unschedulable}"
+        if before is None or before.status != ConditionStatus.FALSE:
+            step.event(EventReason.UNSCHEDULABLE, message, warning=True)
+        set_condition(st, ConditionType.SCHEDULED, False, EventReason.UNSCHEDULABLE.value, message, step.now)
+        st.reason, st.message = EventReason.UNSCHEDULABLE, message
+    elif before is not None and before.status == ConditionStatus.FALSE:
+        message = f"the scheduler placed all {step.spec.replicas} pods"
+        set_condition(st, ConditionType.SCHEDULED, True, EventReason.GANG_PLACED.value, message, step.now)
+        st.reason, st.message = EventReason.GANG_PLACED, message
+        step.event(EventReason.GANG_PLACED, message)
 
 
 def _initializing(step: _Step) -> None:

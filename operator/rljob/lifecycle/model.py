@@ -22,6 +22,7 @@ class PodObservation:
     ready: bool = False
     deleting: bool = False
     broken: str | None = None  # a container terminated or restarted: the member lost its state
+    unschedulable: str | None = None  # the scheduler's words when it found no node for the pod
 
     @property
     def running(self) -> bool:
@@ -89,6 +90,8 @@ class EventReason(StrEnum):
     WAITING_FOR_QUOTA = "WaitingForQuota"  # queued: no pod until the queue admits the whole gang
     EVICTED = "Evicted"  # the queue takes the quota back: the gang drains and goes, the job queues again
     ADMITTED = "Admitted"  # the queue admitted the whole gang
+    UNSCHEDULABLE = "Unschedulable"  # the scheduler cannot place a member: the placed ones wait, unstarted
+    GANG_PLACED = "GangPlaced"  # the scheduler placed every member after one had been Unschedulable
 
 
 @dataclass(frozen=True)

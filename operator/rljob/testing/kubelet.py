@@ -14,7 +14,8 @@ mount paths rewritten to the scratch dir). It reports pods/status like a kubelet
 conditions, podIP, containerStatuses), applies restartPolicy with a short backoff, runs init containers
 in order and native sidecars (init containers with `restartPolicy: Always`: started before the
 containers, restarted whenever they exit, restartCount++, in initContainerStatuses, their readiness
-counting for the pod's), runs readinessProbes (httpGet, tcpSocket, exec) against the pod IP, keeps
+counting for the pod's; one with a startupProbe holds back the next containers until it passes), runs
+startupProbes and readinessProbes (httpGet, tcpSocket, exec) against the pod IP, keeps
 `emptyDir: {medium: Memory}` volumes on tmpfs (/dev/shm) as a kubelet does, and on deletion stops the
 processes (SIGTERM, SIGKILL after a bounded grace period) and finalizes the pod (grace 0), in any
 namespace, so the namespace controller and the garbage collector can finish. It never binds a pod
@@ -356,6 +357,8 @@ class ContainerRun:
     next_probe: float = 0.0
     start_error: str = ""
     ran: bool = False  # a process was started at least once
+    started: bool = False  # the running process passed its startupProbe (at once without one)
+    started_once: bool = False  # some process of it did: a sidecar then no longer holds the pod back
 
     @property
     def name(self) -> str:
@@ -576,8 +579,11 @@ class PodRunner:
         self._report()
 
     def _init_done(self, c: ContainerRun) -> bool:
-        if c.sidecar:  # started: the next init container (or the containers) may start
-            return c.ran
+        # Started (its startupProbe passed): the next init container, or the containers, may start
+        # (kubernetes.io/docs/concepts/workloads/pods/sidecar-containers, "Sidecar containers and Pod
+        # lifecycle"). A sidecar restarted later does not hold back what already runs.
+        if c.sidecar:
+            return c.started_once
         return c.terminated is not None and c.terminated["exitCode"] == 0 and c.proc is None
 
     def _mains_done(self) -> bool:
@@ -621,7 +627,7 @@ class PodRunner:
                     preexec_fn=die_with_parent,  # and killed if this runner thread ever dies first
                 )  # fmt: skip
             c.started_at, c.ready, c.probe_failures, c.next_probe, c.start_error = _now(), False, 0, 0.0, ""
-            c.ran = True
+            c.ran, c.started = True, False
         except Exception as exc:  # a failed start counts as an exit, as a runtime's StartError does
             c.start_error = f"{type(exc).__name__}: {exc}"
             log.warning("cannot start %s/%s[%s]: %s", self.namespace, self.pod_name, c.name, c.start_error)
@@ -632,7 +638,7 @@ class PodRunner:
         if c.proc is not None:
             _kill_group(c.proc.pid, signal.SIGKILL)  # stragglers of the exited leader
             c.proc.wait()
-        c.proc, c.ready = None, False
+        c.proc, c.ready, c.started = None, False, False
         reason = "StartError" if c.start_error else ("Completed" if code == 0 else "Error")
         c.terminated = {
             "exitCode": code, "reason": reason, "startedAt": c.started_at or _now(), "finishedAt": _now(),
@@ -654,9 +660,13 @@ class PodRunner:
             c.final = True
 
     def _probe(self, c: ContainerRun, now: float) -> None:
-        probe = c.spec.get("readinessProbe")
         if c.init and not c.sidecar:
             return
+        if not c.started:
+            self._startup_probe(c, now)
+            if not c.started:
+                return  # readiness is probed only once the startup probe passed
+        probe = c.spec.get("readinessProbe")
         if not probe:
             c.ready = True
             return
@@ -670,6 +680,26 @@ class PodRunner:
             c.probe_failures += 1
             if not c.ready or c.probe_failures >= int(probe.get("failureThreshold", 3)):
                 c.ready = False
+
+    def _startup_probe(self, c: ContainerRun, now: float) -> None:
+        """A startupProbe: until it passes the container is not started (a sidecar holds back the next
+        containers); failureThreshold failures in a row kill it, to be restarted by its policy."""
+        probe = c.spec.get("startupProbe")
+        if not probe:
+            c.started = c.started_once = True
+            return
+        if now < c.next_probe:
+            return
+        c.next_probe = now + min(float(probe.get("periodSeconds", 10)), self.kubelet.probe_period)
+        if self._run_probe(c, probe):
+            c.started = c.started_once = True
+            c.probe_failures = 0
+            return
+        c.probe_failures += 1
+        if c.probe_failures >= int(probe.get("failureThreshold", 3)) and c.proc is not None:
+            where = f"{self.namespace}/{self.pod_name}[{c.name}]"
+            log.info("%s: startup probe failed %d times: killed", where, c.probe_failures)
+            _kill_group(c.proc.pid, signal.SIGKILL)
 
     def _run_probe(self, c: ContainerRun, probe: JsonObj) -> bool:
         timeout = float(probe.get("timeoutSeconds", 1))
@@ -701,7 +731,7 @@ class PodRunner:
             "containerID": f"rljob-sim://{self.uid[:8]}-{c.name}",
             "restartCount": c.restart_count,
             "ready": c.ready,
-            "started": c.proc is not None,
+            "started": c.proc is not None and c.started,
         }
         if c.proc is not None:
             status["state"] = {"running": {"startedAt": c.started_at}}
