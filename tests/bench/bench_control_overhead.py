@@ -846,7 +846,7 @@ def main() -> None:
         print(tables(*saved_results(args.from_json)))
         return
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
-    its = [int(s) for s in args.iterations.split(",")]
+    its = [int(s) for s in args.iterations.split(",")] if sizes else []
     if len(its) == 1:
         its *= len(sizes)
     options = Options(args.profile, args.gc_stats, args.operator_source)
