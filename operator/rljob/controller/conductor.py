@@ -28,7 +28,7 @@ from rljob.controller.children import (
     refusal_spec_error,
     token_secret,
 )
-from rljob.controller.kube import ChildRefused, Kube, PodList
+from rljob.controller.kube import ChildRefused, Kube, NamespaceTerminating, PodList
 from rljob.controller.pod_cache import PodCache
 from rljob.controller.queueing import AdmissionView, JobQueue, Workloads, queue_name, workload_manifest
 from rljob.controller.status_writer import StatusWriter
@@ -179,13 +179,21 @@ class Conductor:
             parsed.refused(refused)
         return parsed
 
+    def deleting(self) -> bool:
+        """The RLJob is marked for deletion: kopf's finalizer handler (handlers.clean_up) removes what is
+        left of it, and the conductor creates and sends nothing more."""
+        return bool(self.body.get("metadata", {}).get("deletionTimestamp"))
+
     async def run(self, stopped: Callable[[], bool]) -> None:
+        """Conduct until `stopped`, the RLJob is marked for deletion, or its namespace is being deleted
+        (a create refused as NamespaceTerminating: the RLJob goes with the namespace); returns then, and
+        after the job deleted itself (its TTL)."""
         status = parse_status(self.body.get("status"))
         writer = StatusWriter(self.kube, self.namespace, self.name, self.body.get("status"))
         loop = asyncio.get_running_loop()
         async with AgentClient() as agents:
             try:
-                while not stopped():
+                while not stopped() and not self.deleting():
                     self.wake.clear()
                     options = self.options
                     tick = options.finished_tick_seconds if status.phase.terminal else options.tick_seconds
@@ -203,6 +211,8 @@ class Conductor:
                         self._observe_metrics(status, decision.status)
                         if written:  # else the same status: keep the object the next round compares
                             status = decision.status
+                        if self.deleting():  # seen while deciding: nothing of the decision is carried out
+                            return
                         try:
                             progressed = await self._act(parsed.spec, decision) or written
                         except ChildRefused as refused:  # what a dry run could not foresee
@@ -221,6 +231,8 @@ class Conductor:
                     wait = max(0.0, self._decided_at + tick - loop.time())
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self.wake.wait(), wait)
+            except NamespaceTerminating as terminating:
+                log.info("%s/%s: %s: conducting stops", self.namespace, self.name, terminating)
             finally:
                 for watch in self._watches.values():
                     await watch.close()

@@ -39,7 +39,8 @@ async def conduct(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo,
     CONDUCTORS[key] = conductor
     try:
         await conductor.run(lambda: bool(stopped))
-        # A finished job (TTL deleted, invalid) returns; idle until kopf stops us.
+        # Returns for a job that deleted itself (its TTL), is marked for deletion or whose namespace is
+        # being deleted: idle until kopf stops us (then, on deletion, clean_up runs).
         while not stopped:
             await asyncio.sleep(1)
     finally:

@@ -52,6 +52,29 @@ def _refusal(manifest: dict[str, Any], err: ApiException) -> Refusal | None:
     return Refusal.from_status(manifest["kind"], manifest["metadata"].get("name", ""), status)
 
 
+class NamespaceTerminating(Exception):
+    """The API server refused to create an object because its namespace is being deleted (403 from the
+    NamespaceLifecycle admission plugin): everything in it, the RLJob too, is going, so there is nothing
+    left to create or to conduct."""
+
+
+def _namespace_terminating(err: ApiException) -> bool:
+    """403 Forbidden with cause NamespaceTerminating, or the message '... because it is being
+    terminated' (what the admission plugin answers); an RBAC 403 is not this."""
+    if err.status != 403:
+        return False
+    try:
+        status = json.loads(err.body or "{}")
+    except ValueError:
+        status = None
+    if not isinstance(status, dict):
+        return "because it is being terminated" in str(err.body or "")
+    causes = (status.get("details") or {}).get("causes") or []
+    if any(isinstance(c, dict) and c.get("reason") == "NamespaceTerminating" for c in causes):
+        return True
+    return "because it is being terminated" in str(status.get("message") or "")
+
+
 class PodList(list[dict[str, Any]]):
     """A list of pods and the resourceVersion the API server listed them at."""
 
@@ -109,7 +132,8 @@ class Kube:
     ) -> dict[str, Any] | None:
         """Create a child: the object as the API server stored it (managedFields left out), None when it
         already exists (a restarted operator may repeat itself). `dry_run`: the API server validates and
-        admits it, and stores nothing. Raises ChildRefused when the API server refuses it as invalid."""
+        admits it, and stores nothing. Raises ChildRefused when the API server refuses it as invalid,
+        NamespaceTerminating when its namespace is being deleted."""
         kind = manifest["kind"]
         fn = {
             "Pod": self.core.create_namespaced_pod,
@@ -126,6 +150,9 @@ class Kube:
         except ApiException as err:
             if err.status == 409:
                 return None
+            if _namespace_terminating(err):
+                what = f"{kind} {manifest['metadata'].get('name', '')}"
+                raise NamespaceTerminating(f"{what}: namespace {namespace} is being terminated") from None
             refusal = _refusal(manifest, err)
             if refusal is not None:
                 raise ChildRefused(refusal) from None

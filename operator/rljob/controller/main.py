@@ -14,6 +14,7 @@ from rljob.controller.children import AgentOptions, native_sidecars_supported
 from rljob.controller.conductor import ConductorOptions
 from rljob.controller.kube import Kube, load_config
 from rljob.controller.leader import ElectionOptions, LeaderElector
+from rljob.controller.namespace_watch import keep_watching_terminating_namespaces
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -117,6 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.metrics_address)
     from rljob.controller import handlers  # noqa: F401  (registers the handlers)
+
+    keep_watching_terminating_namespaces()
 
     options = ConductorOptions(
         agent=AgentOptions(
