@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import base64
 import collections
+import contextlib
 import copy
 import json
 import math
@@ -59,7 +60,7 @@ import time
 import urllib.request
 import uuid
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -289,14 +290,23 @@ class Bench:
         shared.attach(kubelet)
         kubelet.start()
         operator = self._operator([ns], work, port)
-        try:
+        with self._torn_down(f"{pods} pods", ns, operator, kubelet, shared):
             result = self._measure(ns, pods, measured, port, shared, operator, timeout, work)
             result.rss, result.rss_peak = rss_bytes(_pid(operator))
             operator.stop()  # the floor runs on the same agents, with the machine to itself
             self._floor(ns, "bench", result, work)
             return result
+
+    @contextlib.contextmanager
+    def _torn_down(
+        self, label: str, ns: str, operator: OperatorProcess, kubelet: Kubelet, shared: SharedPods
+    ) -> Iterator[None]:
+        """Runs the block; shows the operator's log tail if it fails; stops everything and deletes the
+        namespace whatever happens."""
+        try:
+            yield
         except BaseException:
-            print(f"\n[{pods} pods] operator log tail:\n{operator.log_tail(40)}", file=sys.stderr)
+            print(f"\n[{label}] operator log tail:\n{operator.log_tail(40)}", file=sys.stderr)
             raise
         finally:
             operator.stop()
@@ -360,7 +370,7 @@ class Bench:
         shared.attach(kubelet)
         kubelet.start()
         operator = self._operator([ns], work, port)
-        try:
+        with self._torn_down("many jobs", ns, operator, kubelet, shared):
             deadline = time.monotonic() + timeout
             while True:
                 try:
@@ -392,14 +402,6 @@ class Bench:
                 jobs, pods, time.monotonic() - began, max(peak, end), end, cpu_seconds(_pid(operator)) - cpu0,
                 restarts,
             )  # fmt: skip
-        except BaseException:
-            print(f"\n[many jobs] operator log tail:\n{operator.log_tail(40)}", file=sys.stderr)
-            raise
-        finally:
-            operator.stop()
-            kubelet.stop()
-            shared.stop()
-            delete_namespace(self.api, ns)
 
     def _gc_stats(self, work: Path) -> dict[str, Any]:
         path = work / "gc-stats.json"
