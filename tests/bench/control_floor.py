@@ -5,7 +5,8 @@ bench_control_overhead.py after a job succeeded and its operator stopped, as a p
 
 A transition is the least any operator must do: POST one small command (drain, then resume, epochs
 counting on from the job's) to every agent at once, take each agent's report of the finished command
-over a long-poll already open (`GET /v1/state?changes=operator`, JSON parsed, nothing validated), and
+over the state stream already open (`GET /v1/state?changes=operator&watch=true`, the operator's
+channel: a line each, JSON parsed, nothing validated), and
 write one status merge-patch (kubernetes client, as the operator does) once the last report came: to an
 RLJob that carries the benchmark job's final status, and of what a phase change of the operator
 changes (phase, epoch, phaseStartTime, reason, message, and the timeline, conditions and pods lists,
@@ -58,18 +59,22 @@ class Floor:
     async def poll(self, session: aiohttp.ClientSession, i: int) -> None:
         since, boot = -1, None
         while True:
-            params = {"since": str(since), "wait": str(LONG_POLL), "changes": "operator"}
+            params = {"since": str(since), "wait": str(LONG_POLL), "changes": "operator", "watch": "true"}
             if boot:
                 params["boot"] = boot
             async with session.get(f"{self.urls[i]}/v1/state", params=params, headers=self.headers) as resp:
                 resp.raise_for_status()
-                state = json.loads(await resp.read())
-            boot, since = state["bootId"], state["revision"]
-            self.latest[i] = state
-            if i in self.pending and self._finished(state):
-                self.pending.discard(i)
-                if not self.pending:
-                    self.done.set()
+                while line := await resp.content.readline(max_line_length=2**22):
+                    if line.strip():
+                        self._reported(i, json.loads(line))
+                        boot, since = self.latest[i]["bootId"], self.latest[i]["revision"]
+
+    def _reported(self, i: int, state: dict[str, Any]) -> None:
+        self.latest[i] = state
+        if i in self.pending and self._finished(state):
+            self.pending.discard(i)
+            if not self.pending:
+                self.done.set()
 
     async def transition(self, session: aiohttp.ClientSession, action: str) -> dict[str, Any]:
         self.epoch += 1

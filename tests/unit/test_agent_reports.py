@@ -97,3 +97,45 @@ async def _long_poll_scenario() -> None:
 
 def test_the_long_poll_with_changes_operator_skips_what_the_operator_does_not_act_on() -> None:
     asyncio.run(_long_poll_scenario())
+
+
+async def _watch_scenario() -> None:
+    store = StateStore()
+    store.commit()  # revision 1: Starting
+    app = build_operator_app(store, None, AgentMetrics(), TOKEN)  # type: ignore[arg-type]
+    async with TestClient(TestServer(app)) as client:
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        loop = asyncio.get_running_loop()
+        params = {"since": str(store.state.revision), "wait": "1.5", "changes": "operator", "watch": "true"}
+        began = loop.time()
+        resp = await client.get("/v1/state", params=params, headers=auth)
+        assert resp.status == 200 and resp.content_type == "application/x-ndjson"
+        lines: list[tuple[float, dict[str, Any]]] = []
+
+        async def read() -> None:
+            while line := await resp.content.readline():
+                lines.append((loop.time() - began, AgentState.model_validate_json(line).model_dump()))
+
+        reader = asyncio.create_task(read())
+        await asyncio.sleep(0.1)
+        with store.change() as s:
+            s.rollout.samples = 1  # not for the operator: no line
+        await asyncio.sleep(0.1)
+        with store.change() as s:
+            s.stage = Stage.READY  # a line
+        await asyncio.sleep(0.1)
+        with store.change() as s:
+            s.stage = Stage.SERVING  # another, in the same response
+        await asyncio.wait_for(reader, 5)
+        ended = loop.time() - began
+        assert [(st["revision"], st["stage"]) for _, st in lines] == [(3, Stage.READY), (4, Stage.SERVING)]
+        assert lines[0][0] < 1.0 and 1.4 < ended < 3.0  # each line as it happens; the stream ends at `wait`
+        # No `since`: the current state at once, then the stream waits for the next one.
+        resp = await client.get("/v1/state", params={"wait": "0", "watch": "true"}, headers=auth)
+        assert [AgentState.model_validate_json(x).revision for x in (await resp.read()).splitlines()] == [4]
+        bad = await client.get("/v1/state", params={"watch": "yes"}, headers=auth)
+        assert bad.status == 400
+
+
+def test_the_watch_streams_each_state_the_operator_acts_on_in_one_response() -> None:
+    asyncio.run(_watch_scenario())

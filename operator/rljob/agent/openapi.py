@@ -57,6 +57,13 @@ _CHANGES = (
     "(agent/reports.py: not rollout samples, not the steps of a running command).",
 )
 _BOOT = ("boot", "string", "The boot_id `since` belongs to: another boot answers at once.")
+_WATCH = (
+    "watch",
+    "boolean",
+    "`true`: a stream (application/x-ndjson), one AgentState a line: the first at once or as soon as the "
+    "revision is greater than `since`, then each newer one (with `changes`) until `wait` passed, in one "
+    "response instead of one request each.",
+)
 _REFUSALS = {400: "Refusal", 409: "Refusal", 422: "Refusal"}
 
 ROUTES: tuple[Route, ...] = (
@@ -64,9 +71,9 @@ ROUTES: tuple[Route, ...] = (
         "get",
         "/v1/state",
         "Agent state; long-polls until revision > since (with changes=operator: until such a revision "
-        "the operator acts on).",
+        "the operator acts on); with watch=true streams every such revision until `wait` passed.",
         {200: "AgentState"},
-        query=(_SINCE, _WAIT, _CHANGES, _BOOT),
+        query=(_SINCE, _WAIT, _CHANGES, _BOOT, _WATCH),
     ),
     Route(
         "post",
@@ -273,6 +280,8 @@ def _query_schema(name: str, kind: str) -> dict[str, Any]:
         return {"type": kind, "minimum": 0, "maximum": 30}
     if name == "changes":
         return {"type": kind, "enum": ["all", "operator"]}
+    if kind == "boolean":
+        return {"type": kind}
     if kind == "string":
         return {"type": kind, "maxLength": 64}
     return {"type": kind, "minimum": -1}

@@ -1,14 +1,15 @@
-"""The operator's client for the in-pod agents: long-poll their state, send epoch-stamped commands."""
+"""The operator's client for the in-pod agents: watch their state streams, send epoch-stamped commands."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import aiohttp
+from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import ValidationError
 
 from rljob.api.agent import COMMAND_ADAPTER, AgentState, Command, Refusal
@@ -16,6 +17,7 @@ from rljob.controller.metrics import AGENT_COMMANDS
 
 log = logging.getLogger(__name__)
 LONG_POLL_SECONDS = 10.0
+MAX_STATE_BYTES = 4 * 2**20  # a streamed state line longer than this is a broken agent
 
 
 @dataclass(frozen=True)
@@ -65,12 +67,13 @@ class AgentClient:
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
-    async def state(
-        self, agent: AgentEndpoint, since: int = -1, wait: float = 0, boot: str | None = None
-    ) -> AgentState:
-        """The agent's state; with `since`, once it has a newer revision the operator acts on
-        (agent/reports.py) or `wait` passed."""
-        params = {"since": str(since), "wait": str(wait), "changes": "operator"}
+    async def watch(
+        self, agent: AgentEndpoint, since: int = -1, wait: float = LONG_POLL_SECONDS, boot: str | None = None
+    ) -> AsyncIterator[AgentState]:
+        """Every state the operator acts on newer than `since`, as the agent streams them (`watch=true`, a
+        JSON a line), until `wait` passed: one request for all the reports of that time. An agent that
+        does not stream answers one state, as a long-poll: the stream then ends after it."""
+        params = {"since": str(since), "wait": str(wait), "changes": "operator", "watch": "true"}
         if boot is not None:
             params["boot"] = boot
         timeout = aiohttp.ClientTimeout(total=wait + 5, connect=3)
@@ -78,7 +81,9 @@ class AgentClient:
             f"{agent.url}/v1/state", params=params, headers=self._headers(), timeout=timeout
         ) as resp:
             resp.raise_for_status()
-            return AgentState.model_validate_json(await resp.read())
+            while line := await resp.content.readline(max_line_length=MAX_STATE_BYTES):
+                if line.strip():
+                    yield AgentState.model_validate_json(line)
 
     async def send(self, agent: AgentEndpoint, command: Command) -> CommandOutcome:
         body = COMMAND_ADAPTER.dump_python(command, mode="json", by_alias=True, exclude_none=True)
@@ -104,7 +109,8 @@ class AgentClient:
 
 
 class AgentWatch:
-    """Long-polls one agent and keeps its latest state; calls `wake` on every change. One per pod."""
+    """Watches one agent's state stream and keeps its latest state; calls `wake` on every change. One
+    per pod."""
 
     def __init__(self, client: AgentClient, endpoint: AgentEndpoint, wake: Callable[[], None]) -> None:
         self.endpoint = endpoint
@@ -119,20 +125,19 @@ class AgentWatch:
         failures = 0
         while True:
             try:
-                state = await self.client.state(self.endpoint, since=since, wait=LONG_POLL_SECONDS, boot=boot)
-                failures = 0
-            except (TimeoutError, aiohttp.ClientError, ValidationError) as err:
+                async for state in self.client.watch(self.endpoint, since, LONG_POLL_SECONDS, boot):
+                    failures = 0
+                    if state.boot_id != boot:  # a restarted agent starts its revisions again
+                        boot, since = state.boot_id, -1
+                    if since < 0 or state.revision > since:
+                        # Reports only move forward: an older revision from the same boot is dropped.
+                        self.latest = state
+                        since = state.revision
+                        self._wake()
+            except (TimeoutError, aiohttp.ClientError, HttpProcessingError, ValidationError) as err:
                 failures += 1
                 log.debug("agent %s: %r", self.endpoint.pod, err)
                 await asyncio.sleep(min(2.0, 0.1 * failures))
-                continue
-            if state.boot_id != boot:  # a restarted agent starts its revisions again
-                boot, since = state.boot_id, -1
-            if since < 0 or state.revision > since:
-                # Reports only move forward: an older revision from the same boot is dropped.
-                self.latest = state
-                since = state.revision
-                self._wake()
 
     async def close(self) -> None:
         self._task.cancel()
