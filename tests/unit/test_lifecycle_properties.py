@@ -13,8 +13,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from lifecycle_world import FakeAgent, World, make_spec
 
 from rljob.api.agent import CommandState, GrantCommand, RefitCommand, ReleaseCommand, ResumeCommand, Stage
-from rljob.api.status import Phase
-from rljob.lifecycle.machine import LOCK_STEPS
+from rljob.api.status import Phase, RLJobStatus
+from rljob.lifecycle.machine import LOCK_STEPS, decides_nothing_new
 from rljob.lifecycle.model import Decision, Observation
 
 PODS = st.integers(min_value=0, max_value=2)
@@ -124,14 +124,52 @@ class LifecycleMachine(RuleBasedStateMachine):
 
         given = self.world.status
         before_dump = given.model_dump()
-        decision = decide(self.world.spec, given, obs or self.world.observe())
+        obs = obs or self.world.observe()
+        decision = decide(self.world.spec, given, obs)
         assert given.model_dump() == before_dump, "decide changed its input status"
+        self.check_skippable(given, obs, decision)
         if drop_commands:  # operator killed after the status write, before acting
             decision = Decision(status=decision.status)
         self.world.apply(decision)
         self.check(before, decision)
         event(f"reached {decision.status.phase.value}")
         return decision
+
+    def check_skippable(self, given: RLJobStatus, obs: Observation, decision: Decision) -> None:
+        """A decision the conductor skips (machine.decides_nothing_new after the last one's awaiting) is
+        one that would have waited on: nothing created, deleted or said, the same status, and commands
+        only to pods that accepted them already."""
+        last = getattr(self, "last", None)
+        self.last = (obs, decision)
+        if last is None:
+            return
+        last_obs, last_decision = last
+        same_world = (obs.now, obs.pods, obs.generation, obs.spec_error, obs.admission, obs.refusals) == (
+            last_obs.now, last_obs.pods, last_obs.generation, last_obs.spec_error, last_obs.admission,
+            last_obs.refusals,
+        )  # fmt: skip
+        if not same_world or given != last_decision.status:
+            return
+        changed = {
+            n
+            for n in obs.agents.keys() | last_obs.agents.keys()
+            if obs.agents.get(n) != last_obs.agents.get(n)
+        }
+        # what the agents took: a command delivered but not reported yet (a stale report) is accepted
+        accepted = {
+            n for n, a in self.world.agents.items() if a.last is not None and a.last.epoch >= given.epoch
+        }
+        if not decides_nothing_new(last_decision.awaiting, changed, obs.agents, accepted):
+            return
+        event("a skippable decision")
+        # Commands only to pods that took them already (the conductor never sends those again).
+        awaited = {(a.pod, a.epoch, a.action) for a in last_decision.awaiting}
+        sent = {(pc.pod, pc.command.epoch, pc.command.action) for pc in decision.commands}
+        assert sent <= awaited and {pod for pod, _, _ in sent} <= accepted, decision
+        assert (decision.create_pods, decision.delete_pods) == ((), ()), decision
+        assert decision.events == (), decision.events
+        assert decision.status == given, "a skipped decision would have changed the status"
+        self.last = last  # the conductor keeps the last decision it made
 
     # --- rules -------------------------------------------------------------------------------
 

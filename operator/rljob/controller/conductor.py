@@ -32,12 +32,16 @@ from rljob.controller.kube import ChildRefused, Kube, NamespaceTerminating, PodL
 from rljob.controller.pod_cache import PodCache
 from rljob.controller.queueing import AdmissionView, JobQueue, Workloads, queue_name, workload_manifest
 from rljob.controller.status_writer import StatusWriter
-from rljob.lifecycle.machine import decide
-from rljob.lifecycle.model import Admission, Decision, Observation
+from rljob.lifecycle.machine import decide, decides_nothing_new
+from rljob.lifecycle.model import Admission, Awaited, Decision, Observation
 
 log = logging.getLogger(__name__)
 TICK_SECONDS = 2.0  # time-based decisions (deadlines) need a heartbeat; everything else wakes us
-RESYNC_SECONDS = 60.0  # a full pod list now and then: a watch that reconnected reports no missed deletions
+# A full pod list now and then: a watch that reconnected reports no deletions it missed. At least this
+# often, and no more than a list's share of the CPU allows: at 512 pods one list is ~6 MB of JSON, and a list
+# a minute was a tenth of the operator's CPU (docs/benchmarks.md).
+RESYNC_SECONDS = 60.0
+RESYNC_SECONDS_PER_POD = 0.5
 # While reports stream in, decide at most this share of the time: a decision waits PACE times the
 # last one's cost after it, and takes every report that came meanwhile (at 512 pods one decision costs
 # ~4 ms and each pod reports once per phase; deciding per report would cost ~2 s a phase).
@@ -110,6 +114,8 @@ class Conductor:
         self._watched: tuple[int, RLJobSpec | None] | None = None  # (pods.version, spec) watches follow
         self._reports = 0  # agent reports received: with pods.version, what moves the observation
         self._decided: tuple[Any, ...] | None = None  # the inputs of the last decision
+        self._decided_states: dict[str, AgentState | None] = {}  # the agent reports it was made on
+        self._awaiting: tuple[Awaited, ...] = ()  # what it waits on (Decision.awaiting)
         self._decided_at = 0.0  # loop time the last decision ended
         self._decide_seconds = 0.0  # what it cost
         self._parsed: _Parsed | None = None
@@ -249,7 +255,7 @@ class Conductor:
         if not self.pods.listed_once or loop.time() >= self._resync_at:
             pods = await self.kube.list_pods(self.namespace, self.name)
             self.pods.listed(pods, pods.resource_version if isinstance(pods, PodList) else None)
-            self._resync_at = loop.time() + RESYNC_SECONDS
+            self._resync_at = loop.time() + max(RESYNC_SECONDS, RESYNC_SECONDS_PER_POD * len(pods))
         self._sync_watches(agents, parsed.spec if parsed.error is None else None)
         self._pods_left = len(self.pods)
         queued = await self._admission(parsed, status)
@@ -260,16 +266,15 @@ class Conductor:
         )  # fmt: skip
         if not due and self._decided is not None and _same(inputs, self._decided):
             return None
+        if not due and self._decided is not None and self._only_awaited_finished(inputs, self._decided):
+            self._decided = inputs  # the decision would wait on: skipped (Decision.awaiting)
+            return None
         pause = min(MAX_PAUSE, PACE * self._decide_seconds) - (loop.time() - self._decided_at)
         if not due and pause > 0:
             await asyncio.sleep(pause)  # reports that come meanwhile go into this decision
-        states: dict[str, AgentState | None] = {}
-        for pod in self.pods.pods():
-            watch = self._watches.get(pod.name)
-            # A report counts only for the pod it came from: a recreated pod has a new uid.
-            fresh = watch is not None and watch.endpoint.uid == pod.uid
-            states[pod.name] = watch.latest if fresh and watch else None
+        states = self._agent_states()
         self._decided = inputs
+        self._decided_states = states
         obs = Observation(
             now=self.clock(),
             pods=self.pods.observations(),
@@ -285,7 +290,33 @@ class Conductor:
         decision = decide(parsed.spec, status, obs)
         self._decide_seconds = time.thread_time() - began
         self._decided_at = loop.time()
+        self._awaiting = decision.awaiting
         return decision
+
+    def _agent_states(self) -> dict[str, AgentState | None]:
+        states: dict[str, AgentState | None] = {}
+        for pod in self.pods.pods():
+            watch = self._watches.get(pod.name)
+            # A report counts only for the pod it came from: a recreated pod has a new uid.
+            fresh = watch is not None and watch.endpoint.uid == pod.uid
+            states[pod.name] = watch.latest if fresh and watch else None
+        return states
+
+    def _only_awaited_finished(self, inputs: tuple[Any, ...], decided: tuple[Any, ...]) -> bool:
+        """Only agent reports came since the last decision (inputs[1] counts them), and each is an
+        awaited pod's success while another still runs: a new decision would wait on."""
+        if not self._awaiting or not _same(inputs[:1] + inputs[2:], decided[:1] + decided[2:]):
+            return False
+        states = self._agent_states()
+        before = self._decided_states
+        changed = {n for n in states.keys() | before.keys() if states.get(n) is not before.get(n)}
+        accepted = {
+            a.pod
+            for a in self._awaiting
+            if (watch := self._watches.get(a.pod)) is not None
+            and (watch.endpoint.uid, a.action.value, a.epoch) in self._accepted
+        }
+        return decides_nothing_new(self._awaiting, changed, states, accepted)
 
     async def _admission(self, parsed: _Parsed, status: RLJobStatus) -> AdmissionView:
         """Kueue's word on the job (controller/queueing.py), creating its Workload when it has none."""

@@ -10,7 +10,7 @@ terminal ones) have one handler each in HANDLERS.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -43,6 +43,7 @@ from rljob.lifecycle.clock import parse, seconds_between, stamp
 from rljob.lifecycle.conditions import refresh_phase_conditions, set_condition
 from rljob.lifecycle.model import (
     Admission,
+    Awaited,
     Decision,
     Event,
     EventReason,
@@ -67,6 +68,7 @@ class _Step:
     delete: list[str] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     delete_job: bool = False
+    awaiting: list[Awaited] = field(default_factory=list)
 
     @property
     def spec(self) -> RLJobSpec:
@@ -226,6 +228,7 @@ class _Step:
             delete_pods=tuple(dict.fromkeys(self.delete)),
             events=tuple(self.events),
             delete_job=self.delete_job,
+            awaiting=tuple(self.awaiting),
         )
 
 
@@ -530,21 +533,25 @@ def _send_and_collect(step: _Step, row: LockStep) -> list[AgentState] | None:
     st = step.status
     finished: list[AgentState] = []
     waiting = False
+    running: list[Awaited] = []  # pods that run this epoch's command, or are sent it
+    waiting_otherwise = False  # on a report, a send, a leader or evidence: see Decision.awaiting
+    step.awaiting = []
     leaders_done: set[int] = set()  # indices of leaders that finished this epoch with the row's evidence
     per = step.spec.rollout.pods_per_instance
     for pod in sorted(step.gang().values(), key=lambda p: p.index):  # a leader before its followers
         agent = step.agent(pod)
         if agent is None or not pod.running:
-            waiting = True
+            waiting = waiting_otherwise = True
             continue
         role = step.role(pod)
         cmd = agent.last_command
         if agent.epoch < st.epoch or cmd is None or cmd.epoch < st.epoch:
-            if role == Role.FOLLOWER and row.after_leader and pod.index - pod.index % per not in leaders_done:
-                waiting = True  # its leader's SGLang call has not acted on its ranks yet
-                continue
-            step.send(pod, row.command(step, pod, agent, role))
             waiting = True
+            if role == Role.FOLLOWER and row.after_leader and pod.index - pod.index % per not in leaders_done:
+                waiting_otherwise = True
+                continue  # its leader's SGLang call has not acted on its ranks yet
+            step.send(pod, row.command(step, pod, agent, role))
+            running.append(Awaited(pod.name, agent.boot_id, st.epoch, row.action))  # once it is accepted
             continue
         if cmd.epoch > st.epoch or cmd.action != row.action:
             # The agent is ahead of our status: our status was rolled back. Never guess: restart the gang.
@@ -554,6 +561,7 @@ def _send_and_collect(step: _Step, row: LockStep) -> list[AgentState] | None:
             return None
         if cmd.state == CommandState.RUNNING:
             waiting = True
+            running.append(Awaited(pod.name, agent.boot_id, cmd.epoch, cmd.action))
         elif cmd.state == CommandState.FAILED:
             if row.best_effort:
                 finished.append(agent)
@@ -564,12 +572,50 @@ def _send_and_collect(step: _Step, row: LockStep) -> list[AgentState] | None:
             _fail_or_recover_after_command_failure(step, pod, cmd)
             return None
         elif not row.done(step, agent):
-            waiting = True
+            waiting = waiting_otherwise = True
         else:
             finished.append(agent)
             if role == Role.LEADER:
                 leaders_done.add(pod.index)
+    if waiting and not waiting_otherwise:
+        step.awaiting = running
     return None if waiting else finished
+
+
+def decides_nothing_new(
+    awaiting: Sequence[Awaited],
+    changed: Collection[str],
+    agents: Mapping[str, AgentState | None],
+    accepted: Collection[str],
+) -> bool:
+    """After a decision that waits only on `awaiting` (Decision.awaiting): True when the reports of the
+    pods in `changed` since then would make the same decision, i.e. each is an awaited pod's report that
+    its command succeeded, and an awaited pod still runs it (its report says so, or it does not show the
+    command yet and the pod is in `accepted`: its agent took the command). The decision then waits on,
+    sends nothing new and changes no status field, and the conductor skips it (at 512 pods a decision
+    per report costs a decision per pod per phase). Anything else is decided: a failed command, another
+    epoch or boot, a Failed stage or `fatal`, the last awaited pod finishing, a report of a pod not
+    awaited, a command not yet accepted (it is sent again)."""
+    awaited = {a.pod for a in awaiting}
+    if not awaited or not awaited.issuperset(changed):
+        return False
+    still_running = False
+    for a in awaiting:
+        agent = agents.get(a.pod)
+        if agent is None or agent.boot_id != a.boot_id or agent.fatal or agent.stage == Stage.FAILED:
+            return False
+        cmd = agent.last_command
+        if agent.epoch < a.epoch or cmd is None or cmd.epoch < a.epoch:  # not reported taking it yet
+            if a.pod not in accepted:
+                return False
+            still_running = True
+        elif (agent.epoch, cmd.epoch, cmd.action) != (a.epoch, a.epoch, a.action):
+            return False
+        elif cmd.state == CommandState.RUNNING:
+            still_running = True
+        elif cmd.state != CommandState.SUCCEEDED:
+            return False
+    return still_running
 
 
 def _fail_or_recover_after_command_failure(step: _Step, pod: PodObservation, cmd: CommandStatus) -> None:

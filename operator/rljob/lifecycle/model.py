@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
 
-from rljob.api.agent import AgentState, Command
+from rljob.api.agent import Action, AgentState, Command
 from rljob.api.status import RLJobStatus
 
 
@@ -108,6 +108,16 @@ class PodCommand:
 
 
 @dataclass(frozen=True)
+class Awaited:
+    """A pod a lock-step decision waits on for one thing only: its agent finishing the command it runs."""
+
+    pod: str
+    boot_id: str
+    epoch: int
+    action: Action
+
+
+@dataclass(frozen=True)
 class Decision:
     """The next status plus the effects to carry out, in this order: write status, then act.
     Writing first means a restarted operator re-derives the same epoch, and a repeated epoch is a
@@ -119,3 +129,7 @@ class Decision:
     delete_pods: tuple[str, ...] = ()
     events: tuple[Event, ...] = ()
     delete_job: bool = False  # ttlSecondsAfterFinished elapsed
+    # Set only when every pod the decision waits on runs the phase's command and nothing else is pending:
+    # until the last of them finishes, a report of one that succeeded decides nothing new
+    # (machine.decides_nothing_new), and the conductor need not decide on it.
+    awaiting: tuple[Awaited, ...] = ()
