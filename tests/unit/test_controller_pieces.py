@@ -138,3 +138,42 @@ def test_pod_observation_carries_the_schedulers_words_for_an_unplaceable_pod() -
     assert pod_observation(p).unschedulable is None  # held back on purpose, not refused
     p["status"]["conditions"] = [{"type": "PodScheduled", "status": "True"}]
     assert pod_observation(p).unschedulable is None
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.patches: list[dict[str, Any]] = []
+
+    async def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        self.patches.append(patch)
+
+
+def test_ready_counts_alone_are_written_at_most_every_few_seconds() -> None:
+    import asyncio
+
+    from rljob.api.status import Phase, RLJobStatus
+    from rljob.controller.status_writer import READY_ONLY_SECONDS, StatusWriter
+
+    now = [100.0]
+    kube = _Recorder()
+    writer = StatusWriter(kube, "ns", "job", None, clock=lambda: now[0])  # type: ignore[arg-type]
+
+    def status(ready: int, phase: Phase = Phase.ROLLOUT) -> RLJobStatus:
+        return RLJobStatus(phase=phase, replicas=4, ready_replicas=ready, ready=f"{ready}/4")
+
+    async def scenario() -> list[bool]:
+        wrote = [await writer.write(status(4))]  # the first write
+        now[0] += 1
+        wrote.append(await writer.write(status(3)))  # a probe flipped: held back
+        now[0] += 1
+        wrote.append(await writer.write(status(3, Phase.DRAINING)))  # a phase change: at once, counts too
+        now[0] += 1
+        wrote.append(await writer.write(status(4, Phase.DRAINING)))  # held back again
+        now[0] += READY_ONLY_SECONDS
+        wrote.append(await writer.write(status(4, Phase.DRAINING)))  # offered again later: written
+        wrote.append(await writer.write(status(4, Phase.DRAINING)))  # nothing changed
+        return wrote
+
+    assert asyncio.run(scenario()) == [True, False, True, False, True, False]
+    assert kube.patches[1] == {"phase": "Draining", "readyReplicas": 3, "ready": "3/4"}
+    assert kube.patches[2] == {"readyReplicas": 4, "ready": "4/4"}

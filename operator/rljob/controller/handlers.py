@@ -12,6 +12,7 @@ from rljob.api.crd import GROUP, PLURAL, VERSION
 from rljob.controller import queueing
 from rljob.controller.children import LABEL_JOB, token_secret_name
 from rljob.controller.conductor import Conductor, ConductorOptions
+from rljob.controller.diffbase import LeanDiffBaseStorage
 from rljob.controller.kube import Kube
 
 log = logging.getLogger(__name__)
@@ -22,7 +23,7 @@ CONDUCTORS: dict[tuple[str, str], Conductor] = {}
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     # kopf's bookkeeping goes to annotations under our prefix; status has exactly one writer: us.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="rljob.io")
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+    settings.persistence.diffbase_storage = LeanDiffBaseStorage(
         prefix="rljob.io", key="last-handled-configuration"
     )
     settings.posting.enabled = False  # we post typed events ourselves

@@ -29,6 +29,11 @@ WEIGHT_VERSION = Gauge(
 )
 RESTARTS = Gauge("rljob_restarts", "Gang restarts.", ["namespace", "job"])
 STATUS_WRITES = Counter("rljob_status_writes_total", "RLJob status patches.")
+STATUS_FIELDS = Counter(
+    "rljob_status_fields_written_total",
+    "RLJob status patches, by top-level status field they change (what makes a job write its status).",
+    ["field"],
+)
 API_CALLS = Counter("rljob_api_calls_total", "Kubernetes API calls, by verb.", ["verb"])
 AGENT_COMMANDS = Counter(
     "rljob_agent_commands_total", "Commands sent to agents, by action and outcome.", ["action", "outcome"]
