@@ -150,6 +150,7 @@ class SizeResult:
     iteration_overhead: list[float] = field(default_factory=list)  # status.lastIteration, seconds
     per_iteration: dict[str, float] = field(default_factory=dict)  # counters and CPU seconds / iteration
     api_verbs: dict[str, float] = field(default_factory=dict)  # per iteration
+    status_fields: dict[str, float] = field(default_factory=dict)  # per iteration: what the writes changed
     commands: dict[str, float] = field(default_factory=dict)  # "action outcome" -> per iteration
     rss: int = 0  # operator VmRSS at the end of the window, bytes
     rss_peak: int = 0  # VmHWM
@@ -278,7 +279,12 @@ class Bench:
         create_namespace(self.api, ns)
         port = free_port()
         # The host starts its components one after the other: at 512 pods the last waits minutes.
-        shared = SharedPods(work / "shared-host.log", rpc_timeout=max(30.0, 1.0 * pods)).start()
+        # Past 64 pods the agents' 1 s SGLang liveness check is a fifth of the shared host's core (one
+        # per agent and per second): every 5 s instead, as the agents of a real cluster have a core each.
+        shared = SharedPods(
+            work / "shared-host.log", rpc_timeout=max(30.0, 1.0 * pods),
+            agent_liveness_seconds=None if pods <= 64 else 5.0,
+        ).start()  # fmt: skip
         kubelet = Kubelet(
             self.kubeconfig, [ns], mapping=shared.mapping(), scratch_root=work / "pods",
             # the agent's readinessProbe period; a calm kubelet for 64 pods, calmer for more (at 512 the
@@ -361,7 +367,9 @@ class Bench:
         work = self.workdir / f"many-{jobs}x{pods}"
         create_namespace(self.api, ns)
         port = free_port()
-        shared = SharedPods(work / "shared-host.log", rpc_timeout=max(30.0, 1.0 * jobs * pods)).start()
+        shared = SharedPods(
+            work / "shared-host.log", rpc_timeout=max(30.0, 1.0 * jobs * pods), agent_liveness_seconds=5.0
+        ).start()
         kubelet = Kubelet(
             self.kubeconfig, [ns], mapping=shared.mapping(), scratch_root=work / "pods",
             probe_period=5.0, tick=1.0, ips=IpAllocator(pod_ip_base()), nodes=max(2, -(-jobs * pods // 8)),
@@ -435,6 +443,7 @@ class Bench:
         gc_start: dict[str, Any] = {}
         gc_end: dict[str, Any] = {}
         spy: tuple[subprocess.Popen[bytes], Path] | None = None
+        host_spy: tuple[subprocess.Popen[bytes], Path] | None = None
         profile: str | None = None
         first_rollout: float | None = None
         rv = listing["metadata"]["resourceVersion"]
@@ -461,6 +470,7 @@ class Bench:
                         start = self._snapshot(port, pids)
                         gc_start = self._gc_stats(work)
                         spy = self._spy(operator, pods)
+                        host_spy = self._spy_pid(shared.pid, f"shared-host-{pods}.txt")
                     for span in status.get("timeline") or []:
                         if span.get("seconds") is not None:
                             spans[(span["iteration"], span["phase"])] = span
@@ -471,6 +481,7 @@ class Bench:
                         end = self._snapshot(port, pids)
                         gc_end = self._gc_stats(work)
                         profile = self._unspy(spy)
+                        self._unspy(host_spy)
                         final = obj
                         break
                     if phase in ("Failed", "Recovering"):
@@ -510,6 +521,9 @@ class Bench:
             _labels(k): v / n for k, v in delta(start, end, "rljob_agent_commands_total").items()
         }
         result.api_verbs = {_labels(k): v / n for k, v in delta(start, end, "rljob_api_calls_total").items()}
+        result.status_fields = {
+            _labels(k): v / n for k, v in delta(start, end, "rljob_status_fields_written_total").items()
+        }
         result.per_iteration["CPU operator / pod / phase ms"] = (
             result.per_iteration["CPU operator"] / pods / COMMAND_PHASES * 1000
         )
@@ -522,13 +536,17 @@ class Bench:
         return result
 
     def _spy(self, operator: OperatorProcess, pods: int) -> tuple[subprocess.Popen[bytes], Path] | None:
+        return self._spy_pid(_pid(operator), f"operator-{pods}.txt")
+
+    def _spy_pid(self, pid: int, name: str) -> tuple[subprocess.Popen[bytes], Path] | None:
+        """py-spy one process (the operator, or the shared agent/emulator host) into the profile dir."""
         if self.options.profile_dir is None:
             return None
         self.options.profile_dir.mkdir(parents=True, exist_ok=True)
-        out = self.options.profile_dir / f"operator-{pods}.txt"
+        out = self.options.profile_dir / name
         spy = Path(sys.executable).parent / "py-spy"
         # --gil: only the thread holding the GIL, i.e. where the operator's Python CPU goes.
-        cmd = [str(spy), "record", "-p", str(_pid(operator)), "-r", "200", "-f", "raw", "-o", str(out)]
+        cmd = [str(spy), "record", "-p", str(pid), "-r", "200", "-f", "raw", "-o", str(out)]
         cmd += ["--gil", "--nonblocking"]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         return proc, out
@@ -686,6 +704,16 @@ def tables(results: list[SizeResult], probe: dict[str, list[float]], many: ManyR
     ]
     for verb in verbs:
         out.append(f"| {verb} | " + " | ".join(f"{r.api_verbs.get(verb, 0.0):.1f}" for r in results) + " |")
+    fields = sorted({f for r in results for f in r.status_fields})
+    out += [
+        "",
+        "Status writes per iteration, by top-level status field changed (rljob_status_fields_written_total)",
+        "",
+        "| field | " + " | ".join(f"{r.pods} pods" for r in results) + " |",
+        "|---|" + "---:|" * len(results),
+    ]
+    for f in fields:
+        out.append(f"| {f} | " + " | ".join(f"{r.status_fields.get(f, 0.0):.1f}" for r in results) + " |")
     kinds = sorted({c for r in results for c in r.commands})
     out += [
         "",

@@ -46,7 +46,9 @@ class Agent:
         )
         self.windows = RefitWindows(self.store, self.client, cfg.group_init_timeout_s)
         self.lease = LeaseDesk(self.store)
-        self.watch = SGLangWatch(self.store, self.client, probe_timeout_s=cfg.scheduler_probe_timeout_s)
+        self.watch = SGLangWatch(
+            self.store, self.client, interval_s=cfg.liveness_s, probe_timeout_s=cfg.scheduler_probe_timeout_s
+        )
         probe = make_probe(cfg.gpu_probe, self.client)
         self.sampler = RolloutSampler(
             self.store, self.client, cfg.rollout_sample_s, cfg.rollout_report_s, probe=probe

@@ -26,6 +26,7 @@ class AgentConfig:
     node_rank: int = 0  # the pod's SGLang node rank (RLJOB_NODE_RANK): 0 leads, > 0 follows
     group_init_timeout_s: float = 1860.0  # > torch's 30-min rendezvous timeout that SGLang uses
     scheduler_probe_timeout_s: float = 5.0  # bounded /get_load when /ping cannot tell (C-DEATH-HARD)
+    liveness_s: float = 1.0  # how often the agent asks SGLang whether it lives (agent/watch.py)
     state_dir: str | None = None  # the pod-local record (agent/record.py); None: no recovery on restart
 
 
@@ -130,6 +131,13 @@ def _parser() -> argparse.ArgumentParser:
         "timeouts in a row with no control call in flight mean the scheduler is dead",
     )
     p.add_argument(
+        "--sglang-liveness-seconds",
+        type=float,
+        default=1.0,
+        help="how often the agent checks that SGLang lives (/ping, and the /get_load probe where SGLang "
+        "has no watchdog): a dead SGLang fails the pod within about this long",
+    )
+    p.add_argument(
         "--state-dir",
         default=_env("RLJOB_AGENT_STATE_DIR"),
         help="pod-scoped directory (an emptyDir) for the agent's record: a restarted agent continues from it "
@@ -178,5 +186,6 @@ def parse_config(argv: list[str] | None = None) -> AgentConfig:
         node_rank=args.node_rank,
         group_init_timeout_s=args.group_init_timeout,
         scheduler_probe_timeout_s=args.scheduler_probe_timeout,
+        liveness_s=args.sglang_liveness_seconds,
         state_dir=args.state_dir or None,
     )

@@ -450,6 +450,28 @@ def write_in_place(path: Path, text: str) -> None:
 HOSTS_WRAPPER = 'mount --bind "$0" /etc/hosts && hostname "$1" && shift && exec "$@"'
 
 
+SETPRIV = shutil.which("setpriv")  # util-linux
+
+
+def killed_with_parent(
+    argv: list[str], env: dict[str, str], cwd: Path | str
+) -> tuple[list[str], Callable[[], None] | None]:
+    """A container's command line and preexec_fn such that the kernel kills it when the runner thread
+    that started it dies. Through `setpriv --pdeathsig KILL` when it can: a preexec_fn makes Python fork
+    (no vfork) and run Python in the child, and a fork of this process (hundreds of threads, hundreds
+    of MB at 512 pods) costs milliseconds of kernel time each. setpriv sets the signal as it starts, a
+    moment after Popen returned: a runner thread lives on after starting a container. A command that
+    does not resolve keeps the preexec_fn, so that Popen fails for it as before (StartError)."""
+    exe = argv[0]
+    if os.sep in exe:
+        found = os.access(os.path.join(cwd, exe), os.X_OK)
+    else:
+        found = shutil.which(exe, path=os.pathsep.join(os.get_exec_path(env))) is not None
+    if SETPRIV is None or not found:
+        return argv, die_with_parent
+    return [SETPRIV, "--pdeathsig", "KILL", "--", *argv], None
+
+
 def can_mount_pod_hosts() -> bool:
     """A private mount (and UTS) namespace per container needs root and util-linux's unshare."""
     return os.geteuid() == 0 and shutil.which("unshare") is not None and Path("/etc/hosts").is_file()
@@ -618,13 +640,15 @@ class PodRunner:
             env = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}
             env.update(self.kubelet.service_env)
             env.update({"HOSTNAME": self.pod_name, **ctx.env, **launch.env})
+            cwd = launch.cwd or self.scratch
+            argv = self.kubelet.in_pod(self, [str(a) for a in launch.argv])
+            argv, preexec = killed_with_parent(argv, env, cwd)
             with open(self.log_path(c.name), "ab") as out:
                 c.proc = subprocess.Popen(
-                    self.kubelet.in_pod(self, [str(a) for a in launch.argv]), cwd=launch.cwd or self.scratch,
-                    env=env,
+                    argv, cwd=cwd, env=env,
                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                     start_new_session=True,  # one process group per container: stopped as a whole
-                    preexec_fn=die_with_parent,  # and killed if this runner thread ever dies first
+                    preexec_fn=preexec,
                 )  # fmt: skip
             c.started_at, c.ready, c.probe_failures, c.next_probe, c.start_error = _now(), False, 0, 0.0, ""
             c.ran, c.started = True, False
@@ -969,13 +993,12 @@ class Kubelet:
         """The pod's runner; with `uid`, that very pod's (a deleted pod's runner may outlive it a while
         beside the runner of a new pod of the same name)."""
         with self._lock:
+            if uid is not None:  # runners are kept by uid: no walk over every pod (the shared-pods reaper
+                # asks for each of its components twice a second)
+                r = self._runners.get(uid)
+                return r if r is not None and (r.namespace, r.pod_name) == (namespace, name) else None
             return next(
-                (
-                    r
-                    for r in self._runners.values()
-                    if (r.namespace, r.pod_name) == (namespace, name) and uid in (None, r.uid)
-                ),
-                None,
+                (r for r in self._runners.values() if (r.namespace, r.pod_name) == (namespace, name)), None
             )
 
     # -- nodes -----------------------------------------------------------------------------------

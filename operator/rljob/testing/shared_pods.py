@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import functools
 import itertools
@@ -147,8 +148,16 @@ class _Component:
 class SharedPods:
     """Owns the host process and the trainer drivers; `mapping()` is what the kubelet calls."""
 
-    def __init__(self, log_path: Path | str, rpc_timeout: float = 30.0, reap_period: float = 0.5) -> None:
+    def __init__(
+        self,
+        log_path: Path | str,
+        rpc_timeout: float = 30.0,
+        reap_period: float = 0.5,
+        agent_liveness_seconds: float | None = None,
+    ) -> None:
+        """`agent_liveness_seconds`: the host's --agent-liveness-seconds (None: the agents' own)."""
         self.log_path = Path(log_path)
+        self.agent_liveness_seconds = agent_liveness_seconds
         self.rpc_timeout = rpc_timeout
         self.reap_period = reap_period
         self.proc: subprocess.Popen[bytes] | None = None
@@ -167,11 +176,15 @@ class SharedPods:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as logf:
             self.proc = subprocess.Popen(
-                [sys.executable, "-u", "-m", "rljob.testing.shared_pods"],
+                [sys.executable, "-u", "-m", "rljob.testing.shared_pods", *self._host_args()],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logf, start_new_session=True,
             )  # fmt: skip
         self._spawn(self._read_replies, "shared-pods replies")
         return self
+
+    def _host_args(self) -> list[str]:
+        liveness = self.agent_liveness_seconds
+        return [] if liveness is None else ["--agent-liveness-seconds", str(liveness)]
 
     def attach(self, kubelet: Kubelet) -> None:
         """Lets components follow their placeholders: a stopped container stops its component."""
@@ -292,13 +305,10 @@ class SharedPods:
             with self._lock:
                 comps = list(self._components.items())
             for key, comp in comps:
-                runner = kubelet.runner(comp.namespace, comp.pod)
-                running = (
-                    runner is not None and runner.uid == comp.uid and comp.container in runner.processes()
-                )
-                if running:
+                runner = kubelet.runner(comp.namespace, comp.pod, comp.uid)  # None: that pod is gone
+                if runner is not None and comp.container in runner.processes():
                     comp.seen_running = True
-                elif comp.seen_running or runner is None or runner.uid != comp.uid:
+                elif comp.seen_running or runner is None:
                     self._stop_component(key)
 
     # -- RPC to the host ---------------------------------------------------------------------------
@@ -386,8 +396,9 @@ def _environ(env: dict[str, str]) -> Iterator[None]:
 
 
 class _Host:
-    def __init__(self, out: IO[str]) -> None:
+    def __init__(self, out: IO[str], agent_liveness_s: float | None = None) -> None:
         self.out = out
+        self.agent_liveness_s = agent_liveness_s
         self.stoppers: dict[str, Callable[[], Awaitable[None]]] = {}
         self.tasks: set[asyncio.Future[None]] = set()
 
@@ -432,6 +443,8 @@ class _Host:
 
         with _environ(env):
             cfg = parse_config(argv)
+        if self.agent_liveness_s is not None:
+            cfg = dataclasses.replace(cfg, liveness_s=max(cfg.liveness_s, self.agent_liveness_s))
         agent = Agent(cfg)
         await agent.start()
         return agent.stop
@@ -479,13 +492,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m rljob.testing.shared_pods", description=__doc__.split("\n")[0]
     )
-    parser.parse_args(argv)
+    parser.add_argument(
+        "--agent-liveness-seconds", type=float, default=None,
+        help="check SGLang's liveness at least this far apart in every agent (--sglang-liveness-seconds): "
+        "hundreds of agents on one core otherwise spend a fifth of it pinging their emulators",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
     # As the agent and the emulator log as processes (INFO; no access log).
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     out = sys.stdout
     sys.stdout = sys.stderr  # stdout carries replies only; stray prints go to the log
-    asyncio.run(_Host(out).serve())
+    asyncio.run(_Host(out, args.agent_liveness_seconds).serve())
 
 
 if __name__ == "__main__":
