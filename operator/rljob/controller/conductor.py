@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import time
@@ -32,7 +33,7 @@ from rljob.controller.kube import ChildRefused, Kube, NamespaceTerminating, PodL
 from rljob.controller.pod_cache import PodCache
 from rljob.controller.queueing import AdmissionView, JobQueue, Workloads, queue_name, workload_manifest
 from rljob.controller.status_writer import StatusWriter
-from rljob.lifecycle.machine import decide, decides_nothing_new
+from rljob.lifecycle.machine import AwaitedReport, awaited_report, decide
 from rljob.lifecycle.model import Admission, Awaited, Decision, Observation
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,47 @@ def _same(now: tuple[Any, ...], then: tuple[Any, ...]) -> bool:
     return all(a is b or a == b for a, b in zip(now, then, strict=True))
 
 
+class AwaitedPods:
+    """The last decision's Decision.awaiting, kept report by report: whether the reports since then would
+    make the same decision (lifecycle.machine.decides_nothing_new), in the time of the new reports rather
+    than of the whole gang. Pods whose reports said they succeeded leave `running`; when none is left, or
+    a report says anything else, or a command was not accepted, the next round decides."""
+
+    def __init__(self) -> None:
+        self._awaited: dict[str, Awaited] = {}
+        self._running: set[str] = set()
+        self._fresh: set[str] = set()  # pods that reported since the last look
+        self._void = True  # nothing to wait on: every round decides
+
+    def decided(self, awaiting: tuple[Awaited, ...]) -> None:
+        self._awaited = {a.pod: a for a in awaiting}
+        self._running = set(self._awaited)
+        self._fresh.clear()
+        self._void = not awaiting
+
+    def reported(self, pod: str) -> None:
+        self._fresh.add(pod)
+
+    def not_taken(self) -> None:
+        self._void = True
+
+    def nothing_new(
+        self, latest: Callable[[str], AgentState | None], took: Callable[[Awaited], bool]
+    ) -> bool:
+        if self._void:
+            return False
+        for pod in self._fresh:
+            awaited = self._awaited.get(pod)
+            seen = awaited_report(awaited, latest(pod), took(awaited)) if awaited else AwaitedReport.DECIDE
+            if seen == AwaitedReport.DECIDE:
+                self._void = True
+                return False
+            if seen == AwaitedReport.SUCCEEDED:
+                self._running.discard(pod)
+        self._fresh.clear()
+        return bool(self._running)
+
+
 class Conductor:
     def __init__(
         self,
@@ -114,8 +156,7 @@ class Conductor:
         self._watched: tuple[int, RLJobSpec | None] | None = None  # (pods.version, spec) watches follow
         self._reports = 0  # agent reports received: with pods.version, what moves the observation
         self._decided: tuple[Any, ...] | None = None  # the inputs of the last decision
-        self._decided_states: dict[str, AgentState | None] = {}  # the agent reports it was made on
-        self._awaiting: tuple[Awaited, ...] = ()  # what it waits on (Decision.awaiting)
+        self._awaited = AwaitedPods()  # what it waits on (Decision.awaiting), report by report
         self._decided_at = 0.0  # loop time the last decision ended
         self._decide_seconds = 0.0  # what it cost
         self._parsed: _Parsed | None = None
@@ -149,8 +190,9 @@ class Conductor:
         if self.pods.seen(pod, deleted):
             self.poke()
 
-    def _reported(self) -> None:
+    def _reported(self, pod: str) -> None:
         self._reports += 1
+        self._awaited.reported(pod)
         self.poke()
 
     def _parse(self) -> _Parsed:
@@ -266,7 +308,12 @@ class Conductor:
         )  # fmt: skip
         if not due and self._decided is not None and _same(inputs, self._decided):
             return None
-        if not due and self._decided is not None and self._only_awaited_finished(inputs, self._decided):
+        if (
+            not due
+            and self._decided is not None
+            and _same(inputs[:1] + inputs[2:], self._decided[:1] + self._decided[2:])  # only reports came
+            and self._awaited.nothing_new(self._latest, self._took)
+        ):
             self._decided = inputs  # the decision would wait on: skipped (Decision.awaiting)
             return None
         pause = min(MAX_PAUSE, PACE * self._decide_seconds) - (loop.time() - self._decided_at)
@@ -274,7 +321,6 @@ class Conductor:
             await asyncio.sleep(pause)  # reports that come meanwhile go into this decision
         states = self._agent_states()
         self._decided = inputs
-        self._decided_states = states
         obs = Observation(
             now=self.clock(),
             pods=self.pods.observations(),
@@ -290,7 +336,7 @@ class Conductor:
         decision = decide(parsed.spec, status, obs)
         self._decide_seconds = time.thread_time() - began
         self._decided_at = loop.time()
-        self._awaiting = decision.awaiting
+        self._awaited.decided(decision.awaiting)
         return decision
 
     def _agent_states(self) -> dict[str, AgentState | None]:
@@ -302,21 +348,15 @@ class Conductor:
             states[pod.name] = watch.latest if fresh and watch else None
         return states
 
-    def _only_awaited_finished(self, inputs: tuple[Any, ...], decided: tuple[Any, ...]) -> bool:
-        """Only agent reports came since the last decision (inputs[1] counts them), and each is an
-        awaited pod's success while another still runs: a new decision would wait on."""
-        if not self._awaiting or not _same(inputs[:1] + inputs[2:], decided[:1] + decided[2:]):
-            return False
-        states = self._agent_states()
-        before = self._decided_states
-        changed = {n for n in states.keys() | before.keys() if states.get(n) is not before.get(n)}
-        accepted = {
-            a.pod
-            for a in self._awaiting
-            if (watch := self._watches.get(a.pod)) is not None
-            and (watch.endpoint.uid, a.action.value, a.epoch) in self._accepted
-        }
-        return decides_nothing_new(self._awaiting, changed, states, accepted)
+    def _latest(self, pod: str) -> AgentState | None:
+        watch = self._watches.get(pod)
+        return watch.latest if watch is not None else None
+
+    def _took(self, awaited: Awaited) -> bool:
+        """The pod's agent accepted the awaited command (its report may not show it yet)."""
+        watch = self._watches.get(awaited.pod)
+        key = (watch.endpoint.uid, awaited.action.value, awaited.epoch) if watch is not None else None
+        return key in self._accepted
 
     async def _admission(self, parsed: _Parsed, status: RLJobStatus) -> AdmissionView:
         """Kueue's word on the job (controller/queueing.py), creating its Workload when it has none."""
@@ -374,7 +414,7 @@ class Conductor:
                 asyncio.get_running_loop().create_task(watch.close())
         for name, endpoint in wanted.items():
             if name not in self._watches:
-                self._watches[name] = AgentWatch(agents, endpoint, self._reported)
+                self._watches[name] = AgentWatch(agents, endpoint, functools.partial(self._reported, name))
 
     def _pod(self, spec: RLJobSpec, index: int, gang: int) -> dict[str, Any]:
         manifest = gang_pod(self.name, self.uid, spec, index, gang, self.options.agent, spec.iterations)
@@ -444,7 +484,9 @@ class Conductor:
             if outcome.accepted:
                 self._accepted.add(key)
                 progressed = True
-            elif (
+                continue
+            self._awaited.not_taken()  # it is sent again by the next decision
+            if (
                 outcome.refusal
                 and not outcome.refusal.startswith("unreachable")
                 and (*key, outcome.refusal) not in self._refused

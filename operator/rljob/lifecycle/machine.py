@@ -582,6 +582,28 @@ def _send_and_collect(step: _Step, row: LockStep) -> list[AgentState] | None:
     return None if waiting else finished
 
 
+class AwaitedReport(StrEnum):
+    """What an awaited pod's latest report says (Decision.awaiting)."""
+
+    RUNNING = "Running"  # it runs the command, or its agent took it and has not reported it yet
+    SUCCEEDED = "Succeeded"
+    DECIDE = "Decide"  # anything else: a decision must look at it
+
+
+def awaited_report(awaited: Awaited, agent: AgentState | None, accepted: bool) -> AwaitedReport:
+    """`accepted`: the pod's agent took the awaited command (the operator knows; the report may lag)."""
+    if agent is None or agent.boot_id != awaited.boot_id or agent.fatal or agent.stage == Stage.FAILED:
+        return AwaitedReport.DECIDE
+    cmd = agent.last_command
+    if agent.epoch < awaited.epoch or cmd is None or cmd.epoch < awaited.epoch:  # not reported taking it
+        return AwaitedReport.RUNNING if accepted else AwaitedReport.DECIDE
+    if (agent.epoch, cmd.epoch, cmd.action) != (awaited.epoch, awaited.epoch, awaited.action):
+        return AwaitedReport.DECIDE
+    if cmd.state == CommandState.RUNNING:
+        return AwaitedReport.RUNNING
+    return AwaitedReport.SUCCEEDED if cmd.state == CommandState.SUCCEEDED else AwaitedReport.DECIDE
+
+
 def decides_nothing_new(
     awaiting: Sequence[Awaited],
     changed: Collection[str],
@@ -591,31 +613,17 @@ def decides_nothing_new(
     """After a decision that waits only on `awaiting` (Decision.awaiting): True when the reports of the
     pods in `changed` since then would make the same decision, i.e. each is an awaited pod's report that
     its command succeeded, and an awaited pod still runs it (its report says so, or it does not show the
-    command yet and the pod is in `accepted`: its agent took the command). The decision then waits on,
-    sends nothing new and changes no status field, and the conductor skips it (at 512 pods a decision
-    per report costs a decision per pod per phase). Anything else is decided: a failed command, another
-    epoch or boot, a Failed stage or `fatal`, the last awaited pod finishing, a report of a pod not
-    awaited, a command not yet accepted (it is sent again)."""
+    command yet and the pod is in `accepted`). The decision then waits on, sends nothing new and changes
+    no status field, and the conductor skips it (at 512 pods a decision per report costs a decision per
+    pod per phase). Anything else is decided: a failed command, another epoch or boot, a Failed stage or
+    `fatal`, the last awaited pod finishing, a report of a pod not awaited, a command not yet accepted
+    (it is sent again). The conductor keeps the same answer report by report (controller/conductor.py,
+    AwaitedPods)."""
     awaited = {a.pod for a in awaiting}
     if not awaited or not awaited.issuperset(changed):
         return False
-    still_running = False
-    for a in awaiting:
-        agent = agents.get(a.pod)
-        if agent is None or agent.boot_id != a.boot_id or agent.fatal or agent.stage == Stage.FAILED:
-            return False
-        cmd = agent.last_command
-        if agent.epoch < a.epoch or cmd is None or cmd.epoch < a.epoch:  # not reported taking it yet
-            if a.pod not in accepted:
-                return False
-            still_running = True
-        elif (agent.epoch, cmd.epoch, cmd.action) != (a.epoch, a.epoch, a.action):
-            return False
-        elif cmd.state == CommandState.RUNNING:
-            still_running = True
-        elif cmd.state != CommandState.SUCCEEDED:
-            return False
-    return still_running
+    reports = [awaited_report(a, agents.get(a.pod), a.pod in accepted) for a in awaiting]
+    return AwaitedReport.DECIDE not in reports and AwaitedReport.RUNNING in reports
 
 
 def _fail_or_recover_after_command_failure(step: _Step, pod: PodObservation, cmd: CommandStatus) -> None:
