@@ -22,9 +22,9 @@ Succeeded):
   Training's wall time also holds the trainer's own step (lease granted -> publish answered, slowest pod,
   measured in the trainer driver): shown, and subtracted in the "Training - trainer step" row;
 - the floor, per pod count, after the job succeeded and its operator stopped, on the same agents
-  (control_floor.py): a fan-out of one small command to every agent, every report back over an open
-  long-poll, one status merge-patch; wall time minus the slowest agent's own time, as for the overhead;
-  drain and resume, 10 of each;
+  (control_floor.py): a fan-out of one small command to every agent, every report back over the agent's
+  open state stream (the operator's channel), one status merge-patch; wall time minus the slowest agent's
+  own time, as for the overhead; drain and resume, 10 of each;
 - per iteration: status writes (`rljob_status_writes_total`), operator API calls (`rljob_api_calls_total`,
   our calls only: kopf's own watches are not counted) and agent commands, from the operator's metrics
   endpoint scraped at both ends of the window (a write at either edge may fall on either side: +-1 per
@@ -621,8 +621,8 @@ def tables(results: list[SizeResult], probe: dict[str, list[float]], many: ManyR
         )
     out += [
         "",
-        "The floor (control_floor.py: fan-out of one command to every agent, the reports back over open "
-        "long-polls, one status merge-patch; wall - slowest agent's own time), ms",
+        "The floor (control_floor.py: fan-out of one command to every agent, the reports back over the open "
+        "state streams, one status merge-patch; wall - slowest agent's own time), ms",
         "",
         "| pods | command | samples | floor p50 | floor p95 | of which the status patch p50 | in-agent p50 "
         "| floor process CPU / pod / transition ms |",
@@ -814,7 +814,11 @@ def run(
         for pods, n in zip(sizes, iterations, strict=True):
             began = time.monotonic()
             load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
-            results.append(bench.run(pods, n))
+            try:
+                results.append(bench.run(pods, n))
+            except RuntimeError as err:  # e.g. a gang restart in the window: the other sizes still run
+                print(f"[{pods} pods: not measured: {err}]", flush=True)
+                continue
             print(f"[{pods} pods: {n} iterations measured in {time.monotonic() - began:.0f}s; load before "
                   f"{load}; logs {work}]", flush=True)  # fmt: skip
             if json_path is not None:  # each size as it is measured: a later one may fail

@@ -8,6 +8,9 @@ from rljob.agent.gpu_probe import GpuMemory
 from rljob.agent.sglang_client import SGLangClient
 
 PROBE = "rljob.emulator.probe:EmulatorProbe"  # what the test world passes as --gpu-probe
+# It stands in for NVML, which answers from the node's driver and has no timeout: an emulator that answers
+# late (hundreds of pods sharing one process, rljob.testing.shared_pods) is slow, not a failed GPU.
+TIMEOUT_S = 60.0
 
 
 class EmulatorProbe:
@@ -16,7 +19,7 @@ class EmulatorProbe:
         self._last: tuple[float, list[float]] | None = None  # (emulator clock, busy seconds per GPU)
 
     async def sample(self) -> list[GpuMemory]:
-        body = await self._client.get_json("emulator_memory", "/_emulator/memory")
+        body = await self._client.get_json("emulator_memory", "/_emulator/memory", timeout=TIMEOUT_S)
         return [
             GpuMemory(
                 int(g["index"]), int(g["used_bytes"]), int(g["total_bytes"]), name=str(g.get("name", ""))
@@ -26,7 +29,7 @@ class EmulatorProbe:
 
     async def utilization(self) -> list[float] | None:
         """Busy fraction per GPU since the previous call, from the emulator's cumulative busy seconds."""
-        body = await self._client.get_json("gpu_utilization", "/_emulator/utilization")
+        body = await self._client.get_json("gpu_utilization", "/_emulator/utilization", timeout=TIMEOUT_S)
         now, busy = float(body["monotonic"]), [float(g["busy_seconds"]) for g in body["gpus"]]
         last, self._last = self._last, (now, busy)
         if last is None or now <= last[0] or len(last[1]) != len(busy):
