@@ -394,11 +394,16 @@ class Bench:
             for j in range(jobs):
                 self.api.post(rljob_path(ns), manifest(f"job-{j:03d}", pods, 2))
             peak = 0
+            items: list[dict[str, Any]] = []
+            phases: collections.Counter[str | None] = collections.Counter()
             while True:
                 rss, _ = rss_bytes(_pid(operator))
                 peak = max(peak, rss)
-                items = self.api.get(rljob_path(ns))["items"]
-                phases = collections.Counter((o.get("status") or {}).get("phase") for o in items)
+                try:
+                    items = self.api.get(rljob_path(ns))["items"]
+                    phases = collections.Counter((o.get("status") or {}).get("phase") for o in items)
+                except (ApiError, requests.RequestException) as err:  # an API server this loaded times out
+                    print(f"[many jobs: listing the RLJobs: {err!r}; again]", flush=True)
                 if phases.get("Succeeded", 0) == jobs:
                     break
                 # A gang restart is the operator doing its job (the RSS figure stands); a failure is not.
