@@ -806,7 +806,7 @@ def run(
     iterations: Sequence[int],
     json_path: Path | None = None,
     options: Options = Options(),
-    many: tuple[int, int] | None = (100, 8),
+    many: tuple[int, int, float] | None = (100, 8, 1200.0),
 ) -> tuple[list[SizeResult], dict[str, list[float]], ManyResult | None]:
     work = Path(tempfile.mkdtemp(prefix="rljob-bench-overhead-"))
     load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
@@ -877,6 +877,7 @@ def main() -> None:
     p.add_argument("--iterations", default=",".join(map(str, DEFAULT_ITERATIONS)), help="measured, per size")
     p.add_argument("--many-jobs", type=int, default=100, help="RLJobs at once for the RSS figure (0: skip)")
     p.add_argument("--many-pods", type=int, default=8, help="pods of each of them")
+    p.add_argument("--many-seconds", type=float, default=1200, help="how long the many-jobs run may take")
     p.add_argument("--json", type=Path, default=None, help="also write the raw samples here")
     p.add_argument("--profile", type=Path, default=None, help="py-spy the operator, stacks into this dir")
     p.add_argument("--gc-stats", action="store_true", help="time the operator's garbage collections")
@@ -894,7 +895,7 @@ def main() -> None:
     if len(its) == 1:
         its *= len(sizes)
     options = Options(args.profile, args.gc_stats, args.operator_source)
-    many = (args.many_jobs, args.many_pods) if args.many_jobs > 0 else None
+    many = (args.many_jobs, args.many_pods, args.many_seconds) if args.many_jobs > 0 else None
     print(tables(*run(sizes, its, args.json, options, many)))
 
 
