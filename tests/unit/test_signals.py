@@ -175,7 +175,7 @@ def test_emulator_probe_turns_cumulative_busy_seconds_into_a_fraction() -> None:
     )
 
     class Client:
-        async def get_json(self, operation: str, path: str) -> Any:
+        async def get_json(self, operation: str, path: str, timeout: float = 5.0) -> Any:
             assert path == "/_emulator/utilization"
             return next(replies)
 
