@@ -415,6 +415,10 @@ class Bench:
                 time.sleep(1.0)
             end, _ = rss_bytes(_pid(operator))
             restarts = sum((o.get("status") or {}).get("restarts", 0) for o in items)
+            print(  # before the teardown of hundreds of pods, which takes minutes
+                f"[many jobs: operator RSS {end / 2**20:.1f} MiB, peak {max(peak, end) / 2**20:.1f} MiB; "
+                f"{dict(phases)}; {restarts} gang restarts]", flush=True,
+            )  # fmt: skip
             return ManyResult(
                 jobs, pods, time.monotonic() - began, max(peak, end), end, cpu_seconds(_pid(operator)) - cpu0,
                 restarts, phases.get("Succeeded", 0),
