@@ -7,23 +7,35 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rljob.api.agent import Action, AgentState, CommandState, CommandStatus, Stage
+from rljob.api.agent import Action, AgentState, CommandState, CommandStatus, Stage, TrainerReport
 from rljob.controller.conductor import AwaitedPods
 from rljob.lifecycle.machine import decides_nothing_new
-from rljob.lifecycle.model import Awaited
+from rljob.lifecycle.model import Awaited, Evidence
 
 EPOCH = 7
-# What a pod's next report may say: it runs the command, it succeeded, it failed, it moved on to another
-# epoch, its agent restarted, it failed hard.
+# What a pod's next report may say: it runs the command, it succeeded, it succeeded and shows the awaited
+# evidence (its trainer published, or asked for the GPU), it failed, it moved on to another epoch, its
+# agent restarted, it failed hard.
 REPORTS = st.sampled_from(
-    ["running", "running", "succeeded", "succeeded", "succeeded", "failed", "epoch", "boot", "fatal"]
+    ["running", "running", "succeeded", "succeeded", "shown", "shown", "failed", "epoch", "boot", "fatal"]
 )
+ACTIONS = {
+    Evidence.COMMAND: Action.DRAIN,
+    Evidence.PUBLISHED: Action.GRANT,
+    Evidence.REQUESTED: Action.RESUME,
+}
 
 
-def report(kind: str, revision: int) -> AgentState:
+def report(kind: str, revision: int, evidence: Evidence = Evidence.COMMAND) -> AgentState:
     state = {"running": CommandState.RUNNING, "failed": CommandState.FAILED}.get(kind, CommandState.SUCCEEDED)
     epoch = EPOCH + 1 if kind == "epoch" else EPOCH
-    cmd = CommandStatus(epoch=epoch, action=Action.DRAIN, state=state)
+    cmd = CommandStatus(epoch=epoch, action=ACTIONS[evidence], state=state)
+    shown = kind == "shown"
+    trainer = TrainerReport(
+        requested=shown and evidence == Evidence.REQUESTED,
+        published_epoch=epoch if shown and evidence == Evidence.PUBLISHED else None,
+        published_version="2" if shown and evidence == Evidence.PUBLISHED else None,
+    )
     return AgentState(
         revision=revision,
         boot_id="other" if kind == "boot" else "b",
@@ -31,29 +43,37 @@ def report(kind: str, revision: int) -> AgentState:
         epoch=epoch,
         last_command=cmd,
         fatal="died" if kind == "fatal" else None,
+        trainer=trainer,
     )
 
 
-def before(pod: int) -> AgentState:  # the report at the decision: the previous epoch's command
-    done = CommandStatus(epoch=EPOCH - 1, action=Action.RESUME, state=CommandState.SUCCEEDED)
-    return AgentState(revision=1, boot_id="b", stage=Stage.SERVING, epoch=EPOCH - 1, last_command=done)
+def before(evidence: Evidence) -> AgentState:
+    """The report at the decision: the previous epoch's command; in rollout, the epoch's resume."""
+    epoch = EPOCH if evidence == Evidence.REQUESTED else EPOCH - 1
+    done = CommandStatus(epoch=epoch, action=Action.RESUME, state=CommandState.SUCCEEDED)
+    return AgentState(revision=1, boot_id="b", stage=Stage.SERVING, epoch=epoch, last_command=done)
 
 
 @given(
     pods=st.integers(min_value=1, max_value=5),
     not_awaited=st.booleans(),
     untaken=st.sets(st.integers(min_value=0, max_value=4), max_size=2),
+    evidence=st.sampled_from(list(Evidence)),
     batches=st.lists(
         st.lists(st.tuples(st.integers(min_value=0, max_value=5), REPORTS), max_size=3), max_size=6
     ),
 )
 def test_report_by_report_is_the_same_as_all_at_once(
-    pods: int, not_awaited: bool, untaken: set[int], batches: list[list[tuple[int, str]]]
+    pods: int,
+    not_awaited: bool,
+    untaken: set[int],
+    evidence: Evidence,
+    batches: list[list[tuple[int, str]]],
 ) -> None:
     names = [f"p-{i}" for i in range(pods)]
-    awaiting = tuple(Awaited(n, "b", EPOCH, Action.DRAIN) for n in names)
-    agents: dict[str, AgentState | None] = {n: before(i) for i, n in enumerate(names)}
-    agents["outsider"] = before(9)  # a pod of the job that the decision does not wait on
+    awaiting = tuple(Awaited(n, "b", EPOCH, ACTIONS[evidence], evidence) for n in names)
+    agents: dict[str, AgentState | None] = {n: before(evidence) for n in names}
+    agents["outsider"] = before(evidence)  # a pod of the job that the decision does not wait on
     accepted = {n for i, n in enumerate(names) if i not in untaken}
     tracker = AwaitedPods()
     tracker.decided(awaiting)
@@ -65,7 +85,7 @@ def test_report_by_report_is_the_same_as_all_at_once(
         for index, kind in batch:
             name = "outsider" if (not_awaited and index >= pods) else names[index % pods]
             revision += 1
-            agents[name] = report(kind, revision)
+            agents[name] = report(kind, revision, evidence)
             changed.add(name)
             tracker.reported(name)
         expected = decides_nothing_new(awaiting, changed, agents, accepted)

@@ -140,14 +140,16 @@ class LifecycleMachine(RuleBasedStateMachine):
         one that would have waited on: nothing created, deleted or said, the same status, and commands
         only to pods that accepted them already."""
         last = getattr(self, "last", None)
-        self.last = (obs, decision)
+        # The world keeps generation 1 through spec edits: the spec stands for it (the conductor decides
+        # whenever metadata.generation moves, as every spec edit moves it).
+        self.last = (obs, decision, self.world.spec)
         if last is None:
             return
-        last_obs, last_decision = last
+        last_obs, last_decision, last_spec = last
         same_world = (obs.now, obs.pods, obs.generation, obs.spec_error, obs.admission, obs.refusals) == (
             last_obs.now, last_obs.pods, last_obs.generation, last_obs.spec_error, last_obs.admission,
             last_obs.refusals,
-        )  # fmt: skip
+        ) and self.world.spec == last_spec  # fmt: skip
         if not same_world or given != last_decision.status:
             return
         changed = {
@@ -161,7 +163,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         }
         if not decides_nothing_new(last_decision.awaiting, changed, obs.agents, accepted):
             return
-        event("a skippable decision")
+        event(f"a skippable decision in {given.phase.value}")
         # Commands only to pods that took them already (the conductor never sends those again).
         awaited = {(a.pod, a.epoch, a.action) for a in last_decision.awaiting}
         sent = {(pc.pod, pc.command.epoch, pc.command.action) for pc in decision.commands}

@@ -13,7 +13,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import ValidationError
 
 from rljob.api.agent import COMMAND_ADAPTER, AgentState, Command, Refusal
-from rljob.controller.metrics import AGENT_COMMANDS
+from rljob.controller.metrics import AGENT_COMMANDS, AGENT_REPORTS
 
 log = logging.getLogger(__name__)
 LONG_POLL_SECONDS = 10.0
@@ -133,6 +133,7 @@ class AgentWatch:
                         # Reports only move forward: an older revision from the same boot is dropped.
                         self.latest = state
                         since = state.revision
+                        AGENT_REPORTS.inc()
                         self._wake()
             except (TimeoutError, aiohttp.ClientError, HttpProcessingError, ValidationError) as err:
                 failures += 1

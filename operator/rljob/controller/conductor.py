@@ -315,6 +315,7 @@ class Conductor:
             and self._awaited.nothing_new(self._latest, self._took)
         ):
             self._decided = inputs  # the decision would wait on: skipped (Decision.awaiting)
+            metrics.DECISIONS.labels(outcome="skipped").inc()
             return None
         pause = min(MAX_PAUSE, PACE * self._decide_seconds) - (loop.time() - self._decided_at)
         if not due and pause > 0:
@@ -335,6 +336,7 @@ class Conductor:
         began = time.thread_time()  # CPU, not wall: a decision preempted on a busy machine cost no more
         decision = decide(parsed.spec, status, obs)
         self._decide_seconds = time.thread_time() - began
+        metrics.DECISIONS.labels(outcome="decided").inc()
         self._decided_at = loop.time()
         self._awaited.decided(decision.awaiting)
         return decision

@@ -38,6 +38,13 @@ API_CALLS = Counter("rljob_api_calls_total", "Kubernetes API calls, by verb.", [
 AGENT_COMMANDS = Counter(
     "rljob_agent_commands_total", "Commands sent to agents, by action and outcome.", ["action", "outcome"]
 )
+AGENT_REPORTS = Counter("rljob_agent_reports_total", "Agent state reports taken (newer revisions only).")
+DECISIONS = Counter(
+    "rljob_decisions_total",
+    "Conductor rounds that changed an input, by outcome: decided, or skipped as awaited (a report the "
+    "last decision waits on that changes nothing: lifecycle Decision.awaiting).",
+    ["outcome"],
+)
 
 # The rollout profile of the last completed iteration, per job (docs/profiling.md defines each signal).
 ITERATION_SECONDS = Histogram(

@@ -48,6 +48,7 @@ from rljob.lifecycle.model import (
     Event,
     EventReason,
     EventType,
+    Evidence,
     Observation,
     PodCommand,
     PodObservation,
@@ -273,6 +274,9 @@ class LockStep:
     best_effort: bool = False
     after_leader: bool = False
     already_done: Callable[[_Step], bool] | None = None  # then() at once: nothing left to send
+    # What a pod whose command succeeded still waits for, when `done` is one report's evidence the
+    # conductor can check report by report (Decision.awaiting); otherwise each such report is decided.
+    awaits: Evidence = Evidence.COMMAND
 
 
 # The command builders. A follower's agent reads each command by its own role (docs/agent.md, "Leader and
@@ -463,6 +467,7 @@ LOCK_STEPS: dict[Phase, LockStep] = {
         command=_grant,
         done=_published,
         then=_refit_published_version,
+        awaits=Evidence.PUBLISHED,
     ),
     Phase.REFITTING: LockStep(
         action=Action.REFIT,
@@ -551,7 +556,8 @@ def _send_and_collect(step: _Step, row: LockStep) -> list[AgentState] | None:
                 waiting_otherwise = True
                 continue  # its leader's SGLang call has not acted on its ranks yet
             step.send(pod, row.command(step, pod, agent, role))
-            running.append(Awaited(pod.name, agent.boot_id, st.epoch, row.action))  # once it is accepted
+            # once it is accepted
+            running.append(Awaited(pod.name, agent.boot_id, st.epoch, row.action, row.awaits))
             continue
         if cmd.epoch > st.epoch or cmd.action != row.action:
             # The agent is ahead of our status: our status was rolled back. Never guess: restart the gang.
@@ -561,7 +567,7 @@ def _send_and_collect(step: _Step, row: LockStep) -> list[AgentState] | None:
             return None
         if cmd.state == CommandState.RUNNING:
             waiting = True
-            running.append(Awaited(pod.name, agent.boot_id, cmd.epoch, cmd.action))
+            running.append(Awaited(pod.name, agent.boot_id, cmd.epoch, cmd.action, row.awaits))
         elif cmd.state == CommandState.FAILED:
             if row.best_effort:
                 finished.append(agent)
@@ -572,7 +578,11 @@ def _send_and_collect(step: _Step, row: LockStep) -> list[AgentState] | None:
             _fail_or_recover_after_command_failure(step, pod, cmd)
             return None
         elif not row.done(step, agent):
-            waiting = waiting_otherwise = True
+            waiting = True
+            if row.awaits == Evidence.COMMAND:
+                waiting_otherwise = True
+            else:
+                running.append(Awaited(pod.name, agent.boot_id, cmd.epoch, cmd.action, row.awaits))
         else:
             finished.append(agent)
             if role == Role.LEADER:
@@ -595,13 +605,23 @@ def awaited_report(awaited: Awaited, agent: AgentState | None, accepted: bool) -
     if agent is None or agent.boot_id != awaited.boot_id or agent.fatal or agent.stage == Stage.FAILED:
         return AwaitedReport.DECIDE
     cmd = agent.last_command
+    if awaited.evidence == Evidence.REQUESTED:  # _rollout: the resume is behind it, only the trainer moves
+        if agent.epoch != awaited.epoch:
+            return AwaitedReport.DECIDE
+        return AwaitedReport.SUCCEEDED if agent.trainer.requested else AwaitedReport.RUNNING
     if agent.epoch < awaited.epoch or cmd is None or cmd.epoch < awaited.epoch:  # not reported taking it
         return AwaitedReport.RUNNING if accepted else AwaitedReport.DECIDE
     if (agent.epoch, cmd.epoch, cmd.action) != (awaited.epoch, awaited.epoch, awaited.action):
         return AwaitedReport.DECIDE
     if cmd.state == CommandState.RUNNING:
         return AwaitedReport.RUNNING
-    return AwaitedReport.SUCCEEDED if cmd.state == CommandState.SUCCEEDED else AwaitedReport.DECIDE
+    if cmd.state != CommandState.SUCCEEDED:
+        return AwaitedReport.DECIDE
+    if awaited.evidence == Evidence.PUBLISHED:  # _published, for the awaited grant's epoch
+        trainer = agent.trainer
+        published = trainer.published_epoch == awaited.epoch and trainer.published_version is not None
+        return AwaitedReport.SUCCEEDED if published else AwaitedReport.RUNNING
+    return AwaitedReport.SUCCEEDED
 
 
 def decides_nothing_new(
@@ -775,12 +795,18 @@ def _rollout(step: _Step) -> None:
     if _restart_gang_if_timed_out(step, step.spec.phase_timeout_seconds.rollout):
         return
     epoch = step.status.epoch
+    asking: list[Awaited] = []  # pods whose trainers have yet to ask (Decision.awaiting)
     for pod in step.gang().values():
         agent = step.agent(pod)
         # A request counts only from a report that already saw this rollout's resume: an older report
         # may carry the previous iteration's request (the agent clears it at grant).
-        if agent is None or not agent.trainer.requested or agent.epoch != epoch:
+        if agent is None or agent.epoch != epoch:
             return
+        if not agent.trainer.requested:
+            asking.append(Awaited(pod.name, agent.boot_id, epoch, Action.RESUME, Evidence.REQUESTED))
+    if asking:
+        step.awaiting = asking
+        return
     step.enter(Phase.DRAINING, EventReason.PHASE_CHANGED, "every trainer asked for the GPU")
 
 

@@ -107,14 +107,24 @@ class PodCommand:
     command: Command
 
 
+class Evidence(StrEnum):
+    """What an awaited pod's report must show before the decision that waits on it moves on."""
+
+    COMMAND = "Command"  # its agent finished the epoch's command
+    PUBLISHED = "Published"  # its trainer published weights under the epoch's grant (Training)
+    REQUESTED = "Requested"  # its trainer asked for the GPU in the epoch's rollout (Rollout)
+
+
 @dataclass(frozen=True)
 class Awaited:
-    """A pod a lock-step decision waits on for one thing only: its agent finishing the command it runs."""
+    """A pod a decision waits on for one thing only: its report showing `evidence` for `epoch` (the
+    epoch's command is `action`)."""
 
     pod: str
     boot_id: str
     epoch: int
     action: Action
+    evidence: Evidence = Evidence.COMMAND
 
 
 @dataclass(frozen=True)
@@ -129,7 +139,8 @@ class Decision:
     delete_pods: tuple[str, ...] = ()
     events: tuple[Event, ...] = ()
     delete_job: bool = False  # ttlSecondsAfterFinished elapsed
-    # Set only when every pod the decision waits on runs the phase's command and nothing else is pending:
-    # until the last of them finishes, a report of one that succeeded decides nothing new
+    # Set only when every pod the decision waits on waits for one piece of evidence (Awaited.evidence: its
+    # command finishing, its trainer publishing or asking for the GPU) and nothing else is pending: until
+    # the last of them shows it, a report of one that did decides nothing new
     # (machine.decides_nothing_new), and the conductor need not decide on it.
     awaiting: tuple[Awaited, ...] = ()
