@@ -59,6 +59,7 @@ import tempfile
 import time
 import urllib.request
 import uuid
+import zlib
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -75,7 +76,7 @@ from rljob.controller.children import token_secret_name
 from rljob.testing.cluster import LocalControlPlane, ensure_binaries, free_port
 from rljob.testing.harness import ROOT, OperatorProcess, rljob_path
 from rljob.testing.kubeaccess import ApiError, KubeApi, Kubectl, create_namespace, delete_namespace
-from rljob.testing.kubelet import IpAllocator, Kubelet
+from rljob.testing.kubelet import ContainerContext, IpAllocator, Kubelet, Launch, Mapping
 from rljob.testing.pods import SIM_ARGS_ENV
 from rljob.testing.shared_pods import SharedPods
 
@@ -91,6 +92,34 @@ TRAINER_ARGS = [
     "--prompts", "1", "--samples-per-prompt", "1", "--max-new-tokens", "4", "--prefix-tokens", "8",
     "--train-seconds", "0", "--weights-bytes", "4096",
 ]  # fmt: skip
+
+
+HOST_PODS = 200  # pods a shared host process takes in the many-jobs run (below)
+
+
+class HostShards:
+    """Several shared host processes behind one kubelet mapping, a pod's components all in one of them (by
+    its uid). For the many-jobs run: 800 pods' agents and emulators with their connections in one process
+    ran out of file descriptors (limit 20,000)."""
+
+    def __init__(self, shards: list[SharedPods]) -> None:
+        self.shards = shards
+        self._maps = [s.mapping() for s in shards]
+
+    def mapping(self) -> Mapping:
+        def mapping(ctx: ContainerContext) -> Launch | Sequence[str] | None:
+            uid = ctx.pod["metadata"]["uid"]
+            return self._maps[zlib.crc32(uid.encode()) % len(self._maps)](ctx)
+
+        return mapping
+
+    def attach(self, kubelet: Kubelet) -> None:
+        for s in self.shards:
+            s.attach(kubelet)
+
+    def stop(self) -> None:
+        for s in self.shards:
+            s.stop()
 
 
 def pod_ip_base() -> str:
@@ -306,7 +335,12 @@ class Bench:
 
     @contextlib.contextmanager
     def _torn_down(
-        self, label: str, ns: str, operator: OperatorProcess, kubelet: Kubelet, shared: SharedPods
+        self,
+        label: str,
+        ns: str,
+        operator: OperatorProcess,
+        kubelet: Kubelet,
+        shared: SharedPods | HostShards,
     ) -> Iterator[None]:
         """Runs the block; shows the operator's log tail if it fails; stops everything and deletes the
         namespace whatever happens."""
@@ -368,9 +402,13 @@ class Bench:
         work = self.workdir / f"many-{jobs}x{pods}"
         create_namespace(self.api, ns)
         port = free_port()
-        shared = SharedPods(
-            work / "shared-host.log", rpc_timeout=max(30.0, 1.0 * jobs * pods), agent_liveness_seconds=5.0
-        ).start()
+        shared = HostShards([
+            SharedPods(
+                work / f"shared-host-{i}.log", rpc_timeout=max(30.0, 1.0 * jobs * pods),
+                agent_liveness_seconds=5.0,
+            ).start()
+            for i in range(-(-jobs * pods // HOST_PODS))
+        ])  # fmt: skip
         kubelet = Kubelet(
             self.kubeconfig, [ns], mapping=shared.mapping(), scratch_root=work / "pods",
             probe_period=5.0, tick=1.0, ips=IpAllocator(pod_ip_base()), nodes=max(2, -(-jobs * pods // 8)),
@@ -527,7 +565,10 @@ class Bench:
             "status writes": sum(delta(start, end, "rljob_status_writes_total").values()),
             "API calls": sum(delta(start, end, "rljob_api_calls_total").values()),
             "agent commands": sum(delta(start, end, "rljob_agent_commands_total").values()),
+            "agent reports": sum(delta(start, end, "rljob_agent_reports_total").values()),
         }
+        decisions = {_labels(k): v for k, v in delta(start, end, "rljob_decisions_total").items()}
+        counters |= {f"decisions {k}": v for k, v in sorted(decisions.items())}
         result.per_iteration = {k: v / n for k, v in counters.items()}
         result.per_iteration |= {f"CPU {k}": (end.cpu[k] - start.cpu[k]) / n for k in CPU_OF}
         result.commands = {
@@ -593,6 +634,14 @@ def _ms(v: float) -> str:
 
 def _floor_p50(r: SizeResult) -> float:
     return statistics.median(r.floor_overhead()) if r.floor else float("nan")
+
+
+def breakdown_table(column: str, pods: list[int], counts: list[dict[str, float]]) -> list[str]:
+    """One row per key of `counts` (one dict per pod count), one column per pod count."""
+    rows = [f"| {column} | " + " | ".join(f"{n} pods" for n in pods) + " |", "|---|" + "---:|" * len(pods)]
+    for key in sorted({k for c in counts for k in c}):
+        rows.append(f"| {key} | " + " | ".join(f"{c.get(key, 0.0):.1f}" for c in counts) + " |")
+    return rows
 
 
 def tables(results: list[SizeResult], probe: dict[str, list[float]], many: ManyResult | None = None) -> str:
@@ -708,36 +757,21 @@ def tables(results: list[SizeResult], probe: dict[str, list[float]], many: ManyR
         out.append(
             f"| {r.pods} | {r.iterations} | {wall:.2f} | {r.startup_seconds:.1f} | {' | '.join(cells)} |"
         )
-    verbs = sorted({v for r in results for v in r.api_verbs})
-    out += [
-        "",
-        "Operator API calls per iteration, by verb",
-        "",
-        "| verb | " + " | ".join(f"{r.pods} pods" for r in results) + " |",
-        "|---|" + "---:|" * len(results),
-    ]
-    for verb in verbs:
-        out.append(f"| {verb} | " + " | ".join(f"{r.api_verbs.get(verb, 0.0):.1f}" for r in results) + " |")
-    fields = sorted({f for r in results for f in r.status_fields})
-    out += [
-        "",
-        "Status writes per iteration, by top-level status field changed (rljob_status_fields_written_total)",
-        "",
-        "| field | " + " | ".join(f"{r.pods} pods" for r in results) + " |",
-        "|---|" + "---:|" * len(results),
-    ]
-    for f in fields:
-        out.append(f"| {f} | " + " | ".join(f"{r.status_fields.get(f, 0.0):.1f}" for r in results) + " |")
-    kinds = sorted({c for r in results for c in r.commands})
-    out += [
-        "",
-        "Agent commands sent per iteration, by action and outcome (rljob_agent_commands_total)",
-        "",
-        "| action outcome | " + " | ".join(f"{r.pods} pods" for r in results) + " |",
-        "|---|" + "---:|" * len(results),
-    ]
-    for kind in kinds:
-        out.append(f"| {kind} | " + " | ".join(f"{r.commands.get(kind, 0.0):.1f}" for r in results) + " |")
+    for title, column, counts in (
+        ("Operator API calls per iteration, by verb", "verb", [r.api_verbs for r in results]),
+        (
+            "Status writes per iteration, by top-level status field changed "
+            "(rljob_status_fields_written_total)",
+            "field",
+            [r.status_fields for r in results],
+        ),
+        (
+            "Agent commands sent per iteration, by action and outcome (rljob_agent_commands_total)",
+            "action outcome",
+            [r.commands for r in results],
+        ),
+    ):
+        out += ["", title, "", *breakdown_table(column, [r.pods for r in results], counts)]
     big, small = max(results, key=lambda r: r.pods), min(results, key=lambda r: r.pods)
     if big is not small:
         out += [

@@ -6,6 +6,8 @@ samples, not a command's acceptance or its steps. Without `changes` every revisi
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp.test_utils import TestClient, TestServer
@@ -60,12 +62,18 @@ def test_what_the_operator_acts_on() -> None:
     assert acted_on(None, operator_view(st))  # the first report always counts
 
 
-async def _long_poll_scenario() -> None:
+@contextlib.asynccontextmanager
+async def _operator_api() -> AsyncIterator[tuple[StateStore, TestClient[Any, Any], dict[str, str]]]:
+    """The agent's operator API on a store at revision 1 (Starting), a client, its auth header."""
     store = StateStore()
-    store.commit()  # revision 1: Starting
+    store.commit()
     app = build_operator_app(store, None, AgentMetrics(), TOKEN)  # type: ignore[arg-type]
     async with TestClient(TestServer(app)) as client:
-        auth = {"Authorization": f"Bearer {TOKEN}"}
+        yield store, client, {"Authorization": f"Bearer {TOKEN}"}
+
+
+async def _long_poll_scenario() -> None:
+    async with _operator_api() as (store, client, auth):
 
         async def poll(**params: Any) -> dict[str, Any]:
             resp = await client.get("/v1/state", params={k: str(v) for k, v in params.items()}, headers=auth)
@@ -100,11 +108,7 @@ def test_the_long_poll_with_changes_operator_skips_what_the_operator_does_not_ac
 
 
 async def _watch_scenario() -> None:
-    store = StateStore()
-    store.commit()  # revision 1: Starting
-    app = build_operator_app(store, None, AgentMetrics(), TOKEN)  # type: ignore[arg-type]
-    async with TestClient(TestServer(app)) as client:
-        auth = {"Authorization": f"Bearer {TOKEN}"}
+    async with _operator_api() as (store, client, auth):
         loop = asyncio.get_running_loop()
         params = {"since": str(store.state.revision), "wait": "1.5", "changes": "operator", "watch": "true"}
         began = loop.time()
