@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import gc
 import logging
 import time
 from collections.abc import Callable, Coroutine, Mapping
@@ -19,7 +18,7 @@ from rljob.api import InvalidObject, parse_job, parse_status
 from rljob.api.agent import AgentState
 from rljob.api.spec import RLJobSpec
 from rljob.api.status import Phase, RLJobStatus
-from rljob.controller import metrics
+from rljob.controller import heap, metrics
 from rljob.controller.agent_client import AgentClient, AgentEndpoint, AgentWatch
 from rljob.controller.children import (
     AgentOptions,
@@ -48,20 +47,6 @@ RESYNC_SECONDS_PER_POD = 0.5
 # ~4 ms and each pod reports once per phase; deciding per report would cost ~2 s a phase).
 PACE = 3.0
 MAX_PAUSE = 0.05  # seconds
-_heap_frozen = False
-
-
-def _freeze_heap() -> None:
-    """Once per process, after the first round: the long-lived heap (kopf, the clients, the models) is
-    built, and the cyclic collector need not rescan it in every full collection (at 64 pods ~5 an
-    iteration of ~100 ms each, which stalled the event loop and freed nothing)."""
-    global _heap_frozen
-    if not _heap_frozen:
-        _heap_frozen = True
-        gc.collect()
-        gc.freeze()
-
-
 MAX_SPEC_ERROR = 1000  # the status message is bounded (api/status.py)
 
 
@@ -83,7 +68,7 @@ class ConductorOptions:
     agent: AgentOptions = field(default_factory=AgentOptions)
     tick_seconds: float = TICK_SECONDS
     finished_tick_seconds: float = 30.0  # finished jobs only wait for their TTL: a slow heartbeat is enough
-    freeze_heap: bool = False  # gc.freeze() after the first round (the operator process; not in tests)
+    freeze_heap: bool = False  # heap.freeze() after the first round (the operator process; not in tests)
 
 
 def _same(now: tuple[Any, ...], then: tuple[Any, ...]) -> bool:
@@ -271,7 +256,7 @@ class Conductor:
                             await self.kube.delete_job(self.namespace, self.name)
                             return
                     if options.freeze_heap:
-                        _freeze_heap()
+                        heap.freeze()
                     if progressed:
                         continue  # what we sent or wrote changes what we observe: look again at once
                     # Nothing sent, created, deleted or written: a round now would see what this one

@@ -10,6 +10,7 @@ import kopf
 from kubernetes import client
 from prometheus_client import start_http_server
 
+from rljob.controller import heap
 from rljob.controller.children import AgentOptions, native_sidecars_supported
 from rljob.controller.conductor import ConductorOptions
 from rljob.controller.kube import Kube, load_config
@@ -120,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     from rljob.controller import handlers  # noqa: F401  (registers the handlers)
 
     keep_watching_terminating_namespaces()
+    heap.trim_every()
 
     options = ConductorOptions(
         agent=AgentOptions(
