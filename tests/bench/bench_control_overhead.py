@@ -869,10 +869,14 @@ def run(
                 partial.write_text(json.dumps(asdict(results[-1]), indent=2))
         if many is not None:
             began = time.monotonic()
-            many_result = bench.run_many(*many)
-            print(f"[{many[0]} jobs x {many[1]} pods in {time.monotonic() - began:.0f}s]", flush=True)
-            if json_path is not None:
-                json_path.with_suffix(".many.json").write_text(json.dumps(asdict(many_result), indent=2))
+            try:
+                many_result = bench.run_many(*many)
+            except RuntimeError as err:  # a failed job: the sizes above are still printed
+                print(f"[{many[0]} jobs x {many[1]} pods: not measured: {err}]", flush=True)
+            else:
+                print(f"[{many[0]} jobs x {many[1]} pods in {time.monotonic() - began:.0f}s]", flush=True)
+                if json_path is not None:
+                    json_path.with_suffix(".many.json").write_text(json.dumps(asdict(many_result), indent=2))
     load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
     print(f"[load average after the run {load}]", flush=True)
     if json_path is not None:
