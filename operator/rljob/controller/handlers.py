@@ -29,12 +29,12 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     )
     settings.posting.enabled = False  # we post typed events ourselves
     settings.watching.server_timeout = 60
+    settings.watching.client_timeout = 70
     # kopf's worker for an object holds that object's last watch event until it idles out: for a pod
     # ~1,700 parsed JSON objects (~125 KB), which the pod cache has already reduced to a few fields. At
     # kopf's default of 5 s nearly every pod of a running job has a worker (tracemalloc at 64 pods: 8 MiB
     # of parsed pods; docs/benchmarks.md); a worker made again for the next event costs a task.
     settings.queueing.idle_timeout = WORKER_IDLE_SECONDS
-    settings.watching.client_timeout = 70
     memo.setdefault("kube", Kube())
     memo.setdefault("options", ConductorOptions())
 

@@ -5,8 +5,9 @@
   ~100 ms each, which stalled the event loop and freed nothing).
 - `trim_every(seconds)`: glibc keeps the memory of freed objects (parsed watch events, HTTP bodies) in
   its heap, in pieces between objects that live on, so the RSS climbs to the high-water mark of every
-  burst and stays there. `malloc_trim(0)` hands the free pages back; with it every 15 s the RSS with 30
-  jobs x 8 pods ended at 111.6 MiB instead of 120-123 (docs/benchmarks.md). Not glibc: nothing to do."""
+  burst and stays there. `malloc_trim(0)` hands the free pages back: with it every 15 s the RSS with 30
+  jobs x 8 pods ended at 112.7 MiB (peak 116.6) instead of 120.8 (docs/benchmarks.md). Not glibc: nothing
+  to do."""
 
 from __future__ import annotations
 

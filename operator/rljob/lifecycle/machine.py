@@ -556,8 +556,8 @@ def _send_and_collect(step: _Step, row: LockStep) -> list[AgentState] | None:
                 waiting_otherwise = True
                 continue  # its leader's SGLang call has not acted on its ranks yet
             step.send(pod, row.command(step, pod, agent, role))
-            # once it is accepted
-            running.append(Awaited(pod.name, agent.boot_id, st.epoch, row.action, row.awaits))
+            sent = Awaited(pod.name, agent.boot_id, st.epoch, row.action, row.awaits)
+            running.append(sent)  # once it is accepted
             continue
         if cmd.epoch > st.epoch or cmd.action != row.action:
             # The agent is ahead of our status: our status was rolled back. Never guess: restart the gang.
