@@ -140,17 +140,18 @@ class LifecycleMachine(RuleBasedStateMachine):
         one that would have waited on: nothing created, deleted or said, the same status, and commands
         only to pods that accepted them already."""
         last = getattr(self, "last", None)
-        # The world keeps generation 1 through spec edits: the spec stands for it (the conductor decides
-        # whenever metadata.generation moves, as every spec edit moves it).
-        self.last = (obs, decision, self.world.spec)
+        # The conductor compares a round's inputs with those of the last decision, the status it was
+        # given among them: a decision that changed the status is always followed by another. The world
+        # keeps generation 1 through spec edits: the spec stands for it (every edit moves the generation).
+        self.last = (obs, decision, self.world.spec, given)
         if last is None:
             return
-        last_obs, last_decision, last_spec = last
+        last_obs, last_decision, last_spec, last_given = last
         same_world = (obs.now, obs.pods, obs.generation, obs.spec_error, obs.admission, obs.refusals) == (
             last_obs.now, last_obs.pods, last_obs.generation, last_obs.spec_error, last_obs.admission,
             last_obs.refusals,
         ) and self.world.spec == last_spec  # fmt: skip
-        if not same_world or given != last_decision.status:
+        if not same_world or given != last_given:
             return
         changed = {
             n
