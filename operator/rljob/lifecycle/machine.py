@@ -550,14 +550,16 @@ def _send_and_collect(step: _Step, row: LockStep) -> list[AgentState] | None:
             continue
         role = step.role(pod)
         cmd = agent.last_command
+        # What a decision would wait on for this pod alone: past the checks below, its command is this
+        # epoch's `row.action`.
+        awaited = Awaited(pod.name, agent.boot_id, st.epoch, row.action, row.awaits)
         if agent.epoch < st.epoch or cmd is None or cmd.epoch < st.epoch:
             waiting = True
             if role == Role.FOLLOWER and row.after_leader and pod.index - pod.index % per not in leaders_done:
                 waiting_otherwise = True
                 continue  # its leader's SGLang call has not acted on its ranks yet
             step.send(pod, row.command(step, pod, agent, role))
-            sent = Awaited(pod.name, agent.boot_id, st.epoch, row.action, row.awaits)
-            running.append(sent)  # once it is accepted
+            running.append(awaited)  # once it is accepted
             continue
         if cmd.epoch > st.epoch or cmd.action != row.action:
             # The agent is ahead of our status: our status was rolled back. Never guess: restart the gang.
@@ -567,7 +569,7 @@ def _send_and_collect(step: _Step, row: LockStep) -> list[AgentState] | None:
             return None
         if cmd.state == CommandState.RUNNING:
             waiting = True
-            running.append(Awaited(pod.name, agent.boot_id, cmd.epoch, cmd.action, row.awaits))
+            running.append(awaited)
         elif cmd.state == CommandState.FAILED:
             if row.best_effort:
                 finished.append(agent)
@@ -582,7 +584,7 @@ def _send_and_collect(step: _Step, row: LockStep) -> list[AgentState] | None:
             if row.awaits == Evidence.COMMAND:
                 waiting_otherwise = True
             else:
-                running.append(Awaited(pod.name, agent.boot_id, cmd.epoch, cmd.action, row.awaits))
+                running.append(awaited)
         else:
             finished.append(agent)
             if role == Role.LEADER:
@@ -604,11 +606,11 @@ def awaited_report(awaited: Awaited, agent: AgentState | None, accepted: bool) -
     """`accepted`: the pod's agent took the awaited command (the operator knows; the report may lag)."""
     if agent is None or agent.boot_id != awaited.boot_id or agent.fatal or agent.stage == Stage.FAILED:
         return AwaitedReport.DECIDE
-    cmd = agent.last_command
     if awaited.evidence == Evidence.REQUESTED:  # _rollout: the resume is behind it, only the trainer moves
         if agent.epoch != awaited.epoch:
             return AwaitedReport.DECIDE
         return AwaitedReport.SUCCEEDED if agent.trainer.requested else AwaitedReport.RUNNING
+    cmd = agent.last_command
     if agent.epoch < awaited.epoch or cmd is None or cmd.epoch < awaited.epoch:  # not reported taking it
         return AwaitedReport.RUNNING if accepted else AwaitedReport.DECIDE
     if (agent.epoch, cmd.epoch, cmd.action) != (awaited.epoch, awaited.epoch, awaited.action):
