@@ -41,6 +41,23 @@ def test_an_older_object_never_replaces_a_newer_one() -> None:
     assert cache.observations()[0].deleting and not cache.observations()[0].running
 
 
+def ready(p: dict, ok: bool = True) -> dict:
+    p["status"]["conditions"] = [{"type": "Ready", "status": "True" if ok else "False"}]
+    return p
+
+
+def test_a_change_of_readiness_alone_is_kept_but_asks_for_no_decision() -> None:
+    cache = PodCache()
+    assert cache.seen(pod("a", "u1", 5, "Running"))
+    version = cache.version
+    assert not cache.seen(ready(pod("a", "u1", 6, "Running")))
+    assert cache.version == version and cache.observations()[0].ready  # the next decision counts it
+    assert not cache.seen(ready(pod("a", "u1", 7, "Running"), ok=False))
+    assert not cache.observations()[0].ready
+    assert cache.seen(ready(pod("a", "u1", 8, "Failed")))  # readiness and more: a decision
+    assert cache.version > version and cache.observations()[0].ready
+
+
 def test_a_deleted_uid_does_not_come_back_from_a_stale_list() -> None:
     cache = PodCache()
     cache.seen(pod("a", "u1", 5))
@@ -156,6 +173,52 @@ def test_the_conductor_creates_and_deletes_each_pod_once_and_waits_when_nothing_
         assert len(decisions) > before
         assert [c for c in kube.created if c == ("Pod", "demo-0", False)] == [("Pod", "demo-0", False)] * 2
         assert kube.lists == 1
+        stop = True
+        conductor.poke()
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(scenario())
+
+
+def test_a_readiness_flip_waits_for_the_heartbeat_and_is_then_counted(monkeypatch: Any) -> None:
+    """A pod whose probe flips asks for no decision of its own; the next one (here the heartbeat) counts
+    it, and the status says so. A pod that starts running is decided on at once."""
+    kube = ListingKube()
+    decisions = []
+
+    def counting(*args: Any) -> Any:
+        decisions.append(args[1].phase)
+        return real(*args)
+
+    real = conductor_module.decide
+    monkeypatch.setattr(conductor_module, "decide", counting)
+    monkeypatch.setattr("rljob.controller.status_writer.READY_ONLY_SECONDS", 0.0)
+    job = body()
+    job["spec"]["replicas"] = 1
+    conductor = Conductor(kube, job, ConductorOptions(tick_seconds=1.0))  # type: ignore[arg-type]
+
+    async def scenario() -> None:
+        stop = False
+        task = asyncio.create_task(conductor.run(lambda: stop))
+        await asyncio.sleep(0.3)
+        created = kube.store["demo-0"]
+        uid, rv = created["metadata"]["uid"], int(created["metadata"]["resourceVersion"])
+        running = {**created, "metadata": {**created["metadata"], "resourceVersion": str(rv + 1)}}
+        running["status"] = {"phase": "Running", "podIP": "127.0.0.9"}
+        before = len(decisions)
+        conductor.pod_seen(running)
+        await asyncio.sleep(0.1)
+        assert len(decisions) > before  # it runs now: decided at once
+        settled = len(decisions)
+        flipped = {**running, "metadata": {**running["metadata"], "resourceVersion": str(rv + 2)}}
+        conductor.pod_seen(ready(flipped))
+        assert conductor.pods.uid("demo-0") == uid
+        await asyncio.sleep(0.1)
+        assert len(decisions) == settled  # readiness alone: no decision of its own
+        assert kube.status.get("readyReplicas", 0) == 0
+        await asyncio.sleep(1.2)  # the heartbeat's decision counts it
+        assert len(decisions) > settled
+        assert kube.status["readyReplicas"] == 1 and kube.status["ready"] == "1/1", kube.status
         stop = True
         conductor.poke()
         await asyncio.wait_for(task, 5)

@@ -1,4 +1,9 @@
-"""kopf handlers: thin. One daemon per RLJob runs its Conductor; watch events only wake it."""
+"""kopf handlers: thin. One daemon per RLJob runs its Conductor; watch events only wake it.
+
+The event handlers are coroutines although they never wait: kopf runs a plain function in a thread
+(kopf/_core/actions/invocation.py:134@1.45.2, `invoke`), where it would change a conductor's pod cache
+while the conductor reads it and set its asyncio.Event from outside the event loop (not thread-safe),
+and each event would cost a thread hop."""
 
 from __future__ import annotations
 
@@ -56,7 +61,7 @@ async def conduct(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo,
 
 
 @kopf.on.event("pods", labels={LABEL_JOB: kopf.PRESENT})
-def pod_changed(namespace: str, labels: kopf.Labels, event: kopf.RawEvent, **_: Any) -> None:
+async def pod_changed(namespace: str, labels: kopf.Labels, event: kopf.RawEvent, **_: Any) -> None:
     """The conductor keeps its pods from these events (controller/pod_cache.py) instead of listing them."""
     conductor = CONDUCTORS.get((namespace, labels.get(LABEL_JOB, "")))
     if conductor is not None:
@@ -64,14 +69,14 @@ def pod_changed(namespace: str, labels: kopf.Labels, event: kopf.RawEvent, **_: 
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-def job_changed(namespace: str, name: str, **_: Any) -> None:
+async def job_changed(namespace: str, name: str, **_: Any) -> None:
     conductor = CONDUCTORS.get((namespace, name))
     if conductor is not None:
         conductor.poke()
 
 
 @kopf.on.event(queueing.GROUP, queueing.VERSION, queueing.PLURAL, labels={LABEL_JOB: kopf.PRESENT})
-def workload_changed(namespace: str, labels: kopf.Labels, event: kopf.RawEvent, **_: Any) -> None:
+async def workload_changed(namespace: str, labels: kopf.Labels, event: kopf.RawEvent, **_: Any) -> None:
     """Kueue admitted, evicted or requeued a job's Workload: its conductor looks at once. Where Kueue is
     not installed kopf finds no such resource and watches nothing."""
     conductor = CONDUCTORS.get((namespace, labels.get(LABEL_JOB, "")))

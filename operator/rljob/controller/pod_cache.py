@@ -8,7 +8,12 @@ PodObservation), not as its JSON. Lists and watch events can arrive out of
 order (a list served from the API server's watch cache may be older than an event already seen), so an
 object replaces the cached one only when its resourceVersion is newer, and a deleted uid never comes
 back from a stale list. resourceVersions are compared as integers: what etcd's revisions are, and what
-kube-apiserver hands out; one that is not an integer always counts as newer."""
+kube-apiserver hands out; one that is not an integer always counts as newer.
+
+A change of readiness alone is kept but wakes nobody: readiness decides nothing in the lifecycle (only
+status.ready and readyReplicas, which the status writer coalesces anyway), and probes that time out on a
+loaded node flip it all the time; at 512 pods of an overloaded test host those flips were 96 % of the
+decisions (docs/benchmarks.md). The next decision, at the latest the conductor's heartbeat, counts them."""
 
 from __future__ import annotations
 
@@ -44,6 +49,11 @@ class CachedPod:
         """The same as far as the conductor can tell (only the resourceVersion may differ)."""
         return replace(self, version=other.version) == other
 
+    def seen_as_but_ready(self, other: CachedPod) -> bool:
+        """The same but for its readiness (and resourceVersion)."""
+        observation = replace(self.observation, ready=other.observation.ready)
+        return replace(self, version=other.version, observation=observation) == other
+
 
 def _newer(new: CachedPod, old: CachedPod) -> bool:
     if new.version is None or old.version is None:
@@ -57,7 +67,7 @@ class PodCache:
         self._gone: dict[str, int | None] = {}  # uid -> resourceVersion it was deleted at
         self._deleted: set[str] = set()  # uids this operator asked to delete
         self._observations: tuple[PodObservation, ...] | None = ()
-        self.version = 0  # moves whenever what the conductor reads of the pods changes
+        self.version = 0  # moves whenever what the conductor reads of the pods changes, but readiness
         self.listed_once = False
 
     def __len__(self) -> int:
@@ -99,6 +109,9 @@ class PodCache:
             return False
         self._pods[pod.name] = pod
         if old is not None and old.seen_as(pod):
+            return False
+        if old is not None and old.seen_as_but_ready(pod):
+            self._observations = None  # counted by the next decision, which it does not ask for
             return False
         if old is not None and old.uid != pod.uid:
             self._deleted.discard(old.uid)
