@@ -8,10 +8,12 @@ import asyncio
 import threading
 from typing import Any
 
+import kopf
 import pytest
+from kopf._cogs.structs.references import Resource
 from kopf._core.actions.invocation import invoke
 
-from rljob.controller import handlers
+from rljob.controller import handlers, queueing
 from rljob.controller.children import LABEL_JOB
 
 
@@ -53,3 +55,17 @@ def test_an_event_handler_wakes_its_conductor_on_the_event_loop(name: str, monke
 
     asyncio.run(scenario())
     assert conductor.threads == [threading.get_ident()]  # asyncio.run's loop runs on this thread
+
+
+def test_kopf_watches_only_the_pods_and_workloads_of_rljobs_and_lists_them_in_pages() -> None:
+    """The selector goes into kopf's list and watch URLs (kopf/_cogs/clients/watching.py:263@1.45.2): the
+    API server sends no pod nor Kueue Workload of anything else."""
+    settings = kopf.OperatorSettings()
+    handlers.configure(settings=settings, memo=kopf.Memo(kube=object(), options=object()))
+    pods = Resource("", "v1", "pods", namespaced=True)
+    workloads = Resource(queueing.GROUP, queueing.VERSION, queueing.PLURAL, namespaced=True)
+    assert settings.watching.label_selectors.collect(pods) == [LABEL_JOB]
+    assert settings.watching.label_selectors.collect(workloads) == [LABEL_JOB]
+    assert settings.watching.label_selectors.collect(Resource("rljob.io", "v1alpha1", "rljobs")) == []
+    assert settings.watching.label_selectors.collect(Resource("metrics.k8s.io", "v1beta1", "pods")) == []
+    assert settings.watching.chunk_size == handlers.LIST_CHUNK
