@@ -743,6 +743,8 @@ def tables(results: list[SizeResult], probe: dict[str, list[float]], many: ManyR
         if r.profile:
             title = f"Operator profile, {r.pods} pods (py-spy, {r.profile})"
             out += ["", title, "", *profile_table(r.profile)]
+    if not results:  # the many-jobs run alone (--sizes '')
+        return "\n".join(out)
     keys = [k for k in results[0].per_iteration if k != "CPU operator / pod / phase ms"]
     out += [
         "",
