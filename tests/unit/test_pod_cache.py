@@ -128,18 +128,24 @@ class ListingKube(FakeKube):
             del self.store[name]
 
 
-def test_the_conductor_creates_and_deletes_each_pod_once_and_waits_when_nothing_changes(
-    monkeypatch: Any,
-) -> None:
-    kube = ListingKube()
-    decisions = []
+def counted_decisions(monkeypatch: Any) -> list[Any]:
+    """The phase each decision of the real decide was given, in order."""
+    decisions: list[Any] = []
+    real = conductor_module.decide
 
     def counting(*args: Any) -> Any:
         decisions.append(args[1].phase)
         return real(*args)
 
-    real = conductor_module.decide
     monkeypatch.setattr(conductor_module, "decide", counting)
+    return decisions
+
+
+def test_the_conductor_creates_and_deletes_each_pod_once_and_waits_when_nothing_changes(
+    monkeypatch: Any,
+) -> None:
+    kube = ListingKube()
+    decisions = counted_decisions(monkeypatch)
     job = body()
     job["spec"]["replicas"] = 2
     conductor = Conductor(kube, job, ConductorOptions(tick_seconds=30))  # type: ignore[arg-type]
@@ -184,14 +190,7 @@ def test_a_readiness_flip_waits_for_the_heartbeat_and_is_then_counted(monkeypatc
     """A pod whose probe flips asks for no decision of its own; the next one (here the heartbeat) counts
     it, and the status says so. A pod that starts running is decided on at once."""
     kube = ListingKube()
-    decisions = []
-
-    def counting(*args: Any) -> Any:
-        decisions.append(args[1].phase)
-        return real(*args)
-
-    real = conductor_module.decide
-    monkeypatch.setattr(conductor_module, "decide", counting)
+    decisions = counted_decisions(monkeypatch)
     monkeypatch.setattr("rljob.controller.status_writer.READY_ONLY_SECONDS", 0.0)
     job = body()
     job["spec"]["replicas"] = 1
