@@ -1,19 +1,32 @@
 """The operator's AgentWatch (controller/agent_client.py) over a real agent operator app: it follows the
-stream (`watch=true`) state by state, asks again when a stream ends, starts over on another boot, and
-also works with an agent that answers one state per request (one that does not stream)."""
+agent's channel (`GET /v1/channel`, a WebSocket) state by state and sends commands on it, answered as
+POST /v1/commands answers them; it starts over on another boot. An agent without the channel is followed
+over its stream (`watch=true`), asked again when a stream ends, and one that answers one state per request
+(one that does not stream) also works; commands to those are POSTed."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
+import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from rljob.agent.commands import CommandDesk
 from rljob.agent.metrics import AgentMetrics
 from rljob.agent.operator_api import build_operator_app
 from rljob.agent.state import StateStore
-from rljob.api.agent import AgentState, Stage
+from rljob.api.agent import (
+    AgentState,
+    ChannelFrame,
+    Command,
+    CommandState,
+    DrainCommand,
+    GrantCommand,
+    Stage,
+)
 from rljob.controller import agent_client
 from rljob.controller.agent_client import AgentClient, AgentEndpoint, AgentWatch
 
@@ -27,7 +40,7 @@ async def until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def _follows(app: web.Application, store: StateStore, requests: list[str], streams: bool) -> None:
+async def _follows(app: web.Application, store: StateStore, streams: bool) -> None:
     async with TestServer(app) as server, AgentClient(TOKEN) as client:
         wakes = []
         endpoint = AgentEndpoint("p-0", "uid", str(server.host), int(server.port or 0))
@@ -51,33 +64,65 @@ async def _follows(app: web.Application, store: StateStore, requests: list[str],
             assert watch.latest is not None and watch.latest.revision == 2
         finally:
             await watch.close()
-    assert len(requests) >= 3  # the stream was asked for again after it ended
 
 
-def _app(store: StateStore, requests: list[str], streams: bool = True) -> web.Application:
-    app = build_operator_app(store, None, AgentMetrics(), TOKEN)  # type: ignore[arg-type]
+class _Operations:
+    """A command that runs until `finish` is set (agent/operations.py does the real work)."""
+
+    def __init__(self) -> None:
+        self.finish = asyncio.Event()
+
+    async def execute(self, cmd: Command) -> None:
+        await self.finish.wait()
+
+
+async def _no_death(cause: str) -> None:
+    return None
+
+
+def _desk(store: StateStore, operations: _Operations) -> CommandDesk:
+    # Every transition allowed: the guards are agent/transitions.py's, tested in test_agent_transitions.py.
+    return CommandDesk(store, operations, AgentMetrics(), _no_death, check=lambda cmd, st, facts: None)  # type: ignore[arg-type]
+
+
+def _app(
+    store: StateStore, requests: list[str], streams: bool = True, channel: bool = True, desk: Any = None
+) -> web.Application:
+    app = build_operator_app(store, desk, AgentMetrics(), TOKEN)
 
     @web.middleware
     async def count(request: web.Request, handler: web.RequestHandler) -> web.StreamResponse:
-        if request.path == "/v1/state":
-            requests.append(request.query_string)
-            if not streams:  # an agent from before the stream: the query parameter is unknown to it
-                query = request.rel_url.query.copy()
-                query.pop("watch", None)
-                request = request.clone(rel_url=request.rel_url.with_query(query))
+        requests.append(f"{request.method} {request.path} {request.query_string}")
+        if request.path == "/v1/channel" and not channel:  # an agent from before the channel
+            raise web.HTTPNotFound()
+        if request.path == "/v1/state" and not streams:
+            # an agent from before the stream: the query parameter is unknown to it
+            query = request.rel_url.query.copy()
+            query.pop("watch", None)
+            request = request.clone(rel_url=request.rel_url.with_query(query))
         return await handler(request)
 
     app.middlewares.insert(0, count)
     return app
 
 
-def test_the_watch_follows_the_stream() -> None:
+def test_the_watch_follows_the_channel() -> None:
+    store, requests = StateStore(), []
+    store.commit()
+    asyncio.run(_follows(_app(store, requests), store, streams=True))
+    assert requests and all(r.startswith("GET /v1/channel") for r in requests)  # no long-poll, no stream
+
+
+def test_the_watch_follows_an_agent_without_the_channel_over_its_stream() -> None:
     agent_client.LONG_POLL_SECONDS = 0.5  # streams end quickly: the watch must ask again
     try:
         store, requests = StateStore(), []
         store.commit()
-        asyncio.run(_follows(_app(store, requests), store, requests, streams=True))
-        assert all("watch=true" in q for q in requests)
+        asyncio.run(_follows(_app(store, requests, channel=False), store, streams=True))
+        states = [r for r in requests if r.startswith("GET /v1/state")]
+        assert requests[0].startswith("GET /v1/channel") and len(states) >= 3  # asked again after its end
+        assert all("watch=true" in r for r in states)
+        assert sum(r.startswith("GET /v1/channel") for r in requests) == 1  # a 404 is not asked again
     finally:
         agent_client.LONG_POLL_SECONDS = 10.0
 
@@ -87,6 +132,103 @@ def test_the_watch_works_with_an_agent_that_answers_one_state_a_request() -> Non
     try:
         store, requests = StateStore(), []
         store.commit()
-        asyncio.run(_follows(_app(store, requests, streams=False), store, requests, streams=False))
+        asyncio.run(_follows(_app(store, requests, streams=False, channel=False), store, streams=False))
     finally:
         agent_client.LONG_POLL_SECONDS = 10.0
+
+
+async def _commands(channel: bool) -> tuple[list[str], list[agent_client.CommandOutcome]]:
+    store, requests, operations = StateStore(), [], _Operations()
+    store.commit()
+    app = _app(store, requests, channel=channel, desk=_desk(store, operations))
+    async with TestServer(app) as server, AgentClient(TOKEN) as client:
+        endpoint = AgentEndpoint("p-0", "uid", str(server.host), int(server.port or 0))
+        watch = AgentWatch(client, endpoint, lambda: None)
+        try:
+            await until(lambda: watch.latest is not None)
+            outcomes = [await watch.send(DrainCommand(epoch=3))]
+            outcomes.append(await watch.send(DrainCommand(epoch=3)))  # the same again: a no-op
+            outcomes.append(await watch.send(GrantCommand(epoch=3)))  # another action, the same epoch
+            outcomes.append(await watch.send(GrantCommand(epoch=4)))  # while the drain runs
+            operations.finish.set()
+            await until(
+                lambda: (
+                    watch.latest is not None
+                    and watch.latest.last_command is not None
+                    and watch.latest.last_command.state == CommandState.SUCCEEDED
+                )
+            )
+            outcomes.append(await watch.send(DrainCommand(epoch=2)))  # older than the last accepted
+        finally:
+            await watch.close()
+    return requests, outcomes
+
+
+def _check_outcomes(outcomes: list[agent_client.CommandOutcome]) -> None:
+    assert [o.accepted for o in outcomes] == [True, True, False, False, False]
+    refusals = [o.refusal or "" for o in outcomes[2:]]
+    assert refusals[0].startswith("HTTP 409: epoch 3 was already used for drain"), refusals
+    assert refusals[1].startswith("HTTP 409: drain (epoch 3) is still running"), refusals
+    assert refusals[2].startswith("HTTP 409: epoch 2 is older than the last accepted epoch 3"), refusals
+
+
+def test_commands_go_over_the_channel_and_are_answered_as_a_post_is() -> None:
+    requests, outcomes = asyncio.run(_commands(channel=True))
+    _check_outcomes(outcomes)
+    assert not [r for r in requests if r.startswith("POST")]
+
+
+def test_commands_to_an_agent_without_the_channel_are_posted() -> None:
+    requests, outcomes = asyncio.run(_commands(channel=False))
+    _check_outcomes(outcomes)
+    assert len([r for r in requests if r.startswith("POST /v1/commands")]) == 5
+
+
+def test_a_malformed_command_frame_is_refused_with_the_field_and_names_its_command() -> None:
+    async def run() -> list[dict[str, Any]]:
+        store = StateStore()
+        store.commit()
+        app = build_operator_app(store, _desk(store, _Operations()), AgentMetrics(), TOKEN)
+        async with TestServer(app) as server, aiohttp.ClientSession() as session:
+            url = f"http://{server.host}:{server.port}/v1/channel"
+            unauthorized = await session.get(url)
+            assert unauthorized.status == 401
+            headers = {"Authorization": f"Bearer {TOKEN}"}
+            async with session.ws_connect(url, headers=headers) as ws:
+                first = await ws.receive_json()
+                assert first["state"]["revision"] == store.state.revision
+                await ws.send_str('{"action": "drain", "epoch": 5, "timeoutSeconds": -1}')
+                await ws.send_str("not json")
+                return [await ws.receive_json(), await ws.receive_json()]
+
+    bad_field, not_json = asyncio.run(run())
+    assert bad_field["reply"]["epoch"] == 5 and bad_field["reply"]["action"] == "drain"
+    assert bad_field["reply"]["status"] == 422
+    assert "body.drain.timeoutSeconds" in bad_field["reply"]["refusal"]["reason"], bad_field
+    assert not_json["reply"]["status"] == 400 and "epoch" not in not_json["reply"]
+
+
+def test_a_command_on_a_channel_that_closes_is_unreachable_at_once() -> None:
+    async def run() -> agent_client.CommandOutcome:
+        async def closes_on_a_command(request: web.Request) -> web.WebSocketResponse:
+            ws = web.WebSocketResponse()
+            await ws.prepare(request)
+            state = AgentState(revision=1, boot_id="b", stage=Stage.SERVING)
+            await ws.send_str(ChannelFrame(state=state).model_dump_json(by_alias=True))
+            await ws.receive()
+            await ws.close()
+            return ws
+
+        app = web.Application()
+        app.router.add_get("/v1/channel", closes_on_a_command)
+        async with TestServer(app) as server, AgentClient(TOKEN) as client:
+            endpoint = AgentEndpoint("p-0", "uid", str(server.host), int(server.port or 0))
+            watch = AgentWatch(client, endpoint, lambda: None)
+            try:
+                await until(lambda: watch.latest is not None)
+                return await asyncio.wait_for(watch.send(DrainCommand(epoch=1)), 5)
+            finally:
+                await watch.close()
+
+    outcome = asyncio.run(run())
+    assert not outcome.accepted and (outcome.refusal or "").startswith("unreachable"), outcome

@@ -28,17 +28,7 @@ def reply(model: BaseModel, status: int = 200) -> web.Response:
 
 
 async def read_body(request: web.Request, adapter: TypeAdapter[T]) -> T:
-    raw = await request.read()
-    try:
-        data: Any = json.loads(raw) if raw.strip() else None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise Refused(400, "InvalidJSON", f"body is not JSON: {e}") from e
-    if data is None:
-        raise Refused(400, "MissingBody", "a JSON object body is required")
-    try:
-        return adapter.validate_python(data)
-    except ValidationError as e:
-        raise Refused(422, "InvalidBody", "; ".join(describe_errors(e, "body"))) from e
+    return parse_body(await request.read(), adapter)
 
 
 def query_number(request: web.Request, name: str, default: float, *, lo: float, hi: float) -> float:
@@ -61,8 +51,27 @@ def make_error_middleware(metrics: AgentMetrics) -> Middleware:
         try:
             return await handler(request)
         except Refused as e:
-            metrics.refusals.labels(e.error).inc()
-            log.info("refused %s %s: %s: %s", request.method, request.path, e.error, e.reason)
-            return reply(Refusal(error=e.error[:64], reason=e.reason[:1024]), e.status)
+            return reply(refusal(e, metrics, f"{request.method} {request.path}"), e.status)
 
     return errors
+
+
+def refusal(e: Refused, metrics: AgentMetrics, what: str) -> Refusal:
+    """The body of a refusal, counted and logged: an HTTP answer's or a channel reply's."""
+    metrics.refusals.labels(e.error).inc()
+    log.info("refused %s: %s: %s", what, e.error, e.reason)
+    return Refusal(error=e.error[:64], reason=e.reason[:1024])
+
+
+def parse_body(raw: str | bytes, adapter: TypeAdapter[T]) -> T:
+    """A JSON body (a request's or a channel frame's) as `adapter`'s type; Refused names the field."""
+    try:
+        data: Any = json.loads(raw) if raw.strip() else None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise Refused(400, "InvalidJSON", f"body is not JSON: {e}") from e
+    if data is None:
+        raise Refused(400, "MissingBody", "a JSON object body is required")
+    try:
+        return adapter.validate_python(data)
+    except ValidationError as e:
+        raise Refused(422, "InvalidBody", "; ".join(describe_errors(e, "body"))) from e

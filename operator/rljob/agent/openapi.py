@@ -16,6 +16,8 @@ from rljob.api.agent import (
     AbandonRequest,
     AgentHealth,
     AgentState,
+    ChannelFrame,
+    CommandReply,
     CommandStatus,
     DistributedPush,
     InitWeightsGroup,
@@ -82,6 +84,16 @@ ROUTES: tuple[Route, ...] = (
         {200: "CommandStatus", 202: "CommandStatus", **_REFUSALS},
         body="Command",
         query=(("wait", "number", "Seconds to wait for the command to finish (capped at 30)."),),
+    ),
+    Route(
+        "get",
+        "/v1/channel",
+        "A WebSocket (101 Switching Protocols): every frame from the agent is a ChannelFrame, a state the "
+        "operator acts on (as `changes=operator`, the first at once or as soon as the revision is greater "
+        "than `since`) or the reply to a command; the operator sends Command frames (the POST /v1/commands "
+        "body) and gets a CommandReply each, with the status and body POST /v1/commands would answer.",
+        {101: "ChannelFrame", 400: "Refusal"},
+        query=(_SINCE, _BOOT),
     ),
     Route("get", "/healthz", "The agent answers.", {200: "AgentHealth"}, open=True),
     Route("get", "/metrics", "Prometheus metrics.", {200: None}, open=True, text="text/plain"),
@@ -201,6 +213,8 @@ MODELS: dict[str, type[BaseModel]] = {
     m.__name__: m
     for m in (
         AgentState,
+        ChannelFrame,
+        CommandReply,
         CommandStatus,
         Refusal,
         AgentHealth,
@@ -250,7 +264,9 @@ def _operation(route: Route) -> dict[str, Any]:
         }
     responses: dict[str, Any] = {}
     for status, schema in sorted(route.responses.items()):
-        resp: dict[str, Any] = {"description": "OK" if status < 300 else "Refused"}
+        resp: dict[str, Any] = {
+            "description": "Switching Protocols" if status == 101 else "OK" if status < 300 else "Refused"
+        }
         if schema is not None:
             resp["content"] = {"application/json": {"schema": {"$ref": REF.format(model=schema)}}}
         elif route.text is not None:

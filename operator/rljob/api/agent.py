@@ -298,6 +298,28 @@ class AgentState(WireModel):
     recovery: RecoveryReport = Field(default_factory=RecoveryReport)
 
 
+class CommandReply(WireModel):
+    """On the channel (`GET /v1/channel`): the agent's answer to one command frame, the one
+    `POST /v1/commands` would give: 202 accepted, 200 the same epoch and action again (a no-op), else
+    refused with why. `epoch` and `action` name the command; both are absent when the frame was not one."""
+
+    epoch: int | None = Field(default=None, ge=0)
+    action: Action | None = None
+    status: int = Field(ge=100, le=599, description="The HTTP status POST /v1/commands would answer.")
+    command: CommandStatus | None = Field(default=None, description="Set when the command was accepted.")
+    refusal: Refusal | None = Field(default=None, description="Set when it was refused.")
+
+
+class ChannelFrame(WireModel):
+    """`GET /v1/channel`, a WebSocket: every frame from the agent is one of these, exactly one field set.
+    The operator sends Command frames (the POST /v1/commands body) on it and gets a CommandReply each; the
+    agent sends the states the operator acts on (as `changes=operator`) as they commit. One connection per
+    pod instead of a request per command and a long-poll per report (docs/benchmarks.md)."""
+
+    state: AgentState | None = None
+    reply: CommandReply | None = None
+
+
 # --- trainer side (loopback, wrapped by rljob.trainer) ---------------------------------------------
 
 

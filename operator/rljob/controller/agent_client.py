@@ -12,12 +12,16 @@ import aiohttp
 from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import ValidationError
 
-from rljob.api.agent import COMMAND_ADAPTER, AgentState, Command, Refusal
+from rljob.api.agent import COMMAND_ADAPTER, AgentState, ChannelFrame, Command, CommandReply, Refusal
 from rljob.controller.metrics import AGENT_COMMANDS, AGENT_REPORTS
 
 log = logging.getLogger(__name__)
 LONG_POLL_SECONDS = 10.0
 MAX_STATE_BYTES = 4 * 2**20  # a streamed state line longer than this is a broken agent
+COMMAND_SECONDS = 15.0  # an agent that takes longer to answer a command is unreachable
+# With no frame for this long the channel pings the agent, and a pong missing for half of it again closes
+# the channel: a pod that vanished without a reset (its node went) is noticed as the long-poll's end was.
+CHANNEL_HEARTBEAT_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,31 @@ class AgentClient:
                 if line.strip():
                     yield AgentState.model_validate_json(line)
 
+    @contextlib.asynccontextmanager
+    async def channel(
+        self, agent: AgentEndpoint, since: int = -1, boot: str | None = None
+    ) -> AsyncIterator[aiohttp.ClientWebSocketResponse]:
+        """`GET /v1/channel`, a WebSocket: the states the operator acts on newer than `since` of `boot`,
+        and commands with their answers (api/agent.py ChannelFrame)."""
+        params = {"since": str(since)}
+        if boot is not None:
+            params["boot"] = boot
+        connect = self.session.ws_connect(
+            f"{agent.url}/v1/channel",
+            params=params,
+            headers=self._headers(),
+            heartbeat=CHANNEL_HEARTBEAT_SECONDS,
+            max_msg_size=MAX_STATE_BYTES,
+            timeout=aiohttp.ClientWSTimeout(ws_close=3),
+        )
+        # The session bounds the connect only: an agent that takes the connection and never answers the
+        # upgrade would hold the handshake forever.
+        ws = await asyncio.wait_for(connect, CHANNEL_HEARTBEAT_SECONDS)
+        async with ws:
+            yield ws
+
     async def send(self, agent: AgentEndpoint, command: Command) -> CommandOutcome:
+        """`POST /v1/commands`: for an agent whose channel is not open."""
         body = COMMAND_ADAPTER.dump_python(command, mode="json", by_alias=True, exclude_none=True)
         action = command.action.value
         try:
@@ -93,52 +121,130 @@ class AgentClient:
                 f"{agent.url}/v1/commands",
                 json=body,
                 headers=self._headers(),
-                timeout=aiohttp.ClientTimeout(total=15, connect=3),
+                timeout=aiohttp.ClientTimeout(total=COMMAND_SECONDS, connect=3),
             ) as resp:
                 if resp.status in (200, 202):
-                    AGENT_COMMANDS.labels(action=action, outcome="accepted").inc()
-                    return CommandOutcome(agent.pod, True)
+                    return _outcome(agent.pod, action, resp.status)
                 text = await resp.text()
                 with contextlib.suppress(ValidationError, ValueError):
                     text = Refusal.model_validate_json(text).reason
-                AGENT_COMMANDS.labels(action=action, outcome=f"http_{resp.status}").inc()
-                return CommandOutcome(agent.pod, False, f"HTTP {resp.status}: {text[:500]}")
+                return _outcome(agent.pod, action, resp.status, text)
         except (TimeoutError, aiohttp.ClientError) as err:
-            AGENT_COMMANDS.labels(action=action, outcome="unreachable").inc()
-            return CommandOutcome(agent.pod, False, f"unreachable: {err!r}"[:500])
+            return _unreachable(agent.pod, action, repr(err))
+
+
+def _outcome(pod: str, action: str, status: int, refusal: str = "") -> CommandOutcome:
+    if status in (200, 202):
+        AGENT_COMMANDS.labels(action=action, outcome="accepted").inc()
+        return CommandOutcome(pod, True)
+    AGENT_COMMANDS.labels(action=action, outcome=f"http_{status}").inc()
+    return CommandOutcome(pod, False, f"HTTP {status}: {refusal[:500]}")
+
+
+def _unreachable(pod: str, action: str, why: str) -> CommandOutcome:
+    AGENT_COMMANDS.labels(action=action, outcome="unreachable").inc()
+    return CommandOutcome(pod, False, f"unreachable: {why}"[:500])
 
 
 class AgentWatch:
-    """Watches one agent's state stream and keeps its latest state; calls `wake` on every change. One
-    per pod."""
+    """Keeps one agent's latest state and calls `wake` on every change; sends it commands. One per pod.
+    Both go over the agent's channel (`GET /v1/channel`, a WebSocket): at 64 pods a command's POST cost the
+    operator ~3 times the CPU of a channel frame, and its fan-out ~3 times the wall time
+    (docs/benchmarks.md). While the channel is not open (it is connecting, or the agent closed it), a
+    command is POSTed; an agent without the channel (404: an older agent image) is followed over the
+    state stream and POSTed to."""
 
     def __init__(self, client: AgentClient, endpoint: AgentEndpoint, wake: Callable[[], None]) -> None:
         self.endpoint = endpoint
         self.latest: AgentState | None = None
         self.client = client
         self._wake = wake
+        self._ws: aiohttp.ClientWebSocketResponse | None = None
+        self._answers: dict[tuple[str, int], asyncio.Future[CommandOutcome]] = {}  # by (action, epoch)
+        self._since = -1
+        self._boot: str | None = None
         self._task = asyncio.create_task(self._run(), name=f"agent-watch-{endpoint.pod}")
 
+    async def send(self, command: Command) -> CommandOutcome:
+        """On the channel: a frame, and its reply; a POST while the channel is not open."""
+        ws, key = self._ws, (command.action.value, command.epoch)
+        if ws is None or ws.closed or key in self._answers:
+            return await self.client.send(self.endpoint, command)
+        answer: asyncio.Future[CommandOutcome] = asyncio.get_running_loop().create_future()
+        self._answers[key] = answer  # before the write: its reply may be read while the write waits
+        try:
+            await ws.send_str(COMMAND_ADAPTER.dump_json(command, by_alias=True, exclude_none=True).decode())
+            return await asyncio.wait_for(answer, COMMAND_SECONDS)
+        except (TimeoutError, aiohttp.ClientError, ConnectionError) as err:
+            return _unreachable(self.endpoint.pod, key[0], repr(err))
+        finally:
+            if self._answers.get(key) is answer:
+                del self._answers[key]
+
+    def _answered(self, reply: CommandReply) -> None:
+        if reply.action is None or reply.epoch is None:
+            return  # not an answer to one of ours: the operator sends only valid commands
+        answer = self._answers.pop((reply.action.value, reply.epoch), None)
+        if answer is not None and not answer.done():
+            why = reply.refusal.reason if reply.refusal else ""
+            answer.set_result(_outcome(self.endpoint.pod, reply.action.value, reply.status, why))
+
+    def _unanswered(self, why: str) -> None:
+        for (action, _), answer in self._answers.items():
+            if not answer.done():
+                answer.set_result(_unreachable(self.endpoint.pod, action, why))
+        self._answers.clear()
+
+    def _take(self, state: AgentState) -> None:
+        if state.boot_id != self._boot:  # a restarted agent starts its revisions again
+            self._boot, self._since = state.boot_id, -1
+        if self._since < 0 or state.revision > self._since:
+            # Reports only move forward: an older revision from the same boot is dropped.
+            self.latest = state
+            self._since = state.revision
+            AGENT_REPORTS.inc()
+            self._wake()
+
     async def _run(self) -> None:
-        since = -1
-        boot: str | None = None
         failures = 0
+        channel = True  # until the agent answers that it has none
         while True:
             try:
-                async for state in self.client.watch(self.endpoint, since, LONG_POLL_SECONDS, boot):
-                    failures = 0
-                    if state.boot_id != boot:  # a restarted agent starts its revisions again
-                        boot, since = state.boot_id, -1
-                    if since < 0 or state.revision > since:
-                        # Reports only move forward: an older revision from the same boot is dropped.
-                        self.latest = state
-                        since = state.revision
-                        AGENT_REPORTS.inc()
-                        self._wake()
+                await (self._follow_channel() if channel else self._follow_stream())
+                failures = 0
+                if not channel:
+                    continue  # a stream ends after its `wait`: ask again at once
+            except aiohttp.WSServerHandshakeError as err:
+                if err.status == 404:
+                    log.info("agent %s has no channel: following its state stream", self.endpoint.pod)
+                    channel = False
+                    continue
+                failures += 1
+                log.debug("agent %s: %r", self.endpoint.pod, err)
             except (TimeoutError, aiohttp.ClientError, HttpProcessingError, ValidationError) as err:
                 failures += 1
                 log.debug("agent %s: %r", self.endpoint.pod, err)
-                await asyncio.sleep(min(2.0, 0.1 * failures))
+            await asyncio.sleep(min(2.0, 0.1 * max(1, failures)))
+
+    async def _follow_stream(self) -> None:
+        async for state in self.client.watch(self.endpoint, self._since, LONG_POLL_SECONDS, self._boot):
+            self._take(state)
+
+    async def _follow_channel(self) -> None:
+        async with self.client.channel(self.endpoint, self._since, self._boot) as ws:
+            self._ws = ws
+            try:
+                async for msg in ws:
+                    if msg.type != aiohttp.WSMsgType.TEXT:
+                        continue
+                    frame = ChannelFrame.model_validate_json(msg.data)
+                    if frame.state is not None:
+                        self._take(frame.state)
+                    elif frame.reply is not None:
+                        self._answered(frame.reply)
+            finally:
+                self._ws = None
+                self._unanswered("the agent's channel closed")  # commands sent on it: no answer comes
 
     async def close(self) -> None:
         self._task.cancel()
