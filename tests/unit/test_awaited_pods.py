@@ -1,14 +1,17 @@
-"""The conductor's AwaitedPods (controller/conductor.py) keeps, report by report, the answer of the pure
-lifecycle.machine.decides_nothing_new over all the reports since the decision (and decides at once after a
-command an agent did not take)."""
+"""The conductor's AwaitedPods (controller/conductor.py) keeps, report by report as each comes, the answer
+of the pure lifecycle.machine.decides_nothing_new over all the reports since the decision (and decides at
+once after a command an agent did not take)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from hypothesis import given
 from hypothesis import strategies as st
+from test_conductor_refusals import FakeKube, body
 
 from rljob.api.agent import Action, AgentState, CommandState, CommandStatus, Stage, TrainerReport
-from rljob.controller.conductor import AwaitedPods
+from rljob.controller.conductor import AwaitedPods, Conductor, ConductorOptions
 from rljob.lifecycle.machine import decides_nothing_new
 from rljob.lifecycle.model import Awaited, Evidence
 
@@ -87,13 +90,38 @@ def test_report_by_report_is_the_same_as_all_at_once(
             revision += 1
             agents[name] = report(kind, revision, evidence)
             changed.add(name)
-            tracker.reported(name)
-        expected = decides_nothing_new(awaiting, changed, agents, accepted)
-        got = tracker.nothing_new(agents.get, lambda a: a.pod in accepted)
-        # It never skips a decision that must be made; after a command not taken it decides at once
-        # (the pure function may still wait while that pod's report shows the command)
-        assert expected or not got, (batch, changed)
-        if not untaken & set(range(pods)):
-            assert got == expected, (batch, changed)
-        if not got:
-            return  # the conductor decides now: a new decision starts over
+            tracker.reported(name, agents[name], lambda a: a.pod in accepted)
+            expected = decides_nothing_new(awaiting, changed, agents, accepted)
+            got = tracker.nothing_new()
+            # It never skips a decision that must be made; after a command not taken it decides at once
+            # (the pure function may still wait while that pod's report shows the command)
+            assert expected or not got, (batch, changed)
+            if not untaken & set(range(pods)):
+                assert got == expected, (batch, changed)
+            if not got:
+                return  # the conductor is woken and decides now: a new decision starts over
+
+
+def test_a_report_that_decides_nothing_new_does_not_wake_the_conductor() -> None:
+    """The wiring in Conductor._reported: only a report after which a decision must look wakes it."""
+    conductor = Conductor(FakeKube(), body(), ConductorOptions())  # type: ignore[arg-type]
+    names = ["p-0", "p-1"]
+    watches = {
+        n: SimpleNamespace(latest=before(Evidence.COMMAND), endpoint=SimpleNamespace(uid=n)) for n in names
+    }
+    conductor._watches = watches  # type: ignore[assignment]
+    conductor._accepted = {(n, Action.DRAIN.value, EPOCH) for n in names}
+    conductor._awaited.decided(tuple(Awaited(n, "b", EPOCH, Action.DRAIN) for n in names))
+
+    def reports(name: str, kind: str) -> bool:
+        conductor.wake.clear()
+        watches[name].latest = report(kind, 10)
+        conductor._reported(name)
+        return conductor.wake.is_set()
+
+    assert not reports("p-0", "running")  # it still runs the command
+    assert not reports("p-0", "succeeded")  # p-1 still runs it
+    assert reports("p-1", "succeeded")  # the last one: the next phase
+    conductor._awaited.decided(tuple(Awaited(n, "b", EPOCH, Action.DRAIN) for n in names))
+    assert not reports("p-0", "succeeded")
+    assert reports("p-1", "failed")  # anything else is decided

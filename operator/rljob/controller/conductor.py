@@ -76,44 +76,38 @@ def _same(now: tuple[Any, ...], then: tuple[Any, ...]) -> bool:
 
 
 class AwaitedPods:
-    """The last decision's Decision.awaiting, kept report by report: whether the reports since then would
-    make the same decision (lifecycle.machine.decides_nothing_new), in the time of the new reports rather
-    than of the whole gang. Pods whose reports said they succeeded leave `running`; when none is left, or
-    a report says anything else, or a command was not accepted, the next round decides."""
+    """The last decision's Decision.awaiting, kept report by report as each comes: whether the reports
+    since then would make the same decision (lifecycle.machine.decides_nothing_new), in the time of one
+    report rather than of a round over the whole gang, so a report that decides nothing wakes nothing.
+    Pods whose reports said they succeeded leave `running`; when none is left, or a report says anything
+    else, or a command was not accepted, the next round decides."""
 
     def __init__(self) -> None:
         self._awaited: dict[str, Awaited] = {}
         self._running: set[str] = set()
-        self._fresh: set[str] = set()  # pods that reported since the last look
         self._void = True  # nothing to wait on: every round decides
 
     def decided(self, awaiting: tuple[Awaited, ...]) -> None:
         self._awaited = {a.pod: a for a in awaiting}
         self._running = set(self._awaited)
-        self._fresh.clear()
         self._void = not awaiting
 
-    def reported(self, pod: str) -> None:
-        self._fresh.add(pod)
+    def reported(self, pod: str, latest: AgentState | None, took: Callable[[Awaited], bool]) -> None:
+        """`pod`'s report `latest` came; `took`: whether its agent accepted the awaited command."""
+        if self._void:
+            return
+        awaited = self._awaited.get(pod)
+        seen = awaited_report(awaited, latest, took(awaited)) if awaited else AwaitedReport.DECIDE
+        if seen == AwaitedReport.DECIDE:
+            self._void = True
+        elif seen == AwaitedReport.SUCCEEDED:
+            self._running.discard(pod)
 
     def not_taken(self) -> None:
         self._void = True
 
-    def nothing_new(
-        self, latest: Callable[[str], AgentState | None], took: Callable[[Awaited], bool]
-    ) -> bool:
-        if self._void:
-            return False
-        for pod in self._fresh:
-            awaited = self._awaited.get(pod)
-            seen = awaited_report(awaited, latest(pod), took(awaited)) if awaited else AwaitedReport.DECIDE
-            if seen == AwaitedReport.DECIDE:
-                self._void = True
-                return False
-            if seen == AwaitedReport.SUCCEEDED:
-                self._running.discard(pod)
-        self._fresh.clear()
-        return bool(self._running)
+    def nothing_new(self) -> bool:
+        return not self._void and bool(self._running)
 
 
 class Conductor:
@@ -177,8 +171,9 @@ class Conductor:
 
     def _reported(self, pod: str) -> None:
         self._reports += 1
-        self._awaited.reported(pod)
-        self.poke()
+        self._awaited.reported(pod, self._latest(pod), self._took)
+        if not self._awaited.nothing_new():
+            self.poke()
 
     def _parse(self) -> _Parsed:
         """The validated spec, parsed again only when metadata.generation moves (every spec edit does)."""
@@ -297,7 +292,7 @@ class Conductor:
             not due
             and self._decided is not None
             and _same(inputs[:1] + inputs[2:], self._decided[:1] + self._decided[2:])  # only reports came
-            and self._awaited.nothing_new(self._latest, self._took)
+            and self._awaited.nothing_new()
         ):
             self._decided = inputs  # the decision would wait on: skipped (Decision.awaiting)
             metrics.DECISIONS.labels(outcome="skipped").inc()
@@ -451,8 +446,8 @@ class Conductor:
     async def _send(self, decision: Decision) -> bool:
         """Fan out concurrently; True when an agent accepted a command or refused one for the first time.
         A command an agent already accepted is not sent again while its state report catches up (a
-        repeat would be a harmless no-op, but at 64 pods it doubles the traffic, and the long-poll does
-        not report an acceptance: agent/reports.py)."""
+        repeat would be a harmless no-op, but at 64 pods it doubles the traffic, and the agent's reports
+        do not show an acceptance: agent/reports.py)."""
         epoch = decision.status.epoch
         self._accepted = {a for a in self._accepted if a[2] >= epoch}
         self._refused = {r for r in self._refused if r[2] >= epoch}
@@ -464,7 +459,7 @@ class Conductor:
             key = (watch.endpoint.uid, pc.command.action.value, pc.command.epoch)
             if key in self._accepted:
                 continue
-            sends.append(watch.client.send(watch.endpoint, pc.command))
+            sends.append(watch.send(pc.command))
             keys.append(key)
         progressed = False
         for key, outcome in zip(keys, await asyncio.gather(*sends), strict=True):
