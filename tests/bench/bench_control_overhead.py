@@ -22,9 +22,10 @@ Succeeded):
   Training's wall time also holds the trainer's own step (lease granted -> publish answered, slowest pod,
   measured in the trainer driver): shown, and subtracted in the "Training - trainer step" row;
 - the floor, per pod count, after the job succeeded and its operator stopped, on the same agents
-  (control_floor.py): a fan-out of one small command to every agent, every report back over the agent's
-  open state stream (the operator's channel), one status merge-patch; wall time minus the slowest agent's
-  own time, as for the overhead; drain and resume, 10 of each;
+  (control_floor.py): a fan-out of one small command to every agent, every report back over a connection
+  already open, one status merge-patch; wall time minus the slowest agent's own time, as for the overhead;
+  drain and resume, 10 of each, over each of two channels: the agents' WebSocket (`/v1/channel`, what the
+  operator uses) and a POST each with the reports over the state streams (issue 16's floor);
 - per iteration: status writes (`rljob_status_writes_total`), operator API calls (`rljob_api_calls_total`,
   our calls only: kopf's own watches are not counted) and agent commands, from the operator's metrics
   endpoint scraped at both ends of the window (a write at either edge may fall on either side: +-1 per
@@ -184,12 +185,21 @@ class SizeResult:
     rss: int = 0  # operator VmRSS at the end of the window, bytes
     rss_peak: int = 0  # VmHWM
     floor: list[dict[str, Any]] = field(default_factory=list)  # control_floor.py samples
-    floor_cpu: float = 0.0  # CPU seconds of the floor process, all its transitions
+    floor_cpu: dict[str, float] = field(default_factory=dict)  # by channel: CPU s of its transitions
     gc: dict[str, Any] = field(default_factory=dict)  # --gc-stats: the window's collections
     profile: str | None = None  # --profile: collapsed stacks of the window
 
-    def floor_overhead(self, action: str | None = None) -> list[float]:
-        return [s["wall"] - s["in_agent"] for s in self.floor if action in (None, s["action"])]
+    def __post_init__(self) -> None:
+        if isinstance(self.floor_cpu, float):  # saved before the channel floor: the POST floor alone
+            self.floor_cpu = {"post": self.floor_cpu}
+        for sample in self.floor:
+            sample.setdefault("channel", "post")
+
+    def floor_samples(self, channel: str, action: str | None = None) -> list[dict[str, Any]]:
+        return [s for s in self.floor if s["channel"] == channel and action in (None, s["action"])]
+
+    def floor_overhead(self, channel: str, action: str | None = None) -> list[float]:
+        return [s["wall"] - s["in_agent"] for s in self.floor_samples(channel, action)]
 
 
 @dataclass
@@ -632,8 +642,9 @@ def _ms(v: float) -> str:
     return f"{v * 1000:.1f}"
 
 
-def _floor_p50(r: SizeResult) -> float:
-    return statistics.median(r.floor_overhead()) if r.floor else float("nan")
+def _floor_p50(r: SizeResult, channel: str) -> float:
+    got = r.floor_overhead(channel)
+    return statistics.median(got) if got else float("nan")
 
 
 def breakdown_table(column: str, pods: list[int], counts: list[dict[str, float]]) -> list[str]:
@@ -648,20 +659,22 @@ def tables(results: list[SizeResult], probe: dict[str, list[float]], many: ManyR
     out = [
         "Control overhead per phase transition (wall - slowest pod's in-agent time), ms; median and p95 "
         "(nearest rank) over the measured iterations; the floor (p50 of drain and resume together, "
-        "measured on the same agents in the same run) and the ratio of the overhead's p50 to it",
+        "measured on the same agents in the same run) over the agents' channel, which the operator uses, "
+        "and over POSTs and state streams (issue 16's definition); the ratio of the overhead's p50 to each",
         "",
-        "| phase | pods | iterations | overhead p50 | overhead p95 | floor p50 | p50 / floor | in-agent p50 "
-        "| in-agent p95 |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| phase | pods | iterations | overhead p50 | overhead p95 | floor p50 | p50 / floor "
+        "| POST floor p50 | p50 / POST floor | in-agent p50 | in-agent p95 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for phase in TRANSITIONS:
         for r in results:
             o, a = r.overhead[phase], r.in_agent[phase]
             label = "Training (grant)" if phase == "Training" else phase
-            floor = _floor_p50(r)
+            floor, post = _floor_p50(r, "channel"), _floor_p50(r, "post")
             out.append(
                 f"| {label} | {r.pods} | {r.iterations} | {_ms(statistics.median(o))} | {_ms(p95(o))} | "
                 f"{_ms(floor)} | {statistics.median(o) / floor:.2f}x | "
+                f"{_ms(post)} | {statistics.median(o) / post:.2f}x | "
                 f"{_ms(statistics.median(a))} | {_ms(p95(a))} |"
             )
     for r in results:
@@ -679,25 +692,27 @@ def tables(results: list[SizeResult], probe: dict[str, list[float]], many: ManyR
         )
     out += [
         "",
-        "The floor (control_floor.py: fan-out of one command to every agent, the reports back over the open "
-        "state streams, one status merge-patch; wall - slowest agent's own time), ms",
+        "The floor (control_floor.py: fan-out of one command to every agent, the reports back over the "
+        "connections already open, one status merge-patch; wall - slowest agent's own time), ms; `channel`: "
+        "the agents' WebSocket, `post`: a POST each and the state streams",
         "",
-        "| pods | command | samples | floor p50 | floor p95 | of which the status patch p50 | in-agent p50 "
-        "| floor process CPU / pod / transition ms |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| pods | channel | command | samples | floor p50 | floor p95 | of which the status patch p50 "
+        "| in-agent p50 | floor process CPU / pod / transition ms |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
-        for action in ("drain", "resume"):
-            got = [x for x in r.floor if x["action"] == action]
-            if not got:
-                continue
-            f = r.floor_overhead(action)
-            cpu = r.floor_cpu / len(r.floor) / r.pods * 1000
-            out.append(
-                f"| {r.pods} | {action} | {len(got)} | {_ms(statistics.median(f))} | {_ms(p95(f))} | "
-                f"{_ms(statistics.median(x['patch'] for x in got))} | "
-                f"{_ms(statistics.median(x['in_agent'] for x in got))} | {cpu:.3f} |"
-            )
+        for channel in ("channel", "post"):
+            for action in ("drain", "resume"):
+                got = r.floor_samples(channel, action)
+                if not got:
+                    continue
+                f = r.floor_overhead(channel, action)
+                cpu = r.floor_cpu.get(channel, 0.0) / len(r.floor_samples(channel)) / r.pods * 1000
+                out.append(
+                    f"| {r.pods} | {channel} | {action} | {len(got)} | {_ms(statistics.median(f))} | "
+                    f"{_ms(p95(f))} | {_ms(statistics.median(x['patch'] for x in got))} | "
+                    f"{_ms(statistics.median(x['in_agent'] for x in got))} | {cpu:.3f} |"
+                )
     out += [
         "",
         "Operator: CPU per pod per command phase (CPU per iteration / pods / 5), RSS at the window's end",

@@ -3,22 +3,26 @@ bench_control_overhead.py after a job succeeded and its operator stopped, as a p
 
     python tests/bench/control_floor.py REQUEST.json RESULT.json
 
-A transition is the least any operator must do: POST one small command (drain, then resume, epochs
+A transition is the least any operator must do: send one small command (drain, then resume, epochs
 counting on from the job's) to every agent at once, take each agent's report of the finished command
-over the state stream already open (`GET /v1/state?changes=operator&watch=true`, the operator's
-channel: a line each, JSON parsed, nothing validated), and
-write one status merge-patch (kubernetes client, as the operator does) once the last report came: to an
-RLJob that carries the benchmark job's final status, and of what a phase change of the operator
-changes (phase, epoch, phaseStartTime, reason, message, and the timeline, conditions and pods lists,
-which a merge patch replaces whole). Its
-floor is that wall time minus the slowest agent's own time for the command (`lastCommand.seconds`), as
-the operator's overhead is the phase's wall time minus `agentSeconds`.
+over a connection already open (JSON parsed, nothing validated), and write one status merge-patch
+(kubernetes client, as the operator does) once the last report came: to an RLJob that carries the
+benchmark job's final status, and of what a phase change of the operator changes (phase, epoch,
+phaseStartTime, reason, message, and the timeline, conditions and pods lists, which a merge patch
+replaces whole). Its floor is that wall time minus the slowest agent's own time for the command
+(`lastCommand.seconds`), as the operator's overhead is the phase's wall time minus `agentSeconds`.
+
+Two channels, `pairs` drain/resume pairs each:
+- `post`: a POST /v1/commands per agent, the reports over the state stream (`GET
+  /v1/state?changes=operator&watch=true`): the floor as issue 16 defines it;
+- `channel`: the agent's WebSocket (`GET /v1/channel`), a command frame per agent and its reply, the
+  reports as frames: the channel the operator uses (controller/agent_client.py).
 
 REQUEST: {"agents": [[ip, port], ...], "token": str, "epoch": int (the job's last), "pairs": int,
 "kubeconfig": path, "namespace": str, "name": str (an RLJob no operator watches: its status is patched),
 "status": the job's final status (the floor RLJob already carries it)}.
-RESULT: {"samples": [{"action", "wall", "in_agent", "patch"}], "cpu": seconds of this process over the
-transitions}.
+RESULT: {"samples": [{"channel", "action", "wall", "in_agent", "patch"}], "cpu": {channel: seconds of
+this process over that channel's transitions}}.
 """
 
 from __future__ import annotations
@@ -48,8 +52,12 @@ class Floor:
         self.latest: list[dict[str, Any] | None] = [None] * len(self.urls)
         self.pending: set[int] = set()
         self.epoch = 0
-        self.cpu = 0.0
+        self.cpu: dict[str, float] = {}
         self.done = asyncio.Event()
+        self.channels: list[aiohttp.ClientWebSocketResponse | None] = [None] * len(self.urls)
+        self.unanswered = 0  # channel: command frames sent and not answered yet
+        self.answered = asyncio.Event()
+        self.refused: str | None = None
         self.custom = client.CustomObjectsApi(config.new_client_from_config(req["kubeconfig"]))
 
     def _finished(self, state: dict[str, Any]) -> bool:
@@ -69,6 +77,23 @@ class Floor:
                         self._reported(i, json.loads(line))
                         boot, since = self.latest[i]["bootId"], self.latest[i]["revision"]
 
+    async def follow_channel(self, session: aiohttp.ClientSession, i: int) -> None:
+        async with session.ws_connect(f"{self.urls[i]}/v1/channel", headers=self.headers) as ws:
+            self.channels[i] = ws
+            async for msg in ws:
+                frame = json.loads(msg.data)
+                if "state" in frame:
+                    self._reported(i, frame["state"])
+                else:
+                    self._replied(frame["reply"])
+
+    def _replied(self, reply: dict[str, Any]) -> None:
+        if reply.get("status") not in (200, 202):
+            self.refused = f"{reply.get('action')} {reply.get('epoch')}: {reply}"
+        self.unanswered -= 1
+        if self.unanswered == 0:
+            self.answered.set()
+
     def _reported(self, i: int, state: dict[str, Any]) -> None:
         self.latest[i] = state
         if i in self.pending and self._finished(state):
@@ -76,7 +101,7 @@ class Floor:
             if not self.pending:
                 self.done.set()
 
-    async def transition(self, session: aiohttp.ClientSession, action: str) -> dict[str, Any]:
+    async def transition(self, session: aiohttp.ClientSession, channel: str, action: str) -> dict[str, Any]:
         self.epoch += 1
         self.pending = set(range(len(self.urls)))
         self.done.clear()
@@ -89,7 +114,18 @@ class Floor:
                     text = await resp.text()
                     raise RuntimeError(f"{url}: {action} {self.epoch}: HTTP {resp.status} {text}")
 
-        await asyncio.gather(*(send(u) for u in self.urls))
+        if channel == "post":
+            await asyncio.gather(*(send(u) for u in self.urls))
+        else:
+            self.unanswered, self.refused = len(self.urls), None
+            self.answered.clear()
+            frame = json.dumps(body)
+            for ws in self.channels:
+                assert ws is not None
+                await ws.send_str(frame)
+            await asyncio.wait_for(self.answered.wait(), 120)
+            if self.refused:
+                raise RuntimeError(f"refused: {self.refused}")
         await asyncio.wait_for(self.done.wait(), 120)
         reported = time.perf_counter()
         patch = {"status": self._phase_change(action)}
@@ -99,7 +135,8 @@ class Floor:
         )
         ended = time.perf_counter()
         in_agent = max((s or {}).get("lastCommand", {}).get("seconds") or 0.0 for s in self.latest)
-        return {"action": action, "wall": ended - began, "in_agent": in_agent, "patch": ended - reported}
+        wall, patched = ended - began, ended - reported
+        return {"channel": channel, "action": action, "wall": wall, "in_agent": in_agent, "patch": patched}
 
     def _phase_change(self, action: str) -> dict[str, Any]:
         """What the operator's merge patch holds when the job enters a phase (status_writer.merge_patch of
@@ -117,24 +154,27 @@ class Floor:
 
     async def run(self) -> list[dict[str, Any]]:
         connector = aiohttp.TCPConnector(limit=0)
-        timeout = aiohttp.ClientTimeout(total=LONG_POLL + 30, connect=5)
+        timeout = aiohttp.ClientTimeout(total=None, connect=5)
+        samples = []
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             self.epoch = int(self.req["epoch"])
-            polls = [asyncio.create_task(self.poll(session, i)) for i in range(len(self.urls))]
-            while any(s is None for s in self.latest):  # every long-poll open once before the first POST
-                await asyncio.sleep(0.05)
-            samples = []
-            times = os.times()
-            self.cpu = -(times.user + times.system)  # the transitions only, not the imports or start-up
-            for _ in range(int(self.req["pairs"])):
-                for action in ("drain", "resume"):
-                    samples.append(await self.transition(session, action))
-            for t in polls:
-                t.cancel()
-            await asyncio.gather(*polls, return_exceptions=True)
-            times = os.times()
-            self.cpu += times.user + times.system
-            return samples
+            for channel in ("post", "channel"):
+                follow = self.poll if channel == "post" else self.follow_channel
+                self.latest = [None] * len(self.urls)
+                follows = [asyncio.create_task(follow(session, i)) for i in range(len(self.urls))]
+                while any(s is None for s in self.latest):  # every connection open before the first command
+                    await asyncio.sleep(0.05)
+                times = os.times()
+                cpu = -(times.user + times.system)  # the transitions only, not the imports or start-up
+                for _ in range(int(self.req["pairs"])):
+                    for action in ("drain", "resume"):
+                        samples.append(await self.transition(session, channel, action))
+                times = os.times()
+                self.cpu[channel] = cpu + times.user + times.system
+                for t in follows:
+                    t.cancel()
+                await asyncio.gather(*follows, return_exceptions=True)
+        return samples
 
 
 def main() -> None:
