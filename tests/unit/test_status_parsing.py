@@ -45,3 +45,63 @@ def test_the_spec_still_refuses_unknown_fields() -> None:
         parse_spec({"template": template, "replicaz": 2})
     with pytest.raises(InvalidObject, match=r"spec\.release\.verify\.minFreed: Extra inputs"):
         parse_spec({"template": template, "release": {"verify": {"minFreed": 1}}})
+
+
+def test_status_pods_say_what_each_agent_last_reported_and_why_a_member_is_lost() -> None:
+    from rljob.api.agent import (
+        Action,
+        AgentState,
+        CommandState,
+        CommandStatus,
+        MemoryReport,
+        SGLangInfo,
+        Stage,
+    )
+    from rljob.api.spec import ReleaseTag
+    from rljob.lifecycle.model import PodObservation
+    from rljob.lifecycle.timeline import pod_entries
+
+    def agent(**kw: object) -> AgentState:
+        return AgentState(revision=1, boot_id="b", **kw)  # type: ignore[arg-type]
+
+    failed = CommandStatus(epoch=3, action=Action.RELEASE, state=CommandState.FAILED, error="short of memory")
+    released = agent(
+        stage=Stage.RELEASED,
+        released_tags=[ReleaseTag.KV_CACHE],
+        memory=MemoryReport(freed_bytes=2**30),
+        sglang=SGLangInfo(served_version="7"),
+    )
+    gang = [
+        (
+            PodObservation(3, "job-3", 0, broken="container sglang restarted"),
+            agent(stage=Stage.SERVING, fatal="x"),
+        ),
+        (PodObservation(0, "job-0", 0), released),
+        (PodObservation(1, "job-1", 0), agent(stage=Stage.DRAINED, last_command=failed)),
+        (
+            PodObservation(2, "job-2", 0),
+            agent(stage=Stage.FAILED, fatal="SGLang stopped answering", last_command=failed),
+        ),
+        (PodObservation(4, "job-4", 0, broken="OOMKilled"), None),
+        (PodObservation(5, "job-5", 0), None),
+    ]
+    entries = pod_entries(gang)
+    assert [e.name for e in entries] == [f"job-{i}" for i in range(6)]  # by index
+    assert [e.stage for e in entries] == [
+        "Released",
+        "Drained",
+        "Failed",
+        "Serving",
+        "Unreachable",
+        "Unreachable",
+    ]
+    assert entries[0].weight_version == "7" and entries[0].released_tags == [ReleaseTag.KV_CACHE]
+    assert entries[0].freed_bytes == 2**30 and entries[0].last_error is None
+    # The pod's own breakage first, then the agent's fatal, then a failed command's error.
+    assert [e.last_error for e in entries[1:]] == [
+        "short of memory",
+        "SGLang stopped answering",
+        "container sglang restarted",
+        "OOMKilled",
+        None,
+    ]

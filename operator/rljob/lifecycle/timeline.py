@@ -111,17 +111,22 @@ def pod_entries(gang: Iterable[tuple[PodObservation, AgentState | None]]) -> lis
     the number of pods."""
     entries = []
     for pod, agent in sorted(gang, key=lambda pa: pa[0].index)[:MAX_PODS_IN_STATUS]:
-        entry = PodStatus(name=pod.name, stage="Unreachable" if agent is None else agent.stage.value)
-        if agent is not None:
-            entry.weight_version = agent.sglang.served_version
-            entry.released_tags = list(agent.released_tags)
-            entry.freed_bytes = agent.memory.freed_bytes
-            entry.gpus = gpu_summary(agent)
-            failed = agent.last_command is not None and agent.last_command.state == CommandState.FAILED
-            entry.last_error = agent.fatal or (
-                agent.last_command.error if failed and agent.last_command else None
+        # One constructor call per entry: at 64 pods, setting the fields one by one made this half of a
+        # phase change's decision.
+        if agent is None:
+            entries.append(PodStatus(name=pod.name, stage="Unreachable", last_error=pod.broken or None))
+            continue
+        cmd = agent.last_command
+        failed = cmd is not None and cmd.state == CommandState.FAILED
+        entries.append(
+            PodStatus(
+                name=pod.name,
+                stage=agent.stage.value,
+                weight_version=agent.sglang.served_version,
+                released_tags=list(agent.released_tags),
+                freed_bytes=agent.memory.freed_bytes,
+                gpus=gpu_summary(agent),
+                last_error=pod.broken or agent.fatal or (cmd.error if failed and cmd else None),
             )
-        if pod.broken:
-            entry.last_error = pod.broken
-        entries.append(entry)
+        )
     return entries
