@@ -46,6 +46,9 @@ from rljob.api.agent import (
 NDJSON = "application/x-ndjson"
 OPEN_PATHS = frozenset({"/healthz", "/metrics", "/openapi.json", "/probe/sglang", "/probe/gang"})
 MAX_FRAME_BYTES = 2**20  # a command frame is < 1 KiB; a bigger one is not the operator's
+# A channel silent this long is pinged, and closed when no pong comes within half of it again: an
+# operator whose node went away without closing its connections leaves no handler behind.
+CHANNEL_HEARTBEAT_S = 30.0
 
 
 class OperatorContact:
@@ -146,7 +149,7 @@ def build_operator_app(
         since = int(query_number(request, "since", -1, lo=-1, hi=2**53))
         if request.query.get("boot") not in (None, store.state.boot_id):
             since = -1  # a restarted agent: its revisions started again
-        ws = web.WebSocketResponse(max_msg_size=MAX_FRAME_BYTES)
+        ws = web.WebSocketResponse(max_msg_size=MAX_FRAME_BYTES, heartbeat=CHANNEL_HEARTBEAT_S)
         if not ws.can_prepare(request).ok:
             raise Refused(400, "NotAWebSocket", "/v1/channel upgrades to a WebSocket (Upgrade: websocket)")
         await ws.prepare(request)
