@@ -70,22 +70,32 @@ class Floor:
             params = {"since": str(since), "wait": str(LONG_POLL), "changes": "operator", "watch": "true"}
             if boot:
                 params["boot"] = boot
-            async with session.get(f"{self.urls[i]}/v1/state", params=params, headers=self.headers) as resp:
-                resp.raise_for_status()
-                while line := await resp.content.readline(max_line_length=2**22):
-                    if line.strip():
-                        self._reported(i, json.loads(line))
-                        boot, since = self.latest[i]["bootId"], self.latest[i]["revision"]
+            url = f"{self.urls[i]}/v1/state"
+            try:
+                async with session.get(url, params=params, headers=self.headers) as resp:
+                    resp.raise_for_status()
+                    while line := await resp.content.readline(max_line_length=2**22):
+                        if line.strip():
+                            self._reported(i, json.loads(line))
+                            boot, since = self.latest[i]["bootId"], self.latest[i]["revision"]
+            except (TimeoutError, aiohttp.ClientError) as err:  # asked again, as the operator does
+                print(f"floor: stream {url}: {err!r}", file=sys.stderr)
+                await asyncio.sleep(0.2)
 
     async def follow_channel(self, session: aiohttp.ClientSession, i: int) -> None:
-        async with session.ws_connect(f"{self.urls[i]}/v1/channel", headers=self.headers) as ws:
-            self.channels[i] = ws
-            async for msg in ws:
-                frame = json.loads(msg.data)
-                if "state" in frame:
-                    self._reported(i, frame["state"])
-                else:
-                    self._replied(frame["reply"])
+        while True:  # a connection refused or timed out on a busy host is made again, as the operator does
+            try:
+                async with session.ws_connect(f"{self.urls[i]}/v1/channel", headers=self.headers) as ws:
+                    self.channels[i] = ws
+                    async for msg in ws:
+                        frame = json.loads(msg.data)
+                        if "state" in frame:
+                            self._reported(i, frame["state"])
+                        else:
+                            self._replied(frame["reply"])
+            except (TimeoutError, aiohttp.ClientError) as err:
+                print(f"floor: channel {self.urls[i]}: {err!r}", file=sys.stderr)
+            await asyncio.sleep(0.2)
 
     def _replied(self, reply: dict[str, Any]) -> None:
         if reply.get("status") not in (200, 202):
