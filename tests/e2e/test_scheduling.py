@@ -131,8 +131,13 @@ def test_no_member_of_an_incomplete_gang_starts_its_gpu_containers(
     status = get_rljob(kube_api, namespace, "half")["status"]
     assert status["phase"] == "Pending" and status["reason"] == "Unschedulable", status
     about = "involvedObject.name=half,reason=Unschedulable"
-    events = kube_api.get(f"/api/v1/namespaces/{namespace}/events", fieldSelector=about)["items"]
-    assert [e["type"] for e in events] == ["Warning"], events  # said once
+
+    def events() -> list[dict[str, Any]]:
+        return kube_api.get(f"/api/v1/namespaces/{namespace}/events", fieldSelector=about)["items"]
+
+    # Events are posted after the status write, off the lifecycle's path (controller/conductor.py).
+    wait_for(lambda: events() or None, timeout=10, interval=0.25, what="the Unschedulable event")
+    assert [e["type"] for e in events()] == ["Warning"], events()  # said once
 
     # For 10 s: the placed members' agents run, SGLang and the trainer never start, no pod is Running.
     placed = [p["metadata"]["name"] for p in pods if p["spec"].get("nodeName")]
