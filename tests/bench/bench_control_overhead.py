@@ -583,6 +583,8 @@ class Bench:
         }
         decisions = {_labels(k): v for k, v in delta(start, end, "rljob_decisions_total").items()}
         counters |= {f"decisions {k}": v for k, v in sorted(decisions.items())}
+        pod_events = {_labels(k): v for k, v in delta(start, end, "rljob_pod_events_total").items()}
+        counters |= {f"pod events {k}": pod_events.get(k, 0.0) for k in ("lifecycle", "readiness", "none")}
         result.per_iteration = {k: v / n for k, v in counters.items()}
         result.per_iteration |= {f"CPU {k}": (end.cpu[k] - start.cpu[k]) / n for k in CPU_OF}
         result.commands = {

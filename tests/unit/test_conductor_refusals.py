@@ -87,7 +87,7 @@ def body(edit: Any = None, name: str = "demo") -> dict[str, Any]:
 
 def conduct(kube: FakeKube, job: dict[str, Any], rounds_after_failed: int = 2) -> dict[str, Any]:
     """Run the conductor until it wrote Failed and did `rounds_after_failed` more rounds."""
-    options = ConductorOptions(tick_seconds=0.01, finished_tick_seconds=0.01)
+    options = ConductorOptions(tick_seconds=0.01, quiet_seconds=0.01)
     conductor = Conductor(kube, job, options)  # type: ignore[arg-type]
     failed_at: list[int] = []
 

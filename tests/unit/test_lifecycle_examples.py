@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from lifecycle_world import World, make_spec
 
 from rljob.api.agent import Action, DrainCommand, GrantCommand, RefitCommand, ReleaseCommand, ResumeCommand
 from rljob.api.status import ConditionStatus, ConditionType, Phase, Verdict
+from rljob.lifecycle.clock import parse
 from rljob.lifecycle.model import EventReason
 
 
@@ -359,6 +362,42 @@ def test_ttl_after_finished_deletes_the_job() -> None:
     assert not world.step().delete_job
     world.tick(25)
     assert world.step().delete_job
+
+
+def test_next_due_is_the_earliest_deadline_a_decision_checked() -> None:
+    """Decision.next_due: the moment time alone would change the decision, from the checks it made."""
+    world = World(make_spec(activeDeadlineSeconds=3600, phaseTimeoutSeconds={"draining": 300}))
+    world.bring_up()
+    started = parse(world.status.start_time)
+    assert started is not None
+    assert world.step().next_due == started + timedelta(seconds=3600)  # Rollout has no timeout here
+    world.trainers_request()
+    world.step()  # Draining: its deadline comes before the job's
+    assert world.status.phase == Phase.DRAINING
+    drained_from = parse(world.status.phase_start_time)
+    assert drained_from is not None
+    world.tick(1)
+    assert world.step().next_due == drained_from + timedelta(seconds=300)
+
+
+def test_a_finished_job_is_due_at_its_ttl_and_no_sooner() -> None:
+    world = World(make_spec(iterations=1, ttlSecondsAfterFinished=30))
+    world.bring_up()
+    world.run_iteration("1")
+    done = parse(world.status.completion_time)
+    assert done is not None
+    d = world.step()
+    assert d.next_due == done + timedelta(seconds=30) and not d.delete_job
+    world.now = done + timedelta(seconds=30)  # the TTL is reached at that moment, not after it
+    assert world.step().delete_job
+
+
+def test_no_deadline_no_next_due() -> None:
+    world = World(make_spec(iterations=1))
+    world.bring_up()
+    world.run_iteration("1")
+    assert world.status.phase == Phase.SUCCEEDED
+    assert world.step().next_due is None
 
 
 def test_pods_of_an_earlier_gang_are_deleted() -> None:

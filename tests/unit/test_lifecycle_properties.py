@@ -7,6 +7,9 @@ invariants of docs/lifecycle.md are checked against the world's truth."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+from datetime import timedelta
+
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -128,6 +131,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         decision = decide(self.world.spec, given, obs)
         assert given.model_dump() == before_dump, "decide changed its input status"
         self.check_skippable(given, obs, decision)
+        self.check_next_due(given, obs, decision)
         if drop_commands:  # operator killed after the status write, before acting
             decision = Decision(status=decision.status)
         self.world.apply(decision)
@@ -173,6 +177,22 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert decision.events == (), decision.events
         assert decision.status == given, "a skipped decision would have changed the status"
         self.last = last  # the conductor keeps the last decision it made
+
+    def check_next_due(self, given: RLJobStatus, obs: Observation, decision: Decision) -> None:
+        """Decision.next_due: a decision that wrote nothing is the same at any time before it (then the
+        conductor, observing nothing new, need not decide again), and no longer the same at it."""
+        if decision.status != given:
+            return  # the conductor writes it and decides again at once
+        from rljob.lifecycle.machine import decide
+
+        tick = timedelta(microseconds=1)
+        before = decision.next_due - tick if decision.next_due else obs.now + timedelta(days=400)
+        if before > obs.now:
+            assert decide(self.world.spec, given, replace(obs, now=before)) == decision
+        if decision.next_due is not None:
+            event("a decision that is due later")
+            after = decide(self.world.spec, given, replace(obs, now=decision.next_due + tick))
+            assert after != decision, "next_due came and time changed nothing"
 
     # --- rules -------------------------------------------------------------------------------
 

@@ -186,15 +186,17 @@ def test_the_conductor_creates_and_deletes_each_pod_once_and_waits_when_nothing_
     asyncio.run(scenario())
 
 
-def test_a_readiness_flip_waits_for_the_heartbeat_and_is_then_counted(monkeypatch: Any) -> None:
-    """A pod whose probe flips asks for no decision of its own; the next one (here the heartbeat) counts
-    it, and the status says so. A pod that starts running is decided on at once."""
+def test_a_readiness_flip_waits_for_the_quiet_decision_and_is_then_counted(monkeypatch: Any) -> None:
+    """A pod whose probe flips asks for no decision of its own; the next one (here the quiet decision,
+    due with nothing observed) counts it, and the status says so. A pod that starts running is decided on
+    at once."""
     kube = ListingKube()
     decisions = counted_decisions(monkeypatch)
     monkeypatch.setattr("rljob.controller.status_writer.READY_ONLY_SECONDS", 0.0)
     job = body()
     job["spec"]["replicas"] = 1
-    conductor = Conductor(kube, job, ConductorOptions(tick_seconds=1.0))  # type: ignore[arg-type]
+    options = ConductorOptions(tick_seconds=0.1, quiet_seconds=1.0)
+    conductor = Conductor(kube, job, options)  # type: ignore[arg-type]
 
     async def scenario() -> None:
         stop = False
@@ -215,9 +217,39 @@ def test_a_readiness_flip_waits_for_the_heartbeat_and_is_then_counted(monkeypatc
         await asyncio.sleep(0.1)
         assert len(decisions) == settled  # readiness alone: no decision of its own
         assert kube.status.get("readyReplicas", 0) == 0
-        await asyncio.sleep(1.2)  # the heartbeat's decision counts it
+        await asyncio.sleep(1.2)  # the quiet decision counts it
         assert len(decisions) > settled
         assert kube.status["readyReplicas"] == 1 and kube.status["ready"] == "1/1", kube.status
+        stop = True
+        conductor.poke()
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(scenario())
+
+
+def test_with_nothing_observed_the_conductor_decides_at_the_next_deadline(monkeypatch: Any) -> None:
+    """Time alone changes a decision only at its next_due: the conductor sleeps until then, neither a
+    heartbeat's worth of decisions before (quiet_seconds is far off here) nor late. A gang the kubelet
+    never starts stays Pending past phaseTimeoutSeconds.initializing (1 s) and is restarted then."""
+    kube = ListingKube()
+    decisions = counted_decisions(monkeypatch)
+    job = body()
+    job["spec"]["replicas"] = 1
+    job["spec"]["phaseTimeoutSeconds"] = {"initializing": 1}
+    options = ConductorOptions(tick_seconds=30, quiet_seconds=30)
+    conductor = Conductor(kube, job, options)  # type: ignore[arg-type]
+
+    async def scenario() -> None:
+        stop = False
+        task = asyncio.create_task(conductor.run(lambda: stop))
+        await asyncio.sleep(0.5)
+        assert kube.store and kube.status.get("phase") == "Pending", kube.status
+        settled = len(decisions)
+        await asyncio.sleep(0.3)
+        assert len(decisions) == settled  # nothing observed, nothing due yet
+        await asyncio.sleep(1.2)  # past the deadline (the phase began within the first 0.5 s)
+        assert kube.status.get("restarts") == 1, kube.status
+        assert kube.deleted, "the gang that timed out is deleted"
         stop = True
         conductor.poke()
         await asyncio.wait_for(task, 5)

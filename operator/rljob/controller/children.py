@@ -183,7 +183,15 @@ def agent_container(spec: RLJobSpec, options: AgentOptions) -> dict[str, Any]:
             {"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True},
             {"name": STATE_VOLUME, "mountPath": STATE_DIR},
         ],
-        "readinessProbe": {"httpGet": {"path": "/healthz", "port": port}, "periodSeconds": 2},
+        # Readiness gates nothing here (the Service publishes not-ready addresses, the operator reaches
+        # each agent by its pod IP): it tells `kubectl get` the agent answers. With the 1 s default a
+        # loaded node flips it, and every flip is a pod event each watcher parses whole: 1956 an
+        # iteration at 512 pods of one test host (docs/benchmarks.md).
+        "readinessProbe": {
+            "httpGet": {"path": "/healthz", "port": port},
+            "periodSeconds": 5,
+            "timeoutSeconds": 5,
+        },
         "resources": {
             "requests": {"cpu": options.cpu_request, "memory": options.memory_request},
             "limits": {"memory": options.memory_limit},

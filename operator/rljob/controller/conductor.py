@@ -36,7 +36,13 @@ from rljob.lifecycle.machine import AwaitedReport, awaited_report, decide
 from rljob.lifecycle.model import Admission, Awaited, Decision, Observation
 
 log = logging.getLogger(__name__)
-TICK_SECONDS = 2.0  # time-based decisions (deadlines) need a heartbeat; everything else wakes us
+# A decision is made when something it depends on is observed to change, or when time alone would change
+# it (Decision.next_due: a deadline, a TTL). Besides: what did not go through (a command an agent did not
+# take, a status write held back) is tried again TICK_SECONDS later, and a decision is made at least every
+# QUIET_SECONDS whatever happens. A heartbeat of TICK_SECONDS alone was most decisions at 512 pods: 101.6
+# an iteration, each over every pod (docs/benchmarks.md).
+TICK_SECONDS = 2.0
+QUIET_SECONDS = 30.0
 # A full pod list now and then: a watch that reconnected reports no deletions it missed. At least this
 # often, and no more than a list's share of the CPU allows: at 512 pods one list is ~6 MB of JSON, and a list
 # a minute was a tenth of the operator's CPU (docs/benchmarks.md).
@@ -48,6 +54,9 @@ RESYNC_SECONDS_PER_POD = 0.5
 PACE = 3.0
 MAX_PAUSE = 0.05  # seconds
 MAX_SPEC_ERROR = 1000  # the status message is bounded (api/status.py)
+_POD_EVENT_LIFECYCLE = metrics.POD_EVENTS.labels(change="lifecycle")
+_POD_EVENT_READINESS = metrics.POD_EVENTS.labels(change="readiness")
+_POD_EVENT_NONE = metrics.POD_EVENTS.labels(change="none")
 
 
 @dataclass
@@ -66,8 +75,8 @@ class _Parsed:
 @dataclass(frozen=True)
 class ConductorOptions:
     agent: AgentOptions = field(default_factory=AgentOptions)
-    tick_seconds: float = TICK_SECONDS
-    finished_tick_seconds: float = 30.0  # finished jobs only wait for their TTL: a slow heartbeat is enough
+    tick_seconds: float = TICK_SECONDS  # a retry of what did not go through
+    quiet_seconds: float = QUIET_SECONDS  # a decision at least this often
     freeze_heap: bool = False  # heap.freeze() after the first round (the operator process; not in tests)
 
 
@@ -137,6 +146,8 @@ class Conductor:
         self._decided: tuple[Any, ...] | None = None  # the inputs of the last decision
         self._awaited = AwaitedPods()  # what it waits on (Decision.awaiting), report by report
         self._decided_at = 0.0  # loop time the last decision ended
+        self._due_at = 0.0  # loop time the next decision is due whatever is observed (see TICK_SECONDS)
+        self._untaken = False  # a command of the last decision was not taken: send it again
         self._decide_seconds = 0.0  # what it cost
         self._parsed: _Parsed | None = None
         self._children_ready = False  # the token Secret and the Service exist
@@ -166,8 +177,12 @@ class Conductor:
 
     def pod_seen(self, pod: dict[str, Any], deleted: bool = False) -> None:
         """A watch event for one of this job's pods (controller/handlers.py)."""
+        readiness = self.pods.readiness_changes
         if self.pods.seen(pod, deleted):
+            _POD_EVENT_LIFECYCLE.inc()
             self.poke()
+        else:
+            (_POD_EVENT_NONE if self.pods.readiness_changes == readiness else _POD_EVENT_READINESS).inc()
 
     def _reported(self, pod: str) -> None:
         self._reports += 1
@@ -224,10 +239,7 @@ class Conductor:
                 while not stopped() and not self.deleting():
                     self.wake.clear()
                     options = self.options
-                    tick = options.finished_tick_seconds if status.phase.terminal else options.tick_seconds
-                    # Time-based decisions (deadlines, the TTL) need a decision now and then even when
-                    # nothing was observed to change.
-                    due = loop.time() - self._decided_at >= tick
+                    due = loop.time() >= self._due_at
                     parsed = await self._checked_spec(agents, status)
                     decision = await self._round(agents, parsed, status, due)
                     progressed = False
@@ -250,13 +262,17 @@ class Conductor:
                         if decision.delete_job:
                             await self.kube.delete_job(self.namespace, self.name)
                             return
+                        # a status held back (StatusWriter: ready counts alone) is offered again
+                        held_back = status is not decision.status and decision.status != status
+                        self._due_at = self._next_due_at(decision, retry=self._untaken or held_back)
                     if options.freeze_heap:
                         heap.freeze()
                     if progressed:
                         continue  # what we sent or wrote changes what we observe: look again at once
                     # Nothing sent, created, deleted or written: a round now would see what this one
-                    # saw, so wait to be woken (a report, a pod event, an edit) or for the heartbeat.
-                    wait = max(0.0, self._decided_at + tick - loop.time())
+                    # saw, so wait to be woken (a report, a pod event, an edit), for the next decision
+                    # that is due, or for the next full pod list.
+                    wait = max(0.0, min(self._due_at, self._resync_at) - loop.time())
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self.wake.wait(), wait)
             except NamespaceTerminating as terminating:
@@ -320,6 +336,14 @@ class Conductor:
         self._decided_at = loop.time()
         self._awaited.decided(decision.awaiting)
         return decision
+
+    def _next_due_at(self, decision: Decision, retry: bool) -> float:
+        """Loop time at which a decision is due though nothing was observed to change."""
+        options = self.options
+        after = options.tick_seconds if retry else options.quiet_seconds
+        if decision.next_due is not None:
+            after = min(after, max(0.0, (decision.next_due - self.clock()).total_seconds()))
+        return asyncio.get_running_loop().time() + after
 
     def _agent_states(self) -> dict[str, AgentState | None]:
         states: dict[str, AgentState | None] = {}
@@ -450,6 +474,7 @@ class Conductor:
         do not show an acceptance: agent/reports.py)."""
         epoch = decision.status.epoch
         self._accepted = {a for a in self._accepted if a[2] >= epoch}
+        self._untaken = False
         self._refused = {r for r in self._refused if r[2] >= epoch}
         sends, keys = [], []
         for pc in decision.commands:
@@ -468,6 +493,7 @@ class Conductor:
                 progressed = True
                 continue
             self._awaited.not_taken()  # it is sent again by the next decision
+            self._untaken = True  # which is due a tick from now if nothing else comes first
             if (
                 outcome.refusal
                 and not outcome.refusal.startswith("unreachable")

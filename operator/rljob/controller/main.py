@@ -78,7 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--leader-elect-lease-seconds", type=float, default=15.0)
     p.add_argument("--leader-elect-renew-deadline-seconds", type=float, default=10.0)
     p.add_argument("--leader-elect-retry-seconds", type=float, default=2.0)
-    p.add_argument("--tick-seconds", type=float, default=2.0, help="heartbeat for time-based decisions")
+    p.add_argument(
+        "--tick-seconds", type=float, default=2.0, help="how soon what did not go through is tried again"
+    )
     p.add_argument("--log-json", action="store_true", default=env("RLJOB_LOG_JSON") == "1")
     p.add_argument("--verbose", "-v", action="store_true")
     return p.parse_args(argv)

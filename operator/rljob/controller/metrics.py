@@ -38,6 +38,12 @@ API_CALLS = Counter("rljob_api_calls_total", "Kubernetes API calls, by verb.", [
 AGENT_COMMANDS = Counter(
     "rljob_agent_commands_total", "Commands sent to agents, by action and outcome.", ["action", "outcome"]
 )
+POD_EVENTS = Counter(
+    "rljob_pod_events_total",
+    "Pod watch events of RLJobs' pods, by what they change for the conductor: lifecycle (it decides on "
+    "it), readiness (only the ready counts), none (an older or an unchanged pod).",
+    ["change"],
+)
 AGENT_REPORTS = Counter("rljob_agent_reports_total", "Agent state reports taken (newer revisions only).")
 DECISIONS = Counter(
     "rljob_decisions_total",

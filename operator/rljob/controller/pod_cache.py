@@ -14,7 +14,7 @@ A change of readiness alone is kept but wakes nobody: readiness decides nothing 
 status.ready and readyReplicas, which the status writer coalesces anyway), and probes that time out on a
 loaded node flip it all the time; at 512 pods of an overloaded test host they were about 70 % of the
 decisions (324 an iteration, 98-106 without them: docs/benchmarks.md). The next decision, at the latest
-the conductor's heartbeat, counts them."""
+the quiet one every 30 s (controller/conductor.py QUIET_SECONDS), counts them."""
 
 from __future__ import annotations
 
@@ -69,6 +69,7 @@ class PodCache:
         self._deleted: set[str] = set()  # uids this operator asked to delete
         self._observations: tuple[PodObservation, ...] | None = ()
         self.version = 0  # moves whenever what the conductor reads of the pods changes, but readiness
+        self.readiness_changes = 0  # moves when readiness alone changed
         self.listed_once = False
 
     def __len__(self) -> int:
@@ -113,6 +114,7 @@ class PodCache:
             return False
         if old is not None and old.seen_as_but_ready(pod):
             self._observations = None  # counted by the next decision, which it does not ask for
+            self.readiness_changes += 1
             return False
         if old is not None and old.uid != pod.uid:
             self._deleted.discard(old.uid)

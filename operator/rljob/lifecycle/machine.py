@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from enum import StrEnum
 
 from rljob.api.agent import (
@@ -39,7 +40,7 @@ from rljob.api.status import (
     RLJobStatus,
 )
 from rljob.lifecycle import timeline
-from rljob.lifecycle.clock import parse, seconds_between, stamp
+from rljob.lifecycle.clock import parse, stamp
 from rljob.lifecycle.conditions import refresh_phase_conditions, set_condition
 from rljob.lifecycle.model import (
     Admission,
@@ -70,6 +71,23 @@ class _Step:
     events: list[Event] = field(default_factory=list)
     delete_job: bool = False
     awaiting: list[Awaited] = field(default_factory=list)
+    next_due: datetime | None = None
+    _gang: tuple[tuple[int, int], dict[int, PodObservation]] | None = field(
+        default=None, init=False, repr=False
+    )
+
+    def passed(self, since: str | None, seconds: float | None, reached: bool = False) -> bool:
+        """Whether more than `seconds` passed since `since` (a status stamp; with `reached`, at least
+        `seconds`); when not yet, the moment it will is a time this decision depends on
+        (Decision.next_due). No limit or no start: never."""
+        began = parse(since)
+        if seconds is None or began is None:
+            return False
+        at = began + timedelta(seconds=seconds)
+        if self.obs.now > at or (reached and self.obs.now == at):
+            return True
+        self.next_due = at if self.next_due is None else min(self.next_due, at)
+        return False
 
     @property
     def spec(self) -> RLJobSpec:
@@ -88,12 +106,13 @@ class _Step:
 
     def gang(self) -> dict[int, PodObservation]:
         """Pods of the current gang generation, by index (status.replicas is the spec's replicas, or the
-        last known ones when the spec could not be parsed)."""
-        return {
-            p.index: p
-            for p in self.obs.pods
-            if p.gang == self.status.restarts and 0 <= p.index < self.status.replicas
-        }
+        last known ones when the spec could not be parsed). Kept while the generation and the replicas
+        stay: a decision asks several times, each a pass over every pod. Not to be changed."""
+        key = (self.status.restarts, self.status.replicas)
+        if self._gang is None or self._gang[0] != key:
+            gang = {p.index: p for p in self.obs.pods if p.gang == key[0] and 0 <= p.index < key[1]}
+            self._gang = (key, gang)
+        return self._gang[1]
 
     def agent(self, pod: PodObservation) -> AgentState | None:
         return self.obs.agents.get(pod.name)
@@ -230,6 +249,7 @@ class _Step:
             events=tuple(self.events),
             delete_job=self.delete_job,
             awaiting=tuple(self.awaiting),
+            next_due=self.next_due,
         )
 
 
@@ -952,7 +972,7 @@ def _fail_on_invalid_spec(step: _Step, error: str) -> None:
 
 
 def _past(step: _Step, limit: int | None) -> bool:
-    return limit is not None and seconds_between(step.status.phase_start_time, step.obs.now) > limit
+    return step.passed(step.status.phase_start_time, limit)
 
 
 def _restart_gang_if_timed_out(step: _Step, limit: int | None) -> bool:
@@ -970,7 +990,7 @@ def _restart_gang_if_timed_out(step: _Step, limit: int | None) -> bool:
 def _fail_if_deadline_exceeded(step: _Step) -> bool:
     """True when activeDeadlineSeconds passed since the start: the job failed."""
     limit = step.spec.active_deadline_seconds
-    if limit is None or seconds_between(step.status.start_time, step.obs.now) <= limit:
+    if not step.passed(step.status.start_time, limit):
         return False
     _fail(step, EventReason.DEADLINE_EXCEEDED, f"activeDeadlineSeconds {limit} exceeded")
     return True
@@ -1036,6 +1056,5 @@ def _clean_up_finished(step: _Step) -> None:
     if failed or (spec is not None and spec.pods_after_finished == PodsAfterFinished.DELETE):
         step.delete_all_pods()
     ttl = spec.ttl_seconds_after_finished if spec is not None else None
-    done = parse(st.completion_time)
-    if ttl is not None and done is not None and (step.obs.now - done).total_seconds() >= ttl:
+    if step.passed(st.completion_time, ttl, reached=True):
         step.delete_job = True

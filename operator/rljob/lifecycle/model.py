@@ -144,3 +144,8 @@ class Decision:
     # the last of them shows it, a report of one that did decides nothing new
     # (machine.decides_nothing_new), and the conductor need not decide on it.
     awaiting: tuple[Awaited, ...] = ()
+    # The earliest moment at which time alone would change this decision: a phase or job deadline, or the
+    # TTL of a finished job, that one of its checks found not yet passed. None: no check of it depends on
+    # the time. Given the same inputs, a decision before then is this one (test_lifecycle_properties.py),
+    # so the conductor decides again only when something is observed to change, or then.
+    next_due: datetime | None = None
