@@ -163,15 +163,20 @@ def test_ready_counts_alone_are_written_at_most_every_few_seconds() -> None:
 
     async def scenario() -> list[bool]:
         wrote = [await writer.write(status(4))]  # the first write
+        assert writer.held_back_for() is None
         now[0] += 1
         wrote.append(await writer.write(status(3)))  # a probe flipped: held back
+        assert writer.held_back_for() == READY_ONLY_SECONDS - 1  # when the conductor offers it again
         now[0] += 1
         wrote.append(await writer.write(status(3, Phase.DRAINING)))  # a phase change: at once, counts too
+        assert writer.held_back_for() is None
         now[0] += 1
         wrote.append(await writer.write(status(4, Phase.DRAINING)))  # held back again
         now[0] += READY_ONLY_SECONDS
+        assert writer.held_back_for() == 0.0
         wrote.append(await writer.write(status(4, Phase.DRAINING)))  # offered again later: written
         wrote.append(await writer.write(status(4, Phase.DRAINING)))  # nothing changed
+        assert writer.held_back_for() is None
         return wrote
 
     assert asyncio.run(scenario()) == [True, False, True, False, True, False]

@@ -247,7 +247,8 @@ class Conductor:
                         # persist first, then act (see Decision)
                         # Most decisions while reports come in change nothing: comparing the models is
                         # cheaper than building the wire form the writer diffs.
-                        written = decision.status != status and await writer.write(decision.status)
+                        offered = decision.status != status
+                        written = offered and await writer.write(decision.status)
                         self._observe_metrics(status, decision.status)
                         if written:  # else the same status: keep the object the next round compares
                             status = decision.status
@@ -258,21 +259,24 @@ class Conductor:
                         except ChildRefused as refused:  # what a dry run could not foresee
                             parsed.refused(refused)
                             continue
-                        await self._settle_workload(decision.status)
+                        settled = await self._settle_workload(decision.status)
                         if decision.delete_job:
                             await self.kube.delete_job(self.namespace, self.name)
                             return
-                        # a status held back (StatusWriter: ready counts alone) is offered again
-                        held_back = status is not decision.status and decision.status != status
-                        self._due_at = self._next_due_at(decision, retry=self._untaken or held_back)
+                        # a status held back (ready counts alone) is offered again when it would be
+                        # written; what else did not go through, a tick from now
+                        held_back = writer.held_back_for() if offered and not written else None
+                        self._due_at = self._next_due_at(decision, self._untaken or settled, held_back)
                     if options.freeze_heap:
                         heap.freeze()
                     if progressed:
                         continue  # what we sent or wrote changes what we observe: look again at once
                     # Nothing sent, created, deleted or written: a round now would see what this one
                     # saw, so wait to be woken (a report, a pod event, an edit), for the next decision
-                    # that is due, or for the next full pod list.
-                    wait = max(0.0, min(self._due_at, self._resync_at) - loop.time())
+                    # that is due, or a tick: a round that decides nothing costs little, and it reads
+                    # what is read now and then (the full pod list, the Workload: JobQueue.REREAD_SECONDS).
+                    now = loop.time()
+                    wait = max(0.0, min(self._due_at, self._resync_at, now + options.tick_seconds) - now)
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self.wake.wait(), wait)
             except NamespaceTerminating as terminating:
@@ -337,12 +341,14 @@ class Conductor:
         self._awaited.decided(decision.awaiting)
         return decision
 
-    def _next_due_at(self, decision: Decision, retry: bool) -> float:
+    def _next_due_at(self, decision: Decision, retry: bool, held_back: float | None) -> float:
         """Loop time at which a decision is due though nothing was observed to change."""
         options = self.options
         after = options.tick_seconds if retry else options.quiet_seconds
         if decision.next_due is not None:
             after = min(after, max(0.0, (decision.next_due - self.clock()).total_seconds()))
+        if held_back is not None:
+            after = min(after, held_back)
         return asyncio.get_running_loop().time() + after
 
     def _agent_states(self) -> dict[str, AgentState | None]:
@@ -380,15 +386,18 @@ class Conductor:
 
         return await self.job_queue().admission(queue, manifest if spec else None, status.phase.terminal)
 
-    async def _settle_workload(self, status: RLJobStatus) -> None:
-        """Tell Kueue what the job did this round: quota given back after an eviction, finished."""
+    async def _settle_workload(self, status: RLJobStatus) -> bool:
+        """Tell Kueue what the job did this round: quota given back after an eviction, finished. True
+        when it wrote something."""
         queue = queue_name(self.body)
         if queue is None or self._queue is None:
-            return
+            return False
         spec = self._parsed.spec if self._parsed is not None else None
         suspend = spec is not None and spec.suspend
         ready = status.replicas > 0 and status.ready_replicas == status.replicas
-        await self._queue.settle(queue, status.phase, status.message or "", suspend, self._pods_left, ready)
+        return await self._queue.settle(
+            queue, status.phase, status.message or "", suspend, self._pods_left, ready
+        )
 
     def _placed_gangs(self, spec: RLJobSpec) -> set[int]:
         """Gangs every member of which the scheduler placed (each has a pod IP), at any time so far."""

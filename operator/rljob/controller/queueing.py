@@ -409,18 +409,18 @@ class JobQueue:
 
     async def settle(
         self, queue: str | None, phase: Phase, message: str, suspend: bool, pods_left: int, pods_ready: bool
-    ) -> None:
+    ) -> bool:
         """After the round's effects: spec.active follows suspend; with no pod left, a Suspended job gives
         back quota Kueue evicted and a finished job finishes its Workload; else PodsReady follows the
         gang. A job that continues after its Workload finished (iterations raised) gets a new one next
-        round."""
+        round. True when it wrote: the next round may have more to settle."""
         wl = self.workload
         if queue is None or wl is None:
-            return
+            return False
         patch = spec_patch(wl, queue, active=not suspend)
         if patch is not None:
             self._store(await self.workloads.patch(self.namespace, self.name, patch, status=False))
-            return  # settle the status from the patched object next round
+            return True  # settle the status from the patched object next round
         status: dict[str, Any] | None = None
         if pods_left == 0 and phase == Phase.SUSPENDED:
             status = release_patch(wl, datetime.now(UTC))
@@ -433,3 +433,6 @@ class JobQueue:
         elif is_true(wl, FINISHED) and not phase.terminal:
             await self.workloads.delete(self.namespace, self.name)
             self.workload, self._read_at = None, self.clock()
+        else:
+            return False
+        return True

@@ -52,16 +52,19 @@ class StatusWriter:
         self._written: dict[str, Any] = dict(stored or {})
         self._clock = clock
         self._written_at = float("-inf")
+        self._held_back = False  # the last status offered had ready counts it did not write yet
 
     async def write(self, status: RLJobStatus) -> bool:
         """Patches what changed; False when nothing did, or only the ready counts did within
-        READY_ONLY_SECONDS of the last write (the caller offers the status again later)."""
+        READY_ONLY_SECONDS of the last write (the caller offers the status again: held_back_for)."""
         new = status.wire()
         patch = merge_patch(self._written, new)
+        self._held_back = False
         if not patch:
             return False
         now = self._clock()
         if patch.keys() <= READY_ONLY and now - self._written_at < READY_ONLY_SECONDS:
+            self._held_back = True
             return False
         await self._kube.patch_status(self._namespace, self._name, patch)
         self._written = new
@@ -70,3 +73,10 @@ class StatusWriter:
         for key in patch:  # keys of the status model's wire form: a bounded set of labels
             STATUS_FIELDS.labels(field=key).inc()
         return True
+
+    def held_back_for(self) -> float | None:
+        """Seconds until the status last offered, and held back, would be written; None when the last
+        one offered was written, or needed no write."""
+        if not self._held_back:
+            return None
+        return max(0.0, self._written_at + READY_ONLY_SECONDS - self._clock())
