@@ -186,17 +186,24 @@ def test_the_conductor_creates_and_deletes_each_pod_once_and_waits_when_nothing_
     asyncio.run(scenario())
 
 
+def one_pod_conductor(
+    monkeypatch: Any, options: ConductorOptions, **spec: Any
+) -> tuple[ListingKube, list[Any], Conductor]:
+    """A conductor of a one-pod job (spec fields as given) over a ListingKube, its decisions counted."""
+    kube = ListingKube()
+    decisions = counted_decisions(monkeypatch)
+    job = body()
+    job["spec"] |= {"replicas": 1, **spec}
+    return kube, decisions, Conductor(kube, job, options)  # type: ignore[arg-type]
+
+
 def test_a_readiness_flip_waits_for_the_quiet_decision_and_is_then_counted(monkeypatch: Any) -> None:
     """A pod whose probe flips asks for no decision of its own; the next one (here the quiet decision,
     due with nothing observed) counts it, and the status says so. A pod that starts running is decided on
     at once."""
-    kube = ListingKube()
-    decisions = counted_decisions(monkeypatch)
     monkeypatch.setattr("rljob.controller.status_writer.READY_ONLY_SECONDS", 0.0)
-    job = body()
-    job["spec"]["replicas"] = 1
     options = ConductorOptions(tick_seconds=0.1, quiet_seconds=1.0)
-    conductor = Conductor(kube, job, options)  # type: ignore[arg-type]
+    kube, decisions, conductor = one_pod_conductor(monkeypatch, options)
 
     async def scenario() -> None:
         stop = False
@@ -231,13 +238,10 @@ def test_with_nothing_observed_the_conductor_decides_at_the_next_deadline(monkey
     """Time alone changes a decision only at its next_due: the conductor sleeps until then, neither a
     heartbeat's worth of decisions before (quiet_seconds is far off here) nor late. A gang the kubelet
     never starts stays Pending past phaseTimeoutSeconds.initializing (1 s) and is restarted then."""
-    kube = ListingKube()
-    decisions = counted_decisions(monkeypatch)
-    job = body()
-    job["spec"]["replicas"] = 1
-    job["spec"]["phaseTimeoutSeconds"] = {"initializing": 1}
     options = ConductorOptions(tick_seconds=30, quiet_seconds=30)
-    conductor = Conductor(kube, job, options)  # type: ignore[arg-type]
+    kube, decisions, conductor = one_pod_conductor(
+        monkeypatch, options, phaseTimeoutSeconds={"initializing": 1}
+    )
 
     async def scenario() -> None:
         stop = False
