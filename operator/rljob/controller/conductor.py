@@ -75,7 +75,7 @@ class _Parsed:
 @dataclass(frozen=True)
 class ConductorOptions:
     agent: AgentOptions = field(default_factory=AgentOptions)
-    tick_seconds: float = TICK_SECONDS  # a retry of what did not go through
+    tick_seconds: float = TICK_SECONDS  # a round at least this often; what did not go through, again then
     quiet_seconds: float = QUIET_SECONDS  # a decision at least this often
     freeze_heap: bool = False  # heap.freeze() after the first round (the operator process; not in tests)
 

@@ -430,9 +430,9 @@ class JobQueue:
             status = pods_ready_patch(wl, pods_ready, datetime.now(UTC))
         if status is not None:
             self._store(await self.workloads.patch(self.namespace, self.name, status, status=True))
-        elif is_true(wl, FINISHED) and not phase.terminal:
+            return True
+        if is_true(wl, FINISHED) and not phase.terminal:
             await self.workloads.delete(self.namespace, self.name)
             self.workload, self._read_at = None, self.clock()
-        else:
-            return False
-        return True
+            return True
+        return False
