@@ -6,7 +6,8 @@ bench_control_overhead.py after a job succeeded and its operator stopped, as a p
 A transition is the least any operator must do: send one small command (drain, then resume, epochs
 counting on from the job's) to every agent at once, take each agent's report of the finished command
 over a connection already open (JSON parsed, nothing validated), and write one status merge-patch
-(kubernetes client, as the operator does) once the last report came: to an RLJob that carries the
+(over aiohttp with the kubernetes client's configuration, as the operator does: controller/kube.py
+DirectCalls) once the last report came: to an RLJob that carries the
 benchmark job's final status, and of what a phase change of the operator changes (phase, epoch,
 phaseStartTime, reason, message, and the timeline, conditions and pods lists, which a merge patch
 replaces whole). Its floor is that wall time minus the slowest agent's own time for the command
@@ -37,9 +38,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from kubernetes import client, config
+from kubernetes import config
 
 from rljob.api.crd import GROUP, PLURAL, VERSION
+from rljob.controller.kube import DirectCalls
+from rljob.controller.main import event_loop
 
 LONG_POLL = 10.0
 
@@ -58,7 +61,7 @@ class Floor:
         self.unanswered = 0  # channel: command frames sent and not answered yet
         self.answered = asyncio.Event()
         self.refused: str | None = None
-        self.custom = client.CustomObjectsApi(config.new_client_from_config(req["kubeconfig"]))
+        self.kube = DirectCalls(config.new_client_from_config(req["kubeconfig"]).configuration)
 
     def _finished(self, state: dict[str, Any]) -> bool:
         cmd = state.get("lastCommand") or {}
@@ -140,9 +143,8 @@ class Floor:
         reported = time.perf_counter()
         patch = {"status": self._phase_change(action)}
         ns, name = self.req["namespace"], self.req["name"]
-        await asyncio.to_thread(
-            self.custom.patch_namespaced_custom_object_status, GROUP, VERSION, ns, PLURAL, name, patch
-        )
+        path = f"/apis/{GROUP}/{VERSION}/namespaces/{ns}/{PLURAL}/{name}/status"
+        await self.kube.send("PATCH", path, patch, "application/merge-patch+json")
         ended = time.perf_counter()
         in_agent = max((s or {}).get("lastCommand", {}).get("seconds") or 0.0 for s in self.latest)
         wall, patched = ended - began, ended - reported
@@ -190,7 +192,15 @@ class Floor:
 def main() -> None:
     req = json.loads(Path(sys.argv[1]).read_text())
     floor = Floor(req)
-    samples = asyncio.run(floor.run())
+
+    async def measure() -> list[dict[str, Any]]:
+        try:
+            return await floor.run()
+        finally:
+            await floor.kube.close()
+
+    with event_loop() as loop:  # the operator's: uvloop where it is installed (controller/main.py)
+        samples = loop.run_until_complete(measure()) if loop is not None else asyncio.run(measure())
     Path(sys.argv[2]).write_text(json.dumps({"samples": samples, "cpu": floor.cpu}))
 
 

@@ -62,6 +62,23 @@ def test_each_phase_sends_its_command_to_every_pod_with_the_new_epoch() -> None:
     assert not any(isinstance(pc.command, GrantCommand) for pc in d.commands)
 
 
+def test_each_pod_refits_from_where_its_own_trainer_published() -> None:
+    # A decision builds one command per role and LockStep.varies: the refit's varies by the pod's path.
+    world = World(make_spec(replicas=3))
+    world.bring_up()
+    world.trainers_request()
+    world.step()
+    for _ in range(3):  # drain, release, grant
+        world.finish_all()
+        world.step()
+    world.trainers_publish("1")
+    world.agents["job-1"].published_path = "/local/job-1/1"
+    d = world.step()
+    assert world.status.phase == Phase.REFITTING
+    paths = {pc.pod: pc.command.path for pc in d.commands if isinstance(pc.command, RefitCommand)}
+    assert paths == {"job-0": "/weights/1", "job-1": "/local/job-1/1", "job-2": "/weights/1"}
+
+
 def test_a_pod_that_has_not_finished_holds_the_whole_gang() -> None:
     world = World(make_spec())
     world.bring_up()

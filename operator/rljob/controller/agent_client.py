@@ -24,6 +24,11 @@ COMMAND_SECONDS = 15.0  # an agent that takes longer to answer a command is unre
 CHANNEL_HEARTBEAT_SECONDS = 10.0
 
 
+def command_frame(command: Command) -> str:
+    """A command as the channel's frame; the conductor writes one per distinct command, not one per pod."""
+    return COMMAND_ADAPTER.dump_json(command, by_alias=True, exclude_none=True).decode()
+
+
 @dataclass(frozen=True)
 class AgentEndpoint:
     pod: str
@@ -165,15 +170,16 @@ class AgentWatch:
         self._boot: str | None = None
         self._task = asyncio.create_task(self._run(), name=f"agent-watch-{endpoint.pod}")
 
-    async def send(self, command: Command) -> CommandOutcome:
-        """On the channel: a frame, and its reply; a POST while the channel is not open."""
+    async def send(self, command: Command, frame: str | None = None) -> CommandOutcome:
+        """On the channel: a frame (`frame`, the command's `command_frame` when the caller has it), and its
+        reply; a POST while the channel is not open."""
         ws, key = self._ws, (command.action.value, command.epoch)
         if ws is None or ws.closed or key in self._answers:
             return await self.client.send(self.endpoint, command)
         answer: asyncio.Future[CommandOutcome] = asyncio.get_running_loop().create_future()
         self._answers[key] = answer  # before the write: its reply may be read while the write waits
         try:
-            await ws.send_str(COMMAND_ADAPTER.dump_json(command, by_alias=True, exclude_none=True).decode())
+            await ws.send_str(frame if frame is not None else command_frame(command))
             return await asyncio.wait_for(answer, COMMAND_SECONDS)
         except (TimeoutError, aiohttp.ClientError, ConnectionError) as err:
             return _unreachable(self.endpoint.pod, key[0], repr(err))

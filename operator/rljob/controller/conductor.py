@@ -19,7 +19,7 @@ from rljob.api.agent import AgentState
 from rljob.api.spec import RLJobSpec
 from rljob.api.status import Phase, RLJobStatus
 from rljob.controller import heap, metrics
-from rljob.controller.agent_client import AgentClient, AgentEndpoint, AgentWatch
+from rljob.controller.agent_client import AgentClient, AgentEndpoint, AgentWatch, command_frame
 from rljob.controller.children import (
     AgentOptions,
     gang_pod,
@@ -486,6 +486,7 @@ class Conductor:
         self._untaken = False
         self._refused = {r for r in self._refused if r[2] >= epoch}
         sends, keys = [], []
+        frames: dict[int, str] = {}  # by id(): a decision builds one command per role (LockStep.varies)
         for pc in decision.commands:
             watch = self._watches.get(pc.pod)
             if watch is None:
@@ -493,7 +494,10 @@ class Conductor:
             key = (watch.endpoint.uid, pc.command.action.value, pc.command.epoch)
             if key in self._accepted:
                 continue
-            sends.append(watch.send(pc.command))
+            frame = frames.get(id(pc.command))
+            if frame is None:
+                frame = frames[id(pc.command)] = command_frame(pc.command)
+            sends.append(watch.send(pc.command, frame))
             keys.append(key)
         progressed = False
         for key, outcome in zip(keys, await asyncio.gather(*sends), strict=True):

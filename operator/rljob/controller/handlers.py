@@ -53,6 +53,14 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.setdefault("options", ConductorOptions())
 
 
+@kopf.on.cleanup()
+async def close_connections(memo: kopf.Memo, **_: Any) -> None:
+    """The direct calls' session (controller/kube.py DirectCalls), made in kopf's event loop."""
+    kube = memo.get("kube")
+    if isinstance(kube, Kube):
+        await kube.close()
+
+
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=15.0)
 async def conduct(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     conductor = Conductor(memo["kube"], body, memo["options"])

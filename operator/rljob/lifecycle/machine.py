@@ -287,7 +287,7 @@ class LockStep:
 
     action: Action
     deadline: Callable[[PhaseTimeouts], int | None]
-    command: Callable[[_Step, PodObservation, AgentState, Role], Command]
+    command: Callable[[_Step, AgentState, Role], Command]
     done: Callable[[_Step, AgentState], bool]
     then: Callable[[_Step, list[AgentState]], None]
     record: SpanRecord | None = None
@@ -297,6 +297,9 @@ class LockStep:
     # What a pod whose command succeeded still waits for, when `done` is one report's evidence the
     # conductor can check report by report (Decision.awaiting); otherwise each such report is decided.
     awaits: Evidence = Evidence.COMMAND
+    # What the command depends on besides the step and the pod's role: a decision builds one command per
+    # role and value, not one per pod (at 512 pods building them was most of a decision's time).
+    varies: Callable[[AgentState], str | None] = lambda agent: None
 
 
 # The command builders. A follower's agent reads each command by its own role (docs/agent.md, "Leader and
@@ -304,21 +307,21 @@ class LockStep:
 # resume record what the leader's SGLang call did (and a resume checks that the memory came back).
 
 
-def _drain(step: _Step, pod: PodObservation, agent: AgentState, role: Role) -> Command:
+def _drain(step: _Step, agent: AgentState, role: Role) -> Command:
     drain = step.spec.rollout.drain
     return DrainCommand(epoch=step.status.epoch, mode=drain.mode, timeout_seconds=drain.timeout_seconds)
 
 
-def _release(step: _Step, pod: PodObservation, agent: AgentState, role: Role) -> Command:
+def _release(step: _Step, agent: AgentState, role: Role) -> Command:
     release = step.spec.release
     return ReleaseCommand(epoch=step.status.epoch, tags=list(release.tags), verify=release.verify)
 
 
-def _grant(step: _Step, pod: PodObservation, agent: AgentState, role: Role) -> Command:
+def _grant(step: _Step, agent: AgentState, role: Role) -> Command:
     return GrantCommand(epoch=step.status.epoch)
 
 
-def _refit(step: _Step, pod: PodObservation, agent: AgentState, role: Role) -> Command:
+def _refit(step: _Step, agent: AgentState, role: Role) -> Command:
     target = step.status.target_weights
     assert target is not None
     # After training each pod loads what its own trainer published; a rejoin loads the committed path.
@@ -333,7 +336,7 @@ def _refit(step: _Step, pod: PodObservation, agent: AgentState, role: Role) -> C
     )
 
 
-def _resume(step: _Step, pod: PodObservation, agent: AgentState, role: Role) -> Command:
+def _resume(step: _Step, agent: AgentState, role: Role) -> Command:
     timeout = float(step.spec.phase_timeout_seconds.resuming or 300)
     # A follower has no SGLang API to read the served version from: it reports what its leader verified.
     version = _target_version(step) if role == Role.FOLLOWER else None
@@ -493,6 +496,7 @@ LOCK_STEPS: dict[Phase, LockStep] = {
         action=Action.REFIT,
         deadline=lambda t: t.refitting,
         command=_refit,
+        varies=lambda agent: agent.trainer.published_path,
         done=_serves_target,
         then=_advance_to(Phase.RESUMING),
         after_leader=True,
@@ -562,6 +566,7 @@ def _send_and_collect(step: _Step, row: LockStep) -> list[AgentState] | None:
     waiting_otherwise = False  # on a report, a send, a leader or evidence: see Decision.awaiting
     step.awaiting = []
     leaders_done: set[int] = set()  # indices of leaders that finished this epoch with the row's evidence
+    built: dict[tuple[Role, str | None], Command] = {}  # by role and LockStep.varies
     per = step.spec.rollout.pods_per_instance
     for pod in sorted(step.gang().values(), key=lambda p: p.index):  # a leader before its followers
         agent = step.agent(pod)
@@ -578,7 +583,11 @@ def _send_and_collect(step: _Step, row: LockStep) -> list[AgentState] | None:
             if role == Role.FOLLOWER and row.after_leader and pod.index - pod.index % per not in leaders_done:
                 waiting_otherwise = True
                 continue  # its leader's SGLang call has not acted on its ranks yet
-            step.send(pod, row.command(step, pod, agent, role))
+            key = (role, row.varies(agent))
+            command = built.get(key)
+            if command is None:
+                command = built[key] = row.command(step, agent, role)
+            step.send(pod, command)
             running.append(awaited)  # once it is accepted
             continue
         if cmd.epoch > st.epoch or cmd.action != row.action:
