@@ -167,9 +167,9 @@ class DirectCalls:
                     raise
                 continue
             if resp.status >= 400:
-                raise ApiException(
-                    status=resp.status, reason=resp.reason, body=answer.decode(errors="replace")
-                )
+                err = ApiException(status=resp.status, reason=resp.reason)
+                err.body = answer.decode(errors="replace")  # set, not passed: older clients take no `body`
+                raise err
             return
 
     async def close(self) -> None:
