@@ -144,7 +144,7 @@ class Floor:
         patch = {"status": self._phase_change(action)}
         ns, name = self.req["namespace"], self.req["name"]
         path = f"/apis/{GROUP}/{VERSION}/namespaces/{ns}/{PLURAL}/{name}/status"
-        await self.kube.send("PATCH", path, patch, "application/merge-patch+json")
+        await self.kube.send("patch_status", "PATCH", path, patch, "application/merge-patch+json")
         ended = time.perf_counter()
         in_agent = max((s or {}).get("lastCommand", {}).get("seconds") or 0.0 for s in self.latest)
         wall, patched = ended - began, ended - reported

@@ -145,10 +145,11 @@ class DirectCalls:
             self._headers_at = now
         return self._headers
 
-    async def send(self, method: str, path: str, body: dict[str, Any], content_type: str) -> None:
-        """The answer is read and dropped; >= 400 raises ApiException, as the client would. A connection
-        that breaks is tried once more on a new one (the client's urllib3 retries too): a kept-alive
-        connection the server closed meanwhile fails the first write."""
+    async def send(self, verb: str, method: str, path: str, body: dict[str, Any], content_type: str) -> None:
+        """Counted as `verb` (rljob_api_calls_total, as Kube._call). The answer is read and dropped; >= 400
+        raises ApiException, as the client would. A connection that breaks is tried once more on a new one
+        (urllib3 retries too): a kept-alive connection the server closed fails the first write."""
+        API_CALLS.labels(verb=verb).inc()
         headers = {**self._credentials(), "Content-Type": content_type, "Accept": "application/json"}
         data = json.dumps(body, separators=(",", ":")).encode()
         server_hostname = self._config.tls_server_name or None
@@ -299,9 +300,10 @@ class Kube:
                 {"status": patch},
             )
             return
-        API_CALLS.labels(verb="patch_status").inc()
         path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}/status"
-        await self.direct.send("PATCH", path, {"status": patch}, "application/merge-patch+json")
+        await self.direct.send(
+            "patch_status", "PATCH", path, {"status": patch}, "application/merge-patch+json"
+        )
 
     async def delete_job(self, namespace: str, name: str) -> None:
         try:
@@ -349,9 +351,12 @@ class Kube:
         }
         try:
             if self.direct.usable:
-                API_CALLS.labels(verb="create_event").inc()
                 await self.direct.send(
-                    "POST", f"/api/v1/namespaces/{namespace}/events", event, "application/json"
+                    "create_event",
+                    "POST",
+                    f"/api/v1/namespaces/{namespace}/events",
+                    event,
+                    "application/json",
                 )
             else:
                 await self._call_raw("create_event", self.core.create_namespaced_event, namespace, event)
