@@ -40,9 +40,9 @@ from typing import Any
 import aiohttp
 from kubernetes import config
 
+from rljob import event_loop
 from rljob.api.crd import GROUP, PLURAL, VERSION
 from rljob.controller.kube import DirectCalls
-from rljob.controller.main import event_loop
 
 LONG_POLL = 10.0
 
@@ -199,8 +199,7 @@ def main() -> None:
         finally:
             await floor.kube.close()
 
-    with event_loop() as loop:  # the operator's: uvloop where it is installed (controller/main.py)
-        samples = loop.run_until_complete(measure()) if loop is not None else asyncio.run(measure())
+    samples = event_loop.run(measure())  # the operator's loop: uvloop where it is installed
     Path(sys.argv[2]).write_text(json.dumps({"samples": samples, "cpu": floor.cpu}))
 
 

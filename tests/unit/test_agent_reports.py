@@ -1,7 +1,8 @@
 """`GET /v1/state?changes=operator` answers on the revisions the operator acts on (agent/reports.py):
 a finished command, a stage reached outside a command, the trainer's report, a failure; not rollout
 samples, not a command's acceptance or its steps. Without `changes` every revision answers, as before;
-`boot` from another boot answers at once."""
+`boot` from another boot answers at once. The trainer's `GET /v1/trainer/state?stage=` answers in that stage
+(or Failed) only."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ from typing import Any
 
 from aiohttp.test_utils import TestClient, TestServer
 
+from rljob.agent.lease import LeaseDesk
 from rljob.agent.metrics import AgentMetrics
 from rljob.agent.operator_api import build_operator_app
 from rljob.agent.reports import acted_on, operator_view
 from rljob.agent.state import StateStore
+from rljob.agent.trainer_api import build_trainer_app
 from rljob.api.agent import Action, AgentState, CommandState, CommandStatus, Stage
 
 TOKEN = "t0ken"
@@ -143,3 +146,39 @@ async def _watch_scenario() -> None:
 
 def test_the_watch_streams_each_state_the_operator_acts_on_in_one_response() -> None:
     asyncio.run(_watch_scenario())
+
+
+async def _trainer_stage_scenario() -> None:
+    store = StateStore()
+    store.commit()
+    app = build_trainer_app(store, LeaseDesk(store), None, AgentMetrics())  # type: ignore[arg-type]
+    async with TestClient(TestServer(app)) as client:
+
+        async def poll(**params: Any) -> dict[str, Any]:
+            resp = await client.get("/v1/trainer/state", params={k: str(v) for k, v in params.items()})
+            assert resp.status == 200, await resp.text()
+            return dict(await resp.json())
+
+        since = store.state.revision
+        serving = asyncio.create_task(poll(since=since, wait=5, stage="Serving"))
+        everyone = asyncio.create_task(poll(since=since, wait=5))
+        await asyncio.sleep(0.1)
+        with store.change() as s:
+            s.stage = Stage.READY  # a revision on the way: answers a plain long-poll only
+        assert (await asyncio.wait_for(everyone, 2))["revision"] == since + 1
+        await asyncio.sleep(0.1)
+        assert not serving.done()
+        with store.change() as s:
+            s.stage = Stage.SERVING
+        got = await asyncio.wait_for(serving, 2)
+        assert got["revision"] == since + 2 and got["stage"] == "Serving"
+        failed = asyncio.create_task(poll(since=store.state.revision, wait=5, stage="Drained"))
+        await asyncio.sleep(0.1)
+        store.fail("SGLang died")  # Failed answers a wait for any stage: the trainer raises on it
+        assert (await asyncio.wait_for(failed, 2))["stage"] == "Failed"
+        bad = await client.get("/v1/trainer/state", params={"since": "1", "wait": "1", "stage": "Busy"})
+        assert bad.status == 400 and "stage: one of" in (await bad.json())["reason"]
+
+
+def test_the_trainers_long_poll_with_a_stage_answers_in_that_stage_only() -> None:
+    asyncio.run(_trainer_stage_scenario())

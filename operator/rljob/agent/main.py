@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import sys
 import time
 
+from rljob import event_loop
 from rljob.agent.app import Agent
 from rljob.agent.config import parse_config
 
@@ -38,7 +38,7 @@ def _setup_logging(as_json: bool) -> None:
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(argv)
     _setup_logging(cfg.log_json)
-    asyncio.run(Agent(cfg).run())
+    event_loop.run(Agent(cfg).run())
 
 
 if __name__ == "__main__":

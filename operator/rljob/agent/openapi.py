@@ -58,6 +58,11 @@ _CHANGES = (
     "`all` (default): return on any newer revision. `operator`: only on a revision the operator acts on "
     "(agent/reports.py: not rollout samples, not the steps of a running command).",
 )
+_STAGE = (
+    "stage",
+    "string",
+    "With `since` and `wait`: return on a newer revision in this stage (or Failed) only, not on every one.",
+)
 _BOOT = ("boot", "string", "The boot_id `since` belongs to: another boot answers at once.")
 _WATCH = (
     "watch",
@@ -203,8 +208,8 @@ ROUTES: tuple[Route, ...] = (
         "get",
         "/v1/trainer/state",
         "Agent state for the trainer; long-polls like /v1/state.",
-        {200: "AgentState"},
-        query=(_SINCE, _WAIT),
+        {200: "AgentState", 400: "Refusal"},
+        query=(_SINCE, _WAIT, _STAGE),
         trainer=True,
     ),
 )

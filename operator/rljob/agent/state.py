@@ -181,6 +181,13 @@ class StateStore:
     async def wait_newer(self, since: int, timeout: float) -> None:
         await self.wait_until(lambda: self.state.revision > since, timeout)
 
+    async def wait_stage(self, since: int, stage: Stage, timeout: float) -> None:
+        """Until a revision after `since` in `stage`, or Failed: a trainer waiting for Serving is answered
+        once, not on each of the refit's and the resume's revisions (docs/benchmarks.md)."""
+        await self.wait_until(
+            lambda: self.state.revision > since and self.state.stage in (stage, Stage.FAILED), timeout
+        )
+
     async def wait_operator(self, since: int, timeout: float) -> None:
         """Until a revision after `since` that the operator acts on (agent/reports.py)."""
         await self.wait_until(lambda: self.operator_reports.revision > since, timeout)

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import logging
 import os
-from collections.abc import Iterator
 
 import kopf
 from kubernetes import client
 from prometheus_client import start_http_server
 
+from rljob import event_loop
 from rljob.controller import heap
 from rljob.controller.children import AgentOptions, native_sidecars_supported
 from rljob.controller.conductor import ConductorOptions
@@ -111,20 +109,6 @@ def _native_sidecar(choice: str) -> bool:
     return native
 
 
-@contextlib.contextmanager
-def event_loop() -> Iterator[asyncio.AbstractEventLoop | None]:
-    """uvloop's event loop where it is installed (a dependency on Linux), as kopf's own CLI does
-    (kopf/_kits/loops.py@1.45.2); else asyncio's. Each agent report, command and reply is a few callbacks
-    on the loop: at 64 pods ~1,100 frames an iteration (docs/benchmarks.md)."""
-    try:
-        import uvloop
-    except ImportError:
-        yield None
-        return
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        yield runner.get_loop()
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     kopf.configure(
@@ -168,9 +152,9 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger("rljob").info("standby: waiting for the lease %s", args.leader_elect_name)
         elector.acquire()
     try:
-        with event_loop() as loop:
+        with event_loop.runner() as runner:
             kopf.run(
-                loop=loop,
+                loop=runner.get_loop(),
                 clusterwide=args.all_namespaces or not args.namespace,
                 namespaces=args.namespace,
                 standalone=True,  # no kopf peering: the Lease above decides which replica acts

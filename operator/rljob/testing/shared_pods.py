@@ -55,6 +55,7 @@ from typing import IO, Any
 
 from aiohttp import web
 
+from rljob import event_loop
 from rljob.testing import trainer as sim_trainer
 from rljob.testing.kubelet import ContainerContext, Kubelet, Launch, Mapping
 from rljob.testing.pods import classify
@@ -503,7 +504,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     out = sys.stdout
     sys.stdout = sys.stderr  # stdout carries replies only; stray prints go to the log
-    asyncio.run(_Host(out, args.agent_liveness_seconds).serve())
+    event_loop.run(_Host(out, args.agent_liveness_seconds).serve())  # the agents' loop (agent/main.py)
 
 
 if __name__ == "__main__":

@@ -247,9 +247,11 @@ class Handoff:
         self._bucket_buffers.free()
         return freed
 
-    def state(self, since: int | None = None, wait: float = 0.0) -> dict[str, Any]:
-        """The agent's state (camelCase AgentState); long-polls past revision `since` when `wait` > 0."""
-        query = {"since": since, "wait": f"{wait:g}"} if since is not None and wait > 0 else None
+    def state(self, since: int | None = None, wait: float = 0.0, stage: str | None = None) -> dict[str, Any]:
+        """The agent's state (camelCase AgentState); long-polls past revision `since` when `wait` > 0, and
+        with `stage` until a revision in that stage (or Failed)."""
+        polls = since is not None and wait > 0
+        query = {"since": since, "wait": f"{wait:g}", "stage": stage} if polls else None
         return dict(self.client.call("GET", "/v1/trainer/state", query=query))
 
     def wait_for_stage(self, stage: str, timeout: float | None = None) -> dict[str, Any]:
@@ -262,7 +264,9 @@ class Handoff:
             left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
             if left <= 0:
                 raise TimeoutError(f"agent stage is {st['stage']}, not {stage}, after {timeout}s")
-            st = self.state(since=st["revision"], wait=left)
+            # Answered in `stage` (or Failed), not on each revision on the way: an agent of an older image
+            # ignores `stage` and answers each, which the loop reads as before.
+            st = self.state(since=st["revision"], wait=left, stage=stage)
         return st
 
     def _first_state(self, deadline: float | None) -> dict[str, Any]:
