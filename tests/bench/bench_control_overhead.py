@@ -20,7 +20,10 @@ Succeeded):
   the phase's wall seconds - agentSeconds (the slowest pod's in-agent time), and the in-agent time;
   median and p95 (nearest rank: with 20 samples the second largest, with fewer than 20 the maximum).
   Training's wall time also holds the trainer's own step (lease granted -> publish answered, slowest pod,
-  measured in the trainer driver): shown, and subtracted in the "Training - trainer step" row;
+  measured in the trainer driver): shown, and subtracted in the "Training - trainer step" row; and the
+  slowest pod's lease as its agent timed it (the Training span's trainerSeconds: the agent's grant to the
+  publish it received, the trainer's wake-up and its publish call included), subtracted in the "Training -
+  trainer's lease" row, the control plane's part of Training as agentSeconds leaves it of the others;
 - the floor, per pod count, after the job succeeded and its operator stopped, on the same agents
   (control_floor.py): a fan-out of one small command to every agent, every report back over a connection
   already open, one status merge-patch; wall time minus the slowest agent's own time, as for the overhead;
@@ -177,6 +180,8 @@ class SizeResult:
     overhead: dict[str, list[float]] = field(default_factory=dict)  # phase -> per iteration, seconds
     in_agent: dict[str, list[float]] = field(default_factory=dict)
     trainer_step: list[float] = field(default_factory=list)  # slowest pod, per iteration
+    # Training's span trainerSeconds: the slowest pod's lease, its agent's grant to the publish
+    trainer_lease: list[float] = field(default_factory=list)
     iteration_overhead: list[float] = field(default_factory=list)  # status.lastIteration, seconds
     per_iteration: dict[str, float] = field(default_factory=dict)  # counters and CPU seconds / iteration
     api_verbs: dict[str, float] = field(default_factory=dict)  # per iteration
@@ -573,6 +578,7 @@ class Bench:
             result.overhead[phase] = [s["seconds"] - (s.get("agentSeconds") or 0.0) for s in got]
             result.in_agent[phase] = [s.get("agentSeconds") or 0.0 for s in got]
         result.trainer_step = [max(steps[i]) for i in its]
+        result.trainer_lease = [spans[(i, "Training")].get("trainerSeconds") or 0.0 for i in its]
         result.iteration_overhead = [reports[i] for i in its if i in reports]
         n = float(measured)
         counters = {
@@ -689,6 +695,17 @@ def tables(results: list[SizeResult], probe: dict[str, list[float]], many: ManyR
             f"| Training - trainer step | {r.pods} | {r.iterations} | {_ms(statistics.median(rest))} | "
             f"{_ms(p95(rest))} | trainer step p50 {_ms(statistics.median(r.trainer_step))} | "
             f"p95 {_ms(p95(r.trainer_step))} |"
+        )
+    for r in results:
+        if not r.trainer_lease:  # saved before the agent timed the lease
+            continue
+        rest = [o - t for o, t in zip(r.overhead["Training"], r.trainer_lease, strict=True)]
+        floor, post = _floor_p50(r, "channel"), _floor_p50(r, "post")
+        out.append(
+            f"| Training - trainer's lease (agent-timed) | {r.pods} | {r.iterations} | "
+            f"{_ms(statistics.median(rest))} | {_ms(p95(rest))} | {_ms(floor)} | "
+            f"{statistics.median(rest) / floor:.2f}x | {_ms(post)} | {statistics.median(rest) / post:.2f}x | "
+            f"lease p50 {_ms(statistics.median(r.trainer_lease))} | p95 {_ms(p95(r.trainer_lease))} |"
         )
     for r in results:
         cmd = r.iteration_overhead

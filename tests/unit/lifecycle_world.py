@@ -67,6 +67,7 @@ class FakeAgent:
     published: str | None = None
     published_path: str | None = None
     published_epoch: int | None = None
+    held: float | None = None  # the last lease's seconds with the trainer, as the agent timed them
     kv_flushed_after_refit: bool = True
     fatal: str | None = None
     revision: int = 1
@@ -98,6 +99,7 @@ class FakeAgent:
                 published_version=self.published,
                 published_path=self.published_path,
                 published_epoch=self.published_epoch,
+                held_seconds=self.held,
             ),
             rollout=RolloutReport(samples=3, cache_hit_rate=0.5, generation_tokens_per_second=100.0),
             fatal=self.fatal,
@@ -189,8 +191,9 @@ class FakeAgent:
             self.requested, self.request_epoch = True, self.epoch
             self.revision += 1
 
-    def trainer_publish(self, version: str) -> None:
+    def trainer_publish(self, version: str, held: float | None = None) -> None:
         if self.stage == Stage.GRANTED and self.lease:
+            self.held = held
             self.published, self.published_path = version, f"/weights/{version}"
             self.published_epoch, self.lease, self.stage = self.epoch, False, Stage.TRAINED
             self.revision += 1
@@ -299,9 +302,10 @@ class World:
         for agent in self.agents.values():
             agent.trainer_request()
 
-    def trainers_publish(self, version: str) -> None:
-        for agent in self.agents.values():
-            agent.trainer_publish(version)
+    def trainers_publish(self, version: str, held: dict[str, float] | None = None) -> None:
+        """`held`: per pod, the seconds its agent says the trainer held the GPU."""
+        for name, agent in self.agents.items():
+            agent.trainer_publish(version, (held or {}).get(name))
 
     def tick(self, seconds: float = 1.0) -> None:
         self.now += timedelta(seconds=seconds)

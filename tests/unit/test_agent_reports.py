@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,7 +20,7 @@ from rljob.agent.operator_api import build_operator_app
 from rljob.agent.reports import acted_on, operator_view
 from rljob.agent.state import StateStore
 from rljob.agent.trainer_api import build_trainer_app
-from rljob.api.agent import Action, AgentState, CommandState, CommandStatus, Stage
+from rljob.api.agent import Action, AgentState, CommandState, CommandStatus, PublishRequest, Stage
 
 TOKEN = "t0ken"
 
@@ -182,3 +183,25 @@ async def _trainer_stage_scenario() -> None:
 
 def test_the_trainers_long_poll_with_a_stage_answers_in_that_stage_only() -> None:
     asyncio.run(_trainer_stage_scenario())
+
+
+def test_the_agent_times_the_trainers_lease_from_grant_to_publish_or_abandon() -> None:
+    store = StateStore()
+    lease = LeaseDesk(store)
+    lease.request()
+    lease.grant(3)
+    assert store.state.trainer.lease_held and store.state.trainer.held_seconds is None
+    time.sleep(0.05)
+    lease.publish(PublishRequest(version="1", path="/w/1"))
+    held = store.state.trainer.held_seconds
+    assert held is not None and 0.05 <= held < 5
+    lease.request()
+    lease.grant(8)
+    assert store.state.trainer.held_seconds is None  # this lease's time is not known yet
+    lease.abandon("the step failed")
+    assert store.state.trainer.held_seconds is not None and store.state.trainer.held_seconds < 0.05
+    restarted = LeaseDesk(store)  # a restarted agent does not know when the lease it finds was granted
+    restarted.request()
+    store.state.trainer.lease_held = True
+    restarted.publish(PublishRequest(version="2"))
+    assert store.state.trainer.held_seconds is None

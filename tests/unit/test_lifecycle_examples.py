@@ -35,6 +35,33 @@ def test_three_iterations_reach_succeeded_with_the_third_version() -> None:
     assert st.completion_time is not None
 
 
+def test_the_training_span_keeps_the_slowest_trainers_time_with_the_gpu() -> None:
+    """Training's own part is the trainer's (its agent's grant to the publish), as agentSeconds is the
+    agents' part of the other phases: the rest of the span is the control plane's."""
+    world = World(make_spec())
+    world.bring_up()
+    world.trainers_request()
+    world.tick(10)
+    world.step()  # -> Draining
+    world.settle()  # -> Releasing
+    world.settle()  # -> Training
+    world.tick()
+    world.finish_all()  # grant
+    world.step()
+    world.tick(20)
+    world.trainers_publish("1", held={"job-0": 12.5, "job-1": 19.25})
+    world.step()  # -> Refitting
+    assert world.status.phase == Phase.REFITTING
+    training = [s for s in world.status.timeline if s.phase == Phase.TRAINING][-1]
+    assert training.seconds == 21 and training.trainer_seconds == 19.25
+    world.settle()  # -> Resuming
+    world.settle()  # -> Rollout
+    world.trainers_request()
+    world.tick(10)
+    world.step()  # -> Draining of iteration 2: Draining's span records no trainer time
+    assert all(s.trainer_seconds is None for s in world.status.timeline if s.phase != Phase.TRAINING)
+
+
 def test_each_phase_sends_its_command_to_every_pod_with_the_new_epoch() -> None:
     world = World(make_spec())
     world.bring_up()

@@ -3,6 +3,8 @@ release), returned by publish (or abandon). Trainer-side state lives in AgentSta
 
 from __future__ import annotations
 
+import time
+
 from rljob.agent.errors import conflict
 from rljob.agent.state import StateStore
 from rljob.api.agent import LeaseStatus, PublishRequest, Stage, TrainerReport
@@ -11,6 +13,13 @@ from rljob.api.agent import LeaseStatus, PublishRequest, Stage, TrainerReport
 class LeaseDesk:
     def __init__(self, store: StateStore) -> None:
         self._store = store
+        self._granted_at: float | None = None  # monotonic; unknown to a restarted agent
+
+    def _held_seconds(self) -> float | None:
+        """The lease's time with the trainer, once it comes back: the Training span's own part (not the
+        control plane's), lifecycle/timeline.py record_trainer_seconds."""
+        granted, self._granted_at = self._granted_at, None
+        return round(time.monotonic() - granted, 6) if granted is not None else None
 
     def _report(self) -> TrainerReport:
         return self._store.state.trainer.model_copy()
@@ -39,11 +48,13 @@ class LeaseDesk:
 
     def grant(self, epoch: int) -> None:
         self._store.lease_epoch = epoch
+        self._granted_at = time.monotonic()
         with self._store.change() as s:
             s.stage = Stage.GRANTED
             s.trainer.lease_held = True
             s.trainer.requested = False
             s.trainer.error = None
+            s.trainer.held_seconds = None
 
     def publish(self, req: PublishRequest) -> TrainerReport:
         st = self._store.state
@@ -59,6 +70,7 @@ class LeaseDesk:
             s.trainer.published_path = req.path
             s.trainer.published_epoch = self._store.lease_epoch
             s.trainer.lease_held = False
+            s.trainer.held_seconds = self._held_seconds()
             s.stage = Stage.TRAINED
         return self._report()
 
@@ -68,4 +80,5 @@ class LeaseDesk:
         with self._store.change() as s:
             s.trainer.lease_held = False
             s.trainer.error = reason[:1024]
+            s.trainer.held_seconds = self._held_seconds()
         return self._report()

@@ -177,6 +177,12 @@ class TrainerReport(WireModel):
     published_version: WeightVersion | None = None
     published_path: str | None = Field(default=None, max_length=1024)
     published_epoch: int | None = Field(default=None, description="Grant epoch under which it was published.")
+    held_seconds: float | None = Field(
+        default=None,
+        ge=0,
+        description="The last lease as this agent timed it: from its grant to the trainer's publish (or "
+        "abandon). None while it is held, and when the agent restarted while it was.",
+    )
     refit_window_version: WeightVersion | None = Field(
         default=None, description="Set while a tensor/distributed refit window is open for this version."
     )

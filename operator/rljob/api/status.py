@@ -133,6 +133,12 @@ class PhaseSpan(StatusModel):
         default=None, ge=0, description="Slowest pod's time inside the agent (SGLang calls included)."
     )
     freed_bytes: int | None = Field(default=None, ge=0, description="Releasing: sum over pods.")
+    trainer_seconds: float | None = Field(
+        default=None,
+        ge=0,
+        description="Training: the slowest pod's trainer held the GPU this long, as its agent timed it (the "
+        "grant to the publish); the rest of the span is what the control plane cost.",
+    )
     cache_hit_rate: float | None = Field(
         default=None,
         ge=0,

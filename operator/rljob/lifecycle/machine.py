@@ -490,6 +490,7 @@ LOCK_STEPS: dict[Phase, LockStep] = {
         command=_grant,
         done=_published,
         then=_refit_published_version,
+        record=timeline.record_trainer_seconds,
         awaits=Evidence.PUBLISHED,
     ),
     Phase.REFITTING: LockStep(

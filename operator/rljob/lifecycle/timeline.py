@@ -54,6 +54,19 @@ def record_freed_bytes(
     span.freed_bytes = sum(a.memory.freed_bytes for a in agents)
 
 
+def record_trainer_seconds(
+    timeline: list[PhaseSpan], span: PhaseSpan, iteration: int, agents: Sequence[AgentState]
+) -> None:
+    """Training: the longest any pod's trainer held the GPU under this grant (its agent's grant to the
+    publish), the user's part of the span as agent_seconds is the agents' part of the others."""
+    held = [
+        a.trainer.held_seconds
+        for a in agents
+        if a.trainer.held_seconds is not None and a.trainer.published_epoch == a.epoch
+    ]
+    span.trainer_seconds = round(max(held), 6) if held else None
+
+
 def record_rollout_sample(
     timeline: list[PhaseSpan], span: PhaseSpan, iteration: int, agents: Sequence[AgentState]
 ) -> None:
