@@ -76,13 +76,20 @@ async def _operator_api() -> AsyncIterator[tuple[StateStore, TestClient[Any, Any
         yield store, client, {"Authorization": f"Bearer {TOKEN}"}
 
 
+async def _answered(
+    client: TestClient[Any, Any], path: str, params: dict[str, Any], headers: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """GET `path` with `params`; its 200 answer's JSON."""
+    resp = await client.get(path, params={k: str(v) for k, v in params.items()}, headers=headers)
+    assert resp.status == 200, await resp.text()
+    return dict(await resp.json())
+
+
 async def _long_poll_scenario() -> None:
     async with _operator_api() as (store, client, auth):
 
         async def poll(**params: Any) -> dict[str, Any]:
-            resp = await client.get("/v1/state", params={k: str(v) for k, v in params.items()}, headers=auth)
-            assert resp.status == 200, await resp.text()
-            return dict(await resp.json())
+            return await _answered(client, "/v1/state", params, auth)
 
         since = store.state.revision
         operator = asyncio.create_task(poll(since=since, wait=5, changes="operator"))
@@ -156,9 +163,7 @@ async def _trainer_stage_scenario() -> None:
     async with TestClient(TestServer(app)) as client:
 
         async def poll(**params: Any) -> dict[str, Any]:
-            resp = await client.get("/v1/trainer/state", params={k: str(v) for k, v in params.items()})
-            assert resp.status == 200, await resp.text()
-            return dict(await resp.json())
+            return await _answered(client, "/v1/trainer/state", params)
 
         since = store.state.revision
         serving = asyncio.create_task(poll(since=since, wait=5, stage="Serving"))
