@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable
+from enum import StrEnum
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -19,6 +20,7 @@ from rljob.api.base import describe_errors
 
 log = logging.getLogger("rljob.agent")
 T = TypeVar("T")
+E = TypeVar("E", bound=StrEnum)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_WAIT_S = 30.0
 
@@ -43,6 +45,18 @@ def query_number(request: web.Request, name: str, default: float, *, lo: float, 
     if value != value:  # NaN
         raise Refused(400, "InvalidQuery", f"{name}: not a number")
     return min(hi, max(lo, value))
+
+
+def query_enum(request: web.Request, name: str, enum: type[E]) -> E | None:
+    """An enum query parameter, None when absent; a value outside `enum` is refused, naming the known ones."""
+    raw = request.query.get(name)
+    if not raw:
+        return None
+    try:
+        return enum(raw)
+    except ValueError:
+        known = ", ".join(e.value for e in enum)
+        raise Refused(400, "InvalidQuery", f"{name}: one of {known}, not {raw[:64]!r}") from None
 
 
 def make_error_middleware(metrics: AgentMetrics) -> Middleware:

@@ -15,9 +15,9 @@ class LeaseDesk:
         self._store = store
         self._granted_at: float | None = None  # monotonic; unknown to a restarted agent
 
-    def _held_seconds(self) -> float | None:
-        """The lease's time with the trainer, once it comes back: the Training span's own part (not the
-        control plane's), lifecycle/timeline.py record_trainer_seconds."""
+    def _returned(self) -> float | None:
+        """The lease came back: its seconds with the trainer (the Training span's own part, not the control
+        plane's: lifecycle/timeline.py record_trainer_seconds), and no grant is open any more."""
         granted, self._granted_at = self._granted_at, None
         return round(time.monotonic() - granted, 6) if granted is not None else None
 
@@ -70,7 +70,7 @@ class LeaseDesk:
             s.trainer.published_path = req.path
             s.trainer.published_epoch = self._store.lease_epoch
             s.trainer.lease_held = False
-            s.trainer.held_seconds = self._held_seconds()
+            s.trainer.held_seconds = self._returned()
             s.stage = Stage.TRAINED
         return self._report()
 
@@ -80,5 +80,5 @@ class LeaseDesk:
         with self._store.change() as s:
             s.trainer.lease_held = False
             s.trainer.error = reason[:1024]
-            s.trainer.held_seconds = self._held_seconds()
+            s.trainer.held_seconds = self._returned()
         return self._report()

@@ -6,8 +6,14 @@ from __future__ import annotations
 from aiohttp import web
 from pydantic import TypeAdapter
 
-from rljob.agent.errors import Refused
-from rljob.agent.http_util import MAX_WAIT_S, make_error_middleware, query_number, read_body, reply
+from rljob.agent.http_util import (
+    MAX_WAIT_S,
+    make_error_middleware,
+    query_enum,
+    query_number,
+    read_body,
+    reply,
+)
 from rljob.agent.lease import LeaseDesk
 from rljob.agent.metrics import AgentMetrics
 from rljob.agent.refit_window import RefitWindows
@@ -81,14 +87,7 @@ def build_trainer_app(
     async def get_state(request: web.Request) -> web.Response:
         since = query_number(request, "since", -1, lo=-1, hi=2**53)
         wait = query_number(request, "wait", 0, lo=0, hi=MAX_WAIT_S)
-        raw_stage = request.query.get("stage")
-        stage = None
-        if raw_stage:
-            try:
-                stage = Stage(raw_stage)
-            except ValueError:
-                known = ", ".join(s.value for s in Stage)
-                raise Refused(400, "InvalidQuery", f"stage: one of {known}, not {raw_stage[:64]!r}") from None
+        stage = query_enum(request, "stage", Stage)
         if wait > 0 and since >= 0:
             if stage is None:
                 await store.wait_newer(int(since), wait)
