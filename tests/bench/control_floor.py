@@ -6,8 +6,8 @@ bench_control_overhead.py after a job succeeded and its operator stopped, as a p
 A transition is the least any operator must do: send one small command (drain, then resume, epochs
 counting on from the job's) to every agent at once, take each agent's report of the finished command
 over a connection already open (JSON parsed, nothing validated), and write one status merge-patch
-(over aiohttp with the kubernetes client's configuration, as the operator does: controller/kube.py
-DirectCalls) once the last report came: to an RLJob that carries the
+(over aiohttp with the kubeconfig's credentials, as the operator does: controller/apiserver.py
+ApiServer) once the last report came: to an RLJob that carries the
 benchmark job's final status, and of what a phase change of the operator changes (phase, epoch,
 phaseStartTime, reason, message, and the timeline, conditions and pods lists, which a merge patch
 replaces whole). Its floor is that wall time minus the slowest agent's own time for the command
@@ -38,11 +38,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from kubernetes import config
 
 from rljob import event_loop
 from rljob.api.crd import GROUP, PLURAL, VERSION
-from rljob.controller.kube import DirectCalls
+from rljob.controller.apiserver import MERGE_PATCH, ApiServer
+from rljob.controller.kubeconfig import Credentials
 
 LONG_POLL = 10.0
 
@@ -61,7 +61,7 @@ class Floor:
         self.unanswered = 0  # channel: command frames sent and not answered yet
         self.answered = asyncio.Event()
         self.refused: str | None = None
-        self.kube = DirectCalls(config.new_client_from_config(req["kubeconfig"]).configuration)
+        self.kube = ApiServer(Credentials.from_kubeconfig(req["kubeconfig"]))
 
     def _finished(self, state: dict[str, Any]) -> bool:
         cmd = state.get("lastCommand") or {}
@@ -144,7 +144,7 @@ class Floor:
         patch = {"status": self._phase_change(action)}
         ns, name = self.req["namespace"], self.req["name"]
         path = f"/apis/{GROUP}/{VERSION}/namespaces/{ns}/{PLURAL}/{name}/status"
-        await self.kube.send("patch_status", "PATCH", path, patch, "application/merge-patch+json")
+        await self.kube.call("patch_status", "PATCH", path, patch, content_type=MERGE_PATCH)
         ended = time.perf_counter()
         in_agent = max((s or {}).get("lastCommand", {}).get("seconds") or 0.0 for s in self.latest)
         wall, patched = ended - began, ended - reported

@@ -133,14 +133,15 @@ def assert_failed_as_invalid_spec(rl: RL, name: str, field: str) -> dict[str, An
         (template_metadata(annotations={"note": 1}), "spec.template.metadata.annotations.note"),
         # Nobody but the API server knows the pod's own rules: the dry run of a pod is refused.
         (pull_policy("Sometimes"), "spec.template.spec.containers[0].imagePullPolicy"),
-        # The Kubernetes client checks types before sending (a number where a string belongs).
+        # A number where a string belongs: the API server cannot decode the body (400), naming the field
+        # without its index; the operator finds the container in what it sent (children.located_field).
         (pull_policy(5), "spec.template.spec.containers[0].imagePullPolicy"),
     ],
     ids=[
         "label-value",
         "annotation-not-a-string",
         "pod-refused-by-the-api-server",
-        "pod-refused-by-the-client",
+        "pod-body-that-does-not-decode",
     ],
 )
 def test_specs_admission_accepts_but_no_pod_can_come_from_fail_as_invalid_spec(

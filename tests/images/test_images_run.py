@@ -70,9 +70,11 @@ def test_operator_image_starts_with_the_charts_tmp_only(
     built_images: dict[str, Image], runtime: Runtime
 ) -> None:
     """The chart gives the operator a read-only root and an emptyDir on /tmp (its HOME): enough to import
-    and configure everything the operator runs."""
+    and configure everything the operator runs. No Kubernetes client library is installed: the operator
+    speaks to the API server itself (controller/apiserver.py)."""
     script = (
-        "import rljob.controller.main, kopf, kubernetes, pathlib; "
+        "import importlib.util, pathlib, kopf, rljob.controller.main, rljob.controller.handlers; "
+        "assert importlib.util.find_spec('kubernetes') is None, 'kubernetes is installed'; "
         "pathlib.Path('/tmp/ok').write_text('1'); print('ok')"
     )
     code, out = runtime.run(built_images["operator"], ["python3", "-c", script], tmpfs=["/tmp"])

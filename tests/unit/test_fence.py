@@ -50,6 +50,40 @@ def test_product_never_names_the_emulator() -> None:
     assert named == []
 
 
+TEST_WORLD_LIBRARIES = ("kubernetes", "requests")  # the testing extra's (pyproject.toml)
+
+
+def test_product_needs_no_client_library() -> None:
+    """The product speaks to the API server itself (controller/apiserver.py); the generated client and
+    requests are the test world's dependencies only, and the images install neither."""
+    crossing = {
+        str(p.relative_to(ROOT)): sorted(
+            m for m in imported_modules(p) if m.split(".")[0] in TEST_WORLD_LIBRARIES
+        )
+        for p in product_files()
+    }
+    assert {k: v for k, v in crossing.items() if v} == {}
+    core = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert [d for d in core if d.split(">")[0].split("<")[0].strip() in TEST_WORLD_LIBRARIES] == []
+
+
+def test_the_operator_process_never_loads_the_kubernetes_client() -> None:
+    """kopf imports it whenever it is installed (kopf/_cogs/helpers/thirdparty.py:35@1.45.2), as it is in
+    the test world's environment: the operator's entry point keeps it out (controller/main.py)."""
+    probe = (
+        "import sys; from rljob.controller import main; main.without_the_kubernetes_client(); "
+        "import kopf, rljob.controller.handlers; "
+        "loaded = sorted(m for m, v in sys.modules.items() if m.split('.')[0] == 'kubernetes' and v); "
+        "print(loaded)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    # Without the guard kopf does load it here (the testing extra installs it): the probe can fail.
+    unguarded = probe.replace("main.without_the_kubernetes_client(); ", "")
+    out = subprocess.run([sys.executable, "-c", unguarded], capture_output=True, text=True, check=True)
+    assert "kubernetes.client" in out.stdout
+
+
 def test_the_fence_check_sees_a_crossing(tmp_path: Path) -> None:
     """The two checks above can fail: a file that imports the test world is caught."""
     bad = tmp_path / "bad.py"

@@ -44,14 +44,14 @@ def test_a_released_lease_is_taken_at_once() -> None:
 
 def test_the_renew_deadline_must_leave_a_gap_before_the_lease_expires() -> None:
     with pytest.raises(ValueError, match="renew deadline"):
-        LeaderElector(ElectionOptions("ns", lease_seconds=10, renew_deadline_seconds=10), api=object())  # type: ignore[arg-type]
+        LeaderElector(ElectionOptions("ns", lease_seconds=10, renew_deadline_seconds=10), object())  # type: ignore[arg-type]
 
 
 def test_leading_ends_when_renewals_stop_for_the_deadline() -> None:
     now = [0.0]
     elector = LeaderElector(
         ElectionOptions("ns", lease_seconds=15, renew_deadline_seconds=10),
-        api=object(),  # type: ignore[arg-type]
+        object(),  # type: ignore[arg-type]
         clock=lambda: now[0],
     )
     assert not elector.leading()

@@ -11,10 +11,9 @@ from typing import Any
 import pytest
 from kopf._cogs.structs.references import Insights
 from kopf._core.reactor import observation
-from kubernetes import client
-from kubernetes.client.exceptions import ApiException
 from test_conductor_refusals import INVALID_PULL_POLICY, FakeKube, body
 
+from rljob.controller.apiserver import ApiError
 from rljob.controller.conductor import Conductor, ConductorOptions
 from rljob.controller.kube import ChildRefused, Kube, NamespaceTerminating
 from rljob.controller.namespace_watch import keep_watching_terminating_namespaces
@@ -53,25 +52,23 @@ RBAC = {
 }
 
 
-def api_error(status: int, answer: dict[str, Any] | str) -> ApiException:
-    err = ApiException(status=status, reason="Forbidden" if status == 403 else "Error")
-    err.body = answer if isinstance(answer, str) else json.dumps(answer)
-    return err
+def api_error(status: int, answer: dict[str, Any] | str) -> ApiError:
+    reason = "Forbidden" if status == 403 else "Error"
+    return ApiError(status, reason, answer if isinstance(answer, str) else json.dumps(answer))
 
 
-class RefusingCore:
-    def __init__(self, err: ApiException) -> None:
+class RefusingServer:
+    """The API server's side of controller/apiserver.py, answering every call with `err`."""
+
+    def __init__(self, err: ApiError) -> None:
         self.err = err
 
-    def create_namespaced_pod(self, namespace: str, body: Any, **_: Any) -> Any:
+    async def call(self, verb: str, method: str, path: str, *args: Any, **kwargs: Any) -> bytes:
         raise self.err
 
-    create_namespaced_secret = create_namespaced_service = create_namespaced_pod
 
-
-def create_pod(err: ApiException) -> Any:
-    kube = Kube(client.ApiClient())
-    kube.core = RefusingCore(err)  # type: ignore[assignment]
+def create_pod(err: ApiError) -> Any:
+    kube = Kube(RefusingServer(err))  # type: ignore[arg-type]
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "demo-0"}, "spec": {"containers": []}}
     return asyncio.run(kube.create(NS, pod))
 
@@ -93,7 +90,7 @@ def test_a_create_refused_because_the_namespace_is_terminating_raises_namespace_
 
 
 def test_other_refusals_keep_their_meaning() -> None:
-    with pytest.raises(ApiException) as raised:  # RBAC: a misconfigured operator, not a namespace going
+    with pytest.raises(ApiError) as raised:  # RBAC: a misconfigured operator, not a namespace going
         create_pod(api_error(403, RBAC))
     assert not isinstance(raised.value, NamespaceTerminating) and raised.value.status == 403
     assert create_pod(api_error(409, {"reason": "AlreadyExists", "code": 409})) is None

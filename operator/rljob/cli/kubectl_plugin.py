@@ -5,6 +5,7 @@ where the wall-clock goes (the profile verdict) and the levers worth pulling (st
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -159,19 +160,22 @@ def main(argv: list[str] | None = None) -> int:
     profile_cmd.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report here")
     args = parser.parse_args(argv)
 
-    from kubernetes import client, config
-    from kubernetes.client.exceptions import ApiException
+    from rljob.controller.apiserver import ApiError, ApiServer
+    from rljob.controller.kubeconfig import ConfigError, Credentials
 
-    config.load_kube_config(config_file=args.kubeconfig, context=args.context)
-    namespace = args.namespace
-    if namespace is None:
-        _, active = config.list_kube_config_contexts(config_file=args.kubeconfig)
-        namespace = (active or {}).get("context", {}).get("namespace", "default")
     try:
-        obj = client.CustomObjectsApi().get_namespaced_custom_object(
-            GROUP, VERSION, namespace, PLURAL, args.name
+        credentials = Credentials.from_kubeconfig(args.kubeconfig, args.context)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    namespace = args.namespace or credentials.namespace or "default"
+    try:
+        obj = json.loads(
+            ApiServer(credentials).call_sync(
+                "get_rljob", "GET", f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{args.name}"
+            )
         )
-    except ApiException as err:
+    except ApiError as err:
         print(f"error: rljob {namespace}/{args.name}: {err.reason}", file=sys.stderr)
         return 1
     status = parse_status(obj.get("status"))

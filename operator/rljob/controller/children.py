@@ -7,7 +7,7 @@ import base64
 import copy
 import re
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -235,21 +235,6 @@ def sglang_liveness(spec: RLJobSpec) -> dict[str, Any]:
     }
 
 
-def _quantities_as_strings(pod_spec: dict[str, Any]) -> None:
-    """`nvidia.com/gpu: 1` is a valid quantity to the API server, but the Kubernetes client's models
-    (kubernetes>=35) take quantities only as strings: write numbers as the strings they stand for."""
-    resources = [
-        c.get("resources") or {} for key in ("containers", "initContainers") for c in pod_spec.get(key) or []
-    ]
-    resources.append(pod_spec.get("resources") or {})
-    amounts = [r.get(kind) for r in resources for kind in ("limits", "requests")] + [pod_spec.get("overhead")]
-    for quantities in amounts:
-        if isinstance(quantities, dict):
-            for name, amount in quantities.items():
-                if isinstance(amount, int | float) and not isinstance(amount, bool):
-                    quantities[name] = str(amount)
-
-
 def gang_pod(
     job: str, uid: str, spec: RLJobSpec, index: int, gang: int, options: AgentOptions, iterations: int | None
 ) -> dict[str, Any]:
@@ -300,7 +285,6 @@ def gang_pod(
         trainer = next(c for c in pod_spec["containers"] if c["name"] == spec.trainer.container)
         if claims and not (trainer.get("resources") or {}).get("claims"):
             trainer.setdefault("resources", {})["claims"] = copy.deepcopy(claims)
-    _quantities_as_strings(pod_spec)
     if options.native_sidecar:
         # Started before the pod's containers (after the template's own init containers), restarted by the
         # kubelet whenever it exits, whatever the pod's restartPolicy; stopped after them.
@@ -347,45 +331,60 @@ class Refusal:
     name: str
     message: str  # the Status's message
     causes: tuple[tuple[str, str], ...] = ()  # (field, message) from status.details.causes
-    by: str = "the API server"
 
     @classmethod
-    def from_client_errors(cls, kind: str, name: str, errors: Sequence[Mapping[str, Any]]) -> Refusal:
-        """The Kubernetes client validates a body before sending it (kubernetes>=35: pydantic models);
-        `errors` is pydantic's ValidationError.errors(), each loc starting with the body's argument."""
-        causes = []
-        for e in errors:
-            loc = list(e.get("loc") or ())
-            if loc and isinstance(loc[0], int):
-                loc = loc[1:]  # the position of the body argument
-            causes.append((_field_path(loc), str(e.get("msg", "invalid"))))
-        message = "; ".join(f"{f}: {m}" for f, m in causes)
-        return cls(kind, name, message, tuple(causes), by="the Kubernetes client")
-
-    @classmethod
-    def from_status(cls, kind: str, name: str, status: dict[str, Any]) -> Refusal:
-        causes = ((status.get("details") or {}).get("causes")) or []
-        return cls(
-            kind,
-            name,
-            str(status.get("message") or ""),
-            tuple((str(c.get("field") or ""), str(c.get("message") or "")) for c in causes),
+    def from_status(
+        cls, kind: str, name: str, status: dict[str, Any], manifest: Mapping[str, Any] | None = None
+    ) -> Refusal:
+        """With `manifest` (what was sent), a body that did not decode names its field with the list
+        index too (`located_field`)."""
+        message = str(status.get("message") or "")
+        causes = tuple(
+            (str(c.get("field") or ""), str(c.get("message") or ""))
+            for c in ((status.get("details") or {}).get("causes")) or []
         )
+        found = _DECODE_ERROR.search(message)
+        if not causes and found and manifest is not None:
+            causes = ((located_field(manifest, found.group(2), found.group(1)), message),)
+        return cls(kind, name, message, causes)
 
 
-def _field_path(loc: list[Any]) -> str:
-    """Kubernetes style: `spec.containers[0].resources.limits[nvidia.com/gpu]`."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int) or "/" in str(part) or "." in str(part):
-            out += f"[{part}]"
-        else:
-            out += f".{part}" if out else str(part)
-    return out
+# A body that does not decode names the field only in its message (encoding/json's UnmarshalTypeError:
+# "json: cannot unmarshal number into Go struct field Container.spec.containers.imagePullPolicy of type
+# v1.PullPolicy", kube-apiserver v1.34.4), without list indices.
+_DECODE_ERROR = re.compile(
+    r"cannot unmarshal (\w+) into Go struct field [A-Za-z0-9_]+\.([A-Za-z0-9_.\[\]]+) of type"
+)
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "number": (int, float),
+    "string": (str,),
+    "bool": (bool,),
+    "array": (list,),
+    "object": (dict,),
+}
 
 
-# A body that does not decode names the field only in its message (encoding/json's UnmarshalTypeError).
-_DECODE_FIELD = re.compile(r"Go struct field [A-Za-z0-9_]+\.([A-Za-z0-9_.\[\]]+) of type")
+def located_field(manifest: Mapping[str, Any], dotted: str, json_type: str) -> str:
+    """`spec.containers.imagePullPolicy` as `spec.containers[1].imagePullPolicy`: the one place along the
+    path whose value is of the JSON type that did not decode; the path as given where none or several is."""
+    want = _JSON_TYPES.get(json_type)
+
+    def matches(value: Any) -> bool:
+        if want is None or (isinstance(value, bool) and bool not in want):
+            return False
+        return isinstance(value, want)
+
+    def walk(node: Any, parts: list[str], at: str) -> list[str]:
+        if isinstance(node, list) and not (not parts and json_type == "array"):
+            return [p for i, item in enumerate(node) for p in walk(item, parts, f"{at}[{i}]")]
+        if not parts:
+            return [at] if matches(node) else []
+        if isinstance(node, Mapping) and parts[0] in node:
+            return walk(node[parts[0]], parts[1:], f"{at}.{parts[0]}" if at else parts[0])
+        return []
+
+    found = walk(manifest, dotted.split("."), "")
+    return found[0] if len(found) == 1 else dotted
 
 
 def spec_field(kind: str, child_field: str) -> str:
@@ -404,10 +403,10 @@ def spec_field(kind: str, child_field: str) -> str:
 
 def refusal_spec_error(refusal: Refusal) -> str:
     """`field.path: message` for Observation.spec_error, one entry per cause the API server named."""
-    where = f"({refusal.by} refused {refusal.kind} {refusal.name})"
+    where = f"(the API server refused {refusal.kind} {refusal.name})"
     if refusal.causes:
         entries = [f"{spec_field(refusal.kind, f)}: {m}" for f, m in refusal.causes]
         return f"{'; '.join(entries)} {where}"
-    found = _DECODE_FIELD.search(refusal.message)
-    field = spec_field(refusal.kind, found.group(1) if found else "")
+    found = _DECODE_ERROR.search(refusal.message)
+    field = spec_field(refusal.kind, found.group(2) if found else "")
     return f"{field}: {refusal.message} {where}"

@@ -163,7 +163,7 @@ class Conductor:
 
     def job_queue(self) -> JobQueue:
         if self._queue is None:
-            workloads = self._workloads or Workloads(self.kube.api)
+            workloads = self._workloads or Workloads(self.kube.server)
             self._queue = JobQueue(workloads, self.namespace, self.name, self.uid)
         return self._queue
 

@@ -15,15 +15,41 @@ import kopf
 
 from rljob.api.crd import GROUP, PLURAL, VERSION
 from rljob.controller import queueing
+from rljob.controller.apiserver import ApiServer
 from rljob.controller.children import LABEL_JOB, token_secret_name
 from rljob.controller.conductor import Conductor, ConductorOptions
 from rljob.controller.diffbase import LeanDiffBaseStorage
 from rljob.controller.kube import Kube
+from rljob.controller.kubeconfig import Credentials
 
 log = logging.getLogger(__name__)
 CONDUCTORS: dict[tuple[str, str], Conductor] = {}
 WORKER_IDLE_SECONDS = 0.5
 LIST_CHUNK = 100  # objects per page of kopf's lists: the start, and after a watch that failed
+
+
+@kopf.on.login()
+def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
+    """kopf's watches use the credentials of the operator's own calls (controller/kubeconfig.py). kopf asks
+    again after the API server answered 401: the token file is read again, an exec plugin run again.
+    (kopf has no tls-server-name: a kubeconfig that needs one serves the operator's calls only.)"""
+    kube = memo.get("kube")
+    c = kube.server.credentials if isinstance(kube, Kube) else Credentials.load()
+    c.invalidate()
+    token = c.bearer()
+    return kopf.ConnectionInfo(
+        server=c.server,
+        ca_path=c.ca_path,
+        insecure=c.insecure or None,
+        username=None if token else c.username,
+        password=None if token else c.password,
+        token=token,
+        certificate_path=c.certificate_path,
+        private_key_path=c.private_key_path,
+        default_namespace=c.namespace,
+        proxy_url=c.proxy_url,
+        expiration=c.expiration(),
+    )
 
 
 @kopf.on.startup()
@@ -49,13 +75,14 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     for resource in (("v1", "pods"), (queueing.GROUP, queueing.VERSION, queueing.PLURAL)):
         settings.watching.label_selectors[resource] = LABEL_JOB  # the label exists: any job's
     settings.watching.chunk_size = LIST_CHUNK
-    memo.setdefault("kube", Kube())
+    if "kube" not in memo:
+        memo["kube"] = Kube(ApiServer(Credentials.load()))
     memo.setdefault("options", ConductorOptions())
 
 
 @kopf.on.cleanup()
 async def close_connections(memo: kopf.Memo, **_: Any) -> None:
-    """The direct calls' session (controller/kube.py DirectCalls), made in kopf's event loop."""
+    """The API calls' session (controller/apiserver.py), made in kopf's event loop."""
     kube = memo.get("kube")
     if isinstance(kube, Kube):
         await kube.close()

@@ -18,6 +18,7 @@ loop never delays a renewal.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -28,8 +29,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-from kubernetes import client
-from kubernetes.client.exceptions import ApiException
+from rljob.controller.apiserver import ApiError, ApiServer
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class LeaderElector:
     def __init__(
         self,
         options: ElectionOptions,
-        api: client.CoordinationV1Api | None = None,
+        server: ApiServer,
         on_lost: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -103,7 +103,7 @@ class LeaderElector:
             raise ValueError("the renew deadline must be shorter than the lease")
         self.options = options
         self.identity = options.identity or f"{os.uname().nodename}-{os.getpid()}"
-        self.api = api or client.CoordinationV1Api()
+        self.server = server
         self.on_lost = on_lost or _exit_lost
         self.clock = clock
         self.sighting = Sighting()
@@ -113,20 +113,33 @@ class LeaderElector:
 
     # --- the Lease -------------------------------------------------------------------------------
 
+    def _path(self, named: bool = True) -> str:
+        o = self.options
+        return f"/apis/coordination.k8s.io/v1/namespaces/{o.namespace}/leases" + (
+            f"/{o.name}" if named else ""
+        )
+
     def _read(self) -> LeaseRecord | None:
         try:
-            lease = self.api.read_namespaced_lease(self.options.name, self.options.namespace)
-        except ApiException as err:
+            lease = json.loads(self.server.call_sync("read_lease", "GET", self._path()))
+        except ApiError as err:
             if err.status == 404:
                 return None
             raise
-        spec = lease.spec
+        spec = lease.get("spec") or {}
+        renewed = spec.get("renewTime")
         return LeaseRecord(
-            holder=spec.holder_identity,
-            renew_time=spec.renew_time,
-            transitions=spec.lease_transitions or 0,
-            resource_version=lease.metadata.resource_version,
+            holder=spec.get("holderIdentity"),
+            renew_time=datetime.fromisoformat(renewed) if renewed else None,
+            transitions=spec.get("leaseTransitions") or 0,
+            resource_version=lease["metadata"]["resourceVersion"],
         )
+
+    def _write(self, body: dict[str, Any], create: bool = False) -> None:
+        if create:
+            self.server.call_sync("create_lease", "POST", self._path(named=False), body)
+        else:
+            self.server.call_sync("replace_lease", "PUT", self._path(), body)
 
     def _body(self, transitions: int, resource_version: str | None, acquired: bool) -> dict[str, Any]:
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
@@ -151,25 +164,17 @@ class LeaderElector:
         move = next_move(record, self.identity, self.sighting, now, self.options.lease_seconds)
         try:
             if move is Move.CREATE:
-                self.api.create_namespaced_lease(self.options.namespace, self._body(0, None, acquired=True))
+                self._write(self._body(0, None, acquired=True), create=True)
             elif move is Move.RENEW:
                 assert record is not None
-                self.api.replace_namespaced_lease(
-                    self.options.name,
-                    self.options.namespace,
-                    self._body(record.transitions, record.resource_version, acquired=False),
-                )
+                self._write(self._body(record.transitions, record.resource_version, acquired=False))
             elif move is Move.TAKE:
                 assert record is not None
-                self.api.replace_namespaced_lease(
-                    self.options.name,
-                    self.options.namespace,
-                    self._body(record.transitions + 1, record.resource_version, acquired=True),
-                )
+                self._write(self._body(record.transitions + 1, record.resource_version, acquired=True))
                 log.info("took the lease from %s", record.holder or "nobody")
             else:
                 return False
-        except ApiException as err:
+        except ApiError as err:
             if err.status in (409, 422):  # somebody else wrote first
                 return False
             raise
@@ -228,7 +233,7 @@ class LeaderElector:
             if record is not None and record.holder == self.identity:
                 body = self._body(record.transitions, record.resource_version, acquired=False)
                 body["spec"]["holderIdentity"] = None
-                self.api.replace_namespaced_lease(self.options.name, self.options.namespace, body)
+                self._write(body)
                 log.info("released the lease")
         except Exception as err:
             log.warning("could not release the lease: %s", err)

@@ -1,20 +1,27 @@
-"""`rljob-operator`: runs kopf with our handlers and options."""
+"""`rljob-operator`: runs kopf with our handlers and options.
+
+kopf is imported in `main`, after the generated `kubernetes` client is kept out of the process: kopf
+imports it whenever it is installed (kopf/_cogs/helpers/thirdparty.py:35@1.45.2), only to recognise its
+model classes, which the operator never hands to kopf; it would hold ~14 MiB of the operator's RSS
+(docs/benchmarks.md). The operator's own calls need no client (controller/apiserver.py)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import sys
 
-import kopf
-from kubernetes import client
 from prometheus_client import start_http_server
 
 from rljob import event_loop
 from rljob.controller import heap
+from rljob.controller.apiserver import ApiServer
 from rljob.controller.children import AgentOptions, native_sidecars_supported
 from rljob.controller.conductor import ConductorOptions
-from rljob.controller.kube import Kube, load_config
+from rljob.controller.kube import Kube
+from rljob.controller.kubeconfig import Credentials
 from rljob.controller.leader import ElectionOptions, LeaderElector
 from rljob.controller.namespace_watch import keep_watching_terminating_namespaces
 
@@ -87,14 +94,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _native_sidecar(choice: str) -> bool:
+def without_the_kubernetes_client() -> None:
+    """Make `import kubernetes` fail in this process (a None entry in sys.modules: the import system's
+    own 'not importable'), unless something loaded it already."""
+    sys.modules.setdefault("kubernetes", None)  # type: ignore[arg-type]
+
+
+def _native_sidecar(choice: str, server: ApiServer) -> bool:
     """`auto`: ask the API server's /version (a failure to ask is not fatal: a regular container works
     on every server, it only restarts the gang when the agent exits)."""
     log = logging.getLogger("rljob")
     if choice != "auto":
         return choice == "native"
     try:
-        version = str(client.VersionApi().get_code().git_version)
+        version = str(json.loads(server.call_sync("get_version", "GET", "/version"))["gitVersion"])
     except Exception as e:  # any failure: the layout that works everywhere
         log.warning("cannot read the API server's /version (%s): the agent runs as a regular container", e)
         return False
@@ -111,6 +124,9 @@ def _native_sidecar(choice: str) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    without_the_kubernetes_client()
+    import kopf
+
     kopf.configure(
         verbose=args.verbose,
         log_format=kopf.LogFormat.JSON if args.log_json else kopf.LogFormat.PLAIN,
@@ -118,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("rljob").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     if not args.verbose:  # "Handler 'x' succeeded" per watch event drowns the phase log
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    load_config()
+    server = ApiServer(Credentials.load())
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.metrics_address)
     from rljob.controller import handlers  # noqa: F401  (registers the handlers)
@@ -132,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
             image_pull_policy=args.agent_image_pull_policy,
             gpu_probe=args.agent_gpu_probe,
             gpu_visibility=args.agent_gpu_visibility,
-            native_sidecar=_native_sidecar(args.agent_sidecar),
+            native_sidecar=_native_sidecar(args.agent_sidecar, server),
         ),
         tick_seconds=args.tick_seconds,
         freeze_heap=True,
@@ -147,7 +163,8 @@ def main(argv: list[str] | None = None) -> None:
                 lease_seconds=args.leader_elect_lease_seconds,
                 renew_deadline_seconds=args.leader_elect_renew_deadline_seconds,
                 retry_seconds=args.leader_elect_retry_seconds,
-            )
+            ),
+            server,
         )
         logging.getLogger("rljob").info("standby: waiting for the lease %s", args.leader_elect_name)
         elector.acquire()
@@ -159,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
                 namespaces=args.namespace,
                 standalone=True,  # no kopf peering: the Lease above decides which replica acts
                 liveness_endpoint=args.health_endpoint or None,
-                memo=kopf.Memo(kube=Kube(), options=options),
+                memo=kopf.Memo(kube=Kube(server), options=options),
             )
     finally:
         if elector is not None:

@@ -25,7 +25,6 @@ The functions below are pure; `Workloads` is the client (the only API calls to K
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import hashlib
 import json
@@ -35,14 +34,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from kubernetes import client
-from kubernetes.client.exceptions import ApiException
-
 from rljob.api.crd import GROUP as RLJOB_GROUP
 from rljob.api.crd import KIND as RLJOB_KIND
 from rljob.api.status import Phase
+from rljob.controller.apiserver import MERGE_PATCH, ApiError, ApiServer
 from rljob.controller.children import LABEL_JOB, owner_reference
-from rljob.controller.metrics import API_CALLS
 from rljob.lifecycle.model import Admission
 
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -270,47 +266,39 @@ def spec_patch(workload: Mapping[str, Any], queue: str, active: bool) -> dict[st
 class Workloads:
     """The Kueue client: Workloads of RLJobs (get, create, delete, merge patches of spec and status)."""
 
-    def __init__(self, api_client: client.ApiClient | None = None) -> None:
-        self.custom = client.CustomObjectsApi(api_client or client.ApiClient())
+    def __init__(self, server: ApiServer) -> None:
+        self.server = server
 
-    async def _call(self, verb: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        API_CALLS.labels(verb=verb).inc()
-        return await asyncio.to_thread(fn, *args, **kwargs)
+    @staticmethod
+    def _path(namespace: str, name: str = "") -> str:
+        return f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}" + (f"/{name}" if name else "")
 
     async def get(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            result = await self._call(
-                "get_workload", self.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL,
-                name, _preload_content=False,
-            )  # fmt: skip
-        except ApiException as err:
+            answer = await self.server.call("get_workload", "GET", self._path(namespace, name))
+        except ApiError as err:
             if err.status == 404:
                 return None
             raise
-        got: dict[str, Any] = json.loads(result.data)
+        got: dict[str, Any] = json.loads(answer)
         return got
 
     async def create(self, manifest: dict[str, Any]) -> dict[str, Any] | None:
         """The created Workload; None when one of that name exists already (read it back)."""
+        path = self._path(manifest["metadata"]["namespace"])
         try:
-            result = await self._call(
-                "create_workload", self.custom.create_namespaced_custom_object, GROUP, VERSION,
-                manifest["metadata"]["namespace"], PLURAL, manifest, _preload_content=False,
-            )  # fmt: skip
-        except ApiException as err:
+            answer = await self.server.call("create_workload", "POST", path, manifest)
+        except ApiError as err:
             if err.status == 409:
                 return None
             raise
-        created: dict[str, Any] = json.loads(result.data)
+        created: dict[str, Any] = json.loads(answer)
         return created
 
     async def delete(self, namespace: str, name: str) -> None:
         try:
-            await self._call(
-                "delete_workload", self.custom.delete_namespaced_custom_object, GROUP, VERSION, namespace,
-                PLURAL, name,
-            )  # fmt: skip
-        except ApiException as err:
+            await self.server.call("delete_workload", "DELETE", self._path(namespace, name))
+        except ApiError as err:
             if err.status != 404:
                 raise
 
@@ -319,21 +307,15 @@ class Workloads:
     ) -> dict[str, Any] | None:
         """A JSON merge patch (of the status subresource with `status`). None on 409/404: the Workload
         changed or went since it was read; the caller reads it again."""
-        fn = (
-            self.custom.patch_namespaced_custom_object_status
-            if status
-            else self.custom.patch_namespaced_custom_object
-        )
+        path = self._path(namespace, name) + ("/status" if status else "")
+        verb = "patch_workload_status" if status else "patch_workload"
         try:
-            result = await self._call(
-                "patch_workload_status" if status else "patch_workload", fn, GROUP, VERSION, namespace,
-                PLURAL, name, patch, _content_type="application/merge-patch+json", _preload_content=False,
-            )  # fmt: skip
-        except ApiException as err:
+            answer = await self.server.call(verb, "PATCH", path, patch, content_type=MERGE_PATCH)
+        except ApiError as err:
             if err.status in (404, 409):
                 return None
             raise
-        patched: dict[str, Any] = json.loads(result.data)
+        patched: dict[str, Any] = json.loads(answer)
         return patched
 
 
@@ -402,7 +384,7 @@ class JobQueue:
             try:
                 created = await self.workloads.create(manifest())
                 self._store(created or await self.workloads.get(self.namespace, self.name))
-            except ApiException as err:  # Kueue not installed (404), no RBAC (403), refused (422)
+            except ApiError as err:  # Kueue not installed (404), no RBAC (403), refused (422)
                 why = f"cannot create Workload {self.name}: HTTP {err.status} {err.reason}"
                 return AdmissionView(Admission.PENDING, self.name, f"queued in LocalQueue {queue}: {why}")
         return admission_of(queue, self.workload)
