@@ -324,8 +324,9 @@ class World:
             if self.status.phase != phase:
                 return
 
-    def run_iteration(self, version: str) -> None:
-        """Drive one full iteration from Rollout back to Rollout (or Succeeded)."""
+    def run_iteration(self, version: str, held: dict[str, float] | None = None) -> None:
+        """Drive one full iteration from Rollout back to Rollout (or Succeeded); `held` as in
+        trainers_publish."""
         assert self.status.phase == Phase.ROLLOUT, self.status.phase
         self.trainers_request()
         self.tick(10)
@@ -337,7 +338,7 @@ class World:
         self.step()
         assert self.status.phase == Phase.TRAINING, self.status.phase
         self.tick(20)
-        self.trainers_publish(version)
+        self.trainers_publish(version, held)
         self.step()  # -> Refitting
         self.settle()  # -> Resuming
         self.settle()  # -> Rollout / Succeeded

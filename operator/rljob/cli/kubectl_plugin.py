@@ -80,13 +80,14 @@ def render(name: str, namespace: str, status: RLJobStatus, spec: dict[str, Any])
                     s.start_time,
                     _secs(s.seconds),
                     _secs(s.agent_seconds),
+                    _secs(s.trainer_seconds),
                     _bytes(s.freed_bytes) if s.freed_bytes is not None else None,
                     f"{s.cache_hit_rate:.0%}" if s.cache_hit_rate is not None else None,
                     f"{s.tokens_per_second:.0f}" if s.tokens_per_second is not None else None,
                 )
                 for s in status.timeline[-18:]
             ],
-            ["ITER", "PHASE", "STARTED", "WALL", "IN-AGENT", "FREED", "CACHE-HIT", "TOK/S"],
+            ["ITER", "PHASE", "STARTED", "WALL", "IN-AGENT", "TRAINER", "FREED", "CACHE-HIT", "TOK/S"],
         )
     )
     out += ["", "Pods:"]
