@@ -164,10 +164,17 @@ def remap_paths(text: str, mounts: dict[str, Path]) -> str:
 
 # -- pod IPs -------------------------------------------------------------------------------------
 class IpAllocator:
-    """Hands out loopback IPs 127.0.0.2, 127.0.0.3, ... and reuses freed ones (lowest first)."""
+    """Hands out loopback IPs 127.0.0.2, 127.0.0.3, ... round-robin, as CNI's host-local IPAM does (the
+    next free one after the last handed out, plugins/ipam/host-local/backend/allocator/allocator.go
+    `GetIter`@containernetworking/plugins 2a46e67): a freed IP comes back only after the whole range.
+    Lowest-first reuse gave a new pod the IP of one deleted a moment before, while the old pod's
+    in-process agent or trainer (shared_pods.py) still spoke on it: a trainer of a finished job published
+    into another job's gang (docs/benchmarks.md)."""
 
-    def __init__(self, first: str = "127.0.0.2") -> None:
+    def __init__(self, first: str = "127.0.0.2", last: str = "127.255.255.254") -> None:
         self._first = int(ipaddress.IPv4Address(first))
+        self._last = int(ipaddress.IPv4Address(last))
+        self._next = self._first
         self._used: set[int] = set()
         self._lock = threading.Lock()
 
@@ -176,16 +183,17 @@ class IpAllocator:
             if wanted:
                 with contextlib.suppress(ValueError):
                     addr = ipaddress.IPv4Address(wanted)
-                    if addr.is_loopback and int(addr) >= self._first and int(addr) not in self._used:
+                    if self._first <= int(addr) <= self._last and int(addr) not in self._used:
                         self._used.add(int(addr))
                         return str(addr)
-            n = self._first
-            while n in self._used or n & 0xFF in (0, 255):
-                n += 1
-            if not ipaddress.IPv4Address(n).is_loopback:
-                raise RuntimeError("loopback pod IPs exhausted")
-            self._used.add(n)
-            return str(ipaddress.IPv4Address(n))
+            n = self._next
+            for _ in range(self._last - self._first + 1):
+                if n not in self._used and n & 0xFF not in (0, 255):
+                    self._used.add(n)
+                    self._next = n + 1 if n < self._last else self._first
+                    return str(ipaddress.IPv4Address(n))
+                n = n + 1 if n < self._last else self._first
+            raise RuntimeError("loopback pod IPs exhausted")
 
     def release(self, ip: str) -> None:
         with self._lock:
