@@ -40,6 +40,9 @@ class FakeKube:
     async def list_pods(self, namespace: str, job: str) -> list[dict[str, Any]]:
         return []
 
+    async def read_status(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return copy.deepcopy(self.status)
+
     async def read_token(self, namespace: str, job: str) -> str | None:
         return "token" if any(kind == "Secret" for kind, _, _ in self.created) else None
 
@@ -151,3 +154,27 @@ def test_a_pod_refused_at_creation_fails_the_next_round() -> None:
     assert "spec.template.spec.containers[0].imagePullPolicy: " in status["message"]
     assert ("Pod", "demo-1", True) in kube.created  # the dry run passed; the create did not
     assert [r for _, r, _ in kube.events].count("InvalidSpec") == 1
+
+
+def test_a_conductor_started_again_takes_the_stored_status_not_kopfs_older_body() -> None:
+    """kopf starts a conductor again after it raised (a status write answered 504) from its body of the
+    job, which under load was transitions behind; the stored status is the one to go on from."""
+    kube = FakeKube(refuse_dry_run=True)
+    stale = body()  # kopf's body from before the first write: no status
+    conduct(kube, copy.deepcopy(stale))
+    assert kube.status["phase"] == "Failed"
+    patches, created, events = len(kube.patches), list(kube.created), list(kube.events)
+
+    calls = 0
+
+    def stopped() -> bool:
+        nonlocal calls
+        calls += 1
+        return calls > 5
+
+    options = ConductorOptions(tick_seconds=0.01, quiet_seconds=0.01)
+    asyncio.run(asyncio.wait_for(Conductor(kube, stale, options).run(stopped), 10))  # type: ignore[arg-type]
+    assert calls > 5  # it ran its rounds
+    assert len(kube.patches) == patches, kube.patches[patches:]  # nothing written back over Failed
+    assert kube.events == events  # no second InvalidSpec
+    assert not [c for c in kube.created[len(created) :] if c[0] == "Pod"]  # not even a dry run

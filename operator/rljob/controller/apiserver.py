@@ -49,6 +49,37 @@ def _url_path(path: str, query: dict[str, str] | None) -> str:
     return f"{path}?{urllib.parse.urlencode(query)}" if query else path
 
 
+def _encoded(verb: str, body: Any) -> bytes | None:
+    """The request's body; counted here, as every request is, by its caller's verb."""
+    API_CALLS.labels(verb=verb).inc()
+    return None if body is None else json.dumps(body, separators=(",", ":")).encode()
+
+
+class _Attempts:
+    """What one call may try again, the same in the event loop and in threads: a connection that broke,
+    once (a kept-alive one the server closed fails the first write), and a 401, once, after asking the
+    credentials again (a rotated token, an expired exec credential)."""
+
+    def __init__(self, credentials: Credentials) -> None:
+        self._credentials = credentials
+        self._broke = self._denied = False
+
+    def once_more(self) -> bool:
+        """After a broken connection: True the first time (try a new one), False after that (raise)."""
+        again, self._broke = not self._broke, True
+        return again
+
+    def answer(self, status: int, reason: str | None, answer: bytes) -> bytes | None:
+        """The answer to return; None to send the request again; ApiError for one >= 400."""
+        if status == 401 and not self._denied:
+            self._denied = True
+            self._credentials.invalidate()
+            return None
+        if status >= 400:
+            raise ApiError(status, reason or "", answer.decode(errors="replace"))
+        return answer
+
+
 class _TLSConnection(http.client.HTTPSConnection):
     """Checks the certificate against `server_name` (kubeconfig's tls-server-name) where that is not the
     host connected to (an address, a proxy's tunnel)."""
@@ -111,10 +142,9 @@ class ApiServer:
         query: dict[str, str] | None = None,
         content_type: str = JSON,
     ) -> bytes:
-        API_CALLS.labels(verb=verb).inc()
-        data = None if body is None else json.dumps(body, separators=(",", ":")).encode()
+        data = _encoded(verb, body)
         url = self.credentials.server + _url_path(path, query)
-        broke = denied = False
+        attempts = _Attempts(self.credentials)
         while True:
             try:
                 async with self._open().request(
@@ -127,17 +157,11 @@ class ApiServer:
                 ) as resp:
                     answer = await resp.read()
             except aiohttp.ClientConnectionError:
-                if broke:
-                    raise
-                broke = True
-                continue
-            if resp.status == 401 and not denied:
-                denied = True
-                self.credentials.invalidate()
-                continue
-            if resp.status >= 400:
-                raise ApiError(resp.status, resp.reason or "", answer.decode(errors="replace"))
-            return answer
+                if attempts.once_more():
+                    continue
+                raise
+            if (taken := attempts.answer(resp.status, resp.reason, answer)) is not None:
+                return taken
 
     async def close(self) -> None:
         if self._session is not None and not self._session.closed:
@@ -173,10 +197,9 @@ class ApiServer:
         query: dict[str, str] | None = None,
         content_type: str = JSON,
     ) -> bytes:
-        API_CALLS.labels(verb=verb).inc()
-        data = None if body is None else json.dumps(body, separators=(",", ":")).encode()
+        data = _encoded(verb, body)
         target = (self.url.path.rstrip("/") + _url_path(path, query)) or "/"
-        broke = denied = False
+        attempts = _Attempts(self.credentials)
         with self._sync_lock:
             while True:
                 conn = self._connection()
@@ -187,14 +210,8 @@ class ApiServer:
                 except (OSError, http.client.HTTPException):
                     conn.close()
                     self._sync = None
-                    if broke:
-                        raise
-                    broke = True
-                    continue
-                if resp.status == 401 and not denied:
-                    denied = True
-                    self.credentials.invalidate()
-                    continue
-                if resp.status >= 400:
-                    raise ApiError(resp.status, resp.reason or "", answer.decode(errors="replace"))
-                return answer
+                    if attempts.once_more():
+                        continue
+                    raise
+                if (taken := attempts.answer(resp.status, resp.reason, answer)) is not None:
+                    return taken

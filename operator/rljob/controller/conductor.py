@@ -231,8 +231,14 @@ class Conductor:
         """Conduct until `stopped`, the RLJob is marked for deletion, or its namespace is being deleted
         (a create refused as NamespaceTerminating: the RLJob goes with the namespace); returns then, and
         after the job deleted itself (its TTL)."""
-        status = parse_status(self.body.get("status"))
-        writer = StatusWriter(self.kube, self.namespace, self.name, self.body.get("status"))
+        # From the status as stored, not kopf's body of the job: a conductor kopf starts again (after a
+        # status write the API server answered 504, which it may still have applied) got a body five
+        # transitions behind under load, and wrote the job's epoch back (docs/benchmarks.md).
+        stored = await self.kube.read_status(self.namespace, self.name)
+        if stored is None:  # the RLJob is gone: kopf stops this daemon
+            return
+        status = parse_status(stored)
+        writer = StatusWriter(self.kube, self.namespace, self.name, stored)
         loop = asyncio.get_running_loop()
         async with AgentClient() as agents:
             try:

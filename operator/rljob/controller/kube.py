@@ -159,6 +159,18 @@ class Kube:
 
     # --- the RLJob -----------------------------------------------------------------------------
 
+    async def read_status(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The RLJob's status as the API server has it now ({} for none); None when the RLJob is gone.
+        A consistent read (no resourceVersion): kopf's body of a job can be transitions behind."""
+        path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}"
+        try:
+            job = json.loads(await self.server.call("read_rljob", "GET", path))
+        except ApiError as err:
+            if err.status == 404:
+                return None
+            raise
+        return dict(job.get("status") or {})
+
     async def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
         """A JSON merge patch of the status subresource; the answer, the whole RLJob, is not read."""
         path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}/status"
