@@ -149,13 +149,17 @@ class Kube:
 
     async def read_token(self, namespace: str, job: str) -> str | None:
         path = f"/api/v1/namespaces/{namespace}/secrets/{token_secret_name(job)}"
+        secret = await self._read("read_secret", path)
+        return None if secret is None else base64.b64decode(secret["data"][TOKEN_KEY]).decode()
+
+    async def _read(self, verb: str, path: str) -> dict[str, Any] | None:
+        """GET an object; None when it is not there (404)."""
         try:
-            secret = json.loads(await self.server.call("read_secret", "GET", path))
+            return dict(json.loads(await self.server.call(verb, "GET", path)))
         except ApiError as err:
             if err.status == 404:
                 return None
             raise
-        return base64.b64decode(secret["data"][TOKEN_KEY]).decode()
 
     # --- the RLJob -----------------------------------------------------------------------------
 
@@ -163,13 +167,8 @@ class Kube:
         """The RLJob's status as the API server has it now ({} for none); None when the RLJob is gone.
         A consistent read (no resourceVersion): kopf's body of a job can be transitions behind."""
         path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}"
-        try:
-            job = json.loads(await self.server.call("read_rljob", "GET", path))
-        except ApiError as err:
-            if err.status == 404:
-                return None
-            raise
-        return dict(job.get("status") or {})
+        job = await self._read("read_rljob", path)
+        return None if job is None else dict(job.get("status") or {})
 
     async def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
         """A JSON merge patch of the status subresource; the answer, the whole RLJob, is not read."""
