@@ -108,6 +108,23 @@ def test_weights_operation_under_weight_cache(
     assert "--weight-cache-mode client" in emu.log_text()
 
 
+@pytest.mark.parametrize("version", ["0.5.6", "0.5.15.post1", "0.5.20"])
+def test_distributed_push_naming_no_group(version: str, start_emulator: Callable[..., Emulator]) -> None:
+    """C-REFIT-GROUP-UNKNOWN: the assert sits outside any try up to 0.5.20 (0.5.21+ answers 400)."""
+    emu = start_emulator(version)
+    body = {"names": ["w"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "never_formed"}
+    _call_expecting_drop(emu, "/update_weights_from_distributed", body)
+    _dies(emu, "Please call `init_weights_update_group` first.")
+
+
+def test_tensor_push_that_is_not_base64(start_emulator: Callable[..., Emulator]) -> None:
+    """C-REFIT-TENSOR-B64: 0.5.6 decodes in the scheduler with no try."""
+    emu = start_emulator("0.5.6")
+    body = {"serialized_named_tensors": ["not base64!"], "flush_cache": False}
+    _call_expecting_drop(emu, "/update_weights_from_tensor", body)
+    _dies(emu, "binascii.Error")
+
+
 @pytest.mark.parametrize("version", VERSIONS)
 def test_generate_reaching_released_memory(version: str, start_emulator: Callable[..., Emulator]) -> None:
     """Release does not pause: a request arriving while KV is unmapped touches unmapped memory."""

@@ -140,21 +140,66 @@ def test_window_not_closed_fails_by_deadline(
     assert emu.stats()["calls"]["/end_weight_update"] == 1
 
 
-def test_push_refused_by_sglang_fails_the_window(
-    start_emulator: Callable[..., Emulator], start_agent: Callable[..., Agent]
-) -> None:
-    emu = start_emulator("0.5.23")
+def _open_window(
+    version: str, source: str, start_emulator: Callable[..., Emulator], start_agent: Callable[..., Agent]
+) -> tuple[Emulator, Agent, AgentDriver]:
+    """An emulator and agent with a refit window for version "1" open and waiting for the trainer."""
+    emu = start_emulator(version)
     agent = start_agent(emu)
     c = AgentDriver(agent)
     _to_trained(c, "1")
-    _refit_async(agent, c, version="1", source="tensor")
-    handoff = Handoff(agent.trainer_url)
-    with pytest.raises(AgentError) as err, handoff.refit_window(timeout=10) as w:
-        w.push_tensors(["not base64!"])
-        w.push_tensors(["QQ=="])  # sends the held first push: SGLang refuses it
-    assert err.value.status == 502 and "deserialize" in err.value.reason
-    out = _outcome(agent)
-    assert out["state"] == "Failed" and "deserialize" in out["error"]
+    _refit_async(agent, c, version="1", source=source)
+    agent.wait_state(lambda s: s["trainer"].get("refitWindowVersion") == "1", 5)
+    return emu, agent, c
+
+
+def _push_one_bucket(agent: Agent) -> None:
+    with Handoff(agent.trainer_url).refit_window(timeout=10) as w:
+        for chunk in bucket_payloads([("w", "float32", (2, 2))]):
+            w.push_tensors([packing.to_wire(chunk)], load_format="flattened_bucket")
+    assert _outcome(agent)["state"] == "Succeeded"
+
+
+@pytest.mark.parametrize("version", ["0.5.6", "0.5.23"])
+def test_push_that_is_not_base64_is_refused_before_sglang(
+    version: str, start_emulator: Callable[..., Emulator], start_agent: Callable[..., Agent]
+) -> None:
+    """C-REFIT-TENSOR-B64: 0.5.6 dies decoding it; the agent answers 422 naming the entry, keeps the
+    window usable, and SGLang stays alive and serving."""
+    emu, agent, _ = _open_window(version, "tensor", start_emulator, start_agent)
+    r = agent.trainer("POST", "/v1/trainer/refit/tensor", {"serializedNamedTensors": ["QQ==", "not base64!"]})
+    assert r.status == 422 and r.body["error"] == "InvalidPush", r.text
+    assert "serializedNamedTensors[1]" in r.body["reason"]
+    assert "/update_weights_from_tensor" not in emu.stats()["calls"]
+    assert emu.alive() and agent.state()["lastCommand"]["state"] == "Running"
+    _push_one_bucket(agent)
+    assert emu.alive() and agent.state()["sglang"]["servedVersion"] == "1"
+
+
+@pytest.mark.parametrize("version", ["0.5.6", "0.5.15.post1", "0.5.21"])
+def test_push_naming_a_group_sglang_never_formed(
+    version: str, start_emulator: Callable[..., Emulator], start_agent: Callable[..., Agent]
+) -> None:
+    """C-REFIT-GROUP-UNKNOWN: up to 0.5.20 SGLang dies on it, so the agent refuses 409 and sends nothing;
+    from 0.5.21 SGLang answers 400 itself and the agent forwards it (502, the window fails)."""
+    emu, agent, c = _open_window(version, "distributed", start_emulator, start_agent)
+    meta = {"names": ["w"], "dtypes": ["float32"], "shapes": [[2, 2]], "groupName": "never_formed"}
+    r = agent.trainer("POST", "/v1/trainer/refit/distributed", meta)
+    if version == "0.5.21":
+        assert r.status == 502 and "init_weights_update_group" in r.body["reason"], r.text
+    else:
+        assert r.status == 409 and r.body["error"] == "UnknownWeightsGroup", r.text
+        assert "never_formed" in r.body["reason"]
+        assert "/update_weights_from_distributed" not in emu.stats()["calls"]
+        assert agent.state()["lastCommand"]["state"] == "Running"
+    agent.trainer("POST", "/v1/trainer/refit/close", {})
+    _outcome(agent)
+    assert emu.alive()
+    _refit_async(agent, c, version="1", source="tensor")  # the next refit works, then SGLang serves again
+    _push_one_bucket(agent)
+    c.ok("resume")
+    r = emu.call("POST", "/generate", {"text": "a b", "sampling_params": {"max_new_tokens": 2}})
+    assert r.status == 200, r.text
 
 
 def test_wrong_source_and_final_push_guards(

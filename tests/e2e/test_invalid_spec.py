@@ -74,8 +74,28 @@ def refused(kubectl: Kubectl, api: KubeApi, namespace: str, manifest: dict[str, 
             "spec.rollout.port",
             "the agent's trainer port",
         ),
+        (
+            named("label", template_metadata(labels={"app": "not ok!"})),
+            "spec.template.metadata.labels.app",
+            "should match",
+        ),
+        (
+            named("note", template_metadata(annotations={"note": 1})),
+            "spec.template.metadata.annotations.note",
+            "must be of type string",
+        ),
     ],
-    ids=["64-characters", "dot", "leading-digit", "agent-container", "token-volume", "duplicate", "port"],
+    ids=[
+        "64-characters",
+        "dot",
+        "leading-digit",
+        "agent-container",
+        "token-volume",
+        "duplicate",
+        "port",
+        "label-value",
+        "annotation-not-a-string",
+    ],
 )
 def test_admission_refuses_what_the_children_cannot_carry(
     kubectl: Kubectl,
@@ -128,9 +148,8 @@ def assert_failed_as_invalid_spec(rl: RL, name: str, field: str) -> dict[str, An
 @pytest.mark.parametrize(
     ("edit", "field"),
     [
-        # The CRD keeps no schema for label and annotation entries: the operator's models refuse them.
-        (template_metadata(labels={"app": "not ok!"}), "spec.template.metadata.labels.app"),
-        (template_metadata(annotations={"note": 1}), "spec.template.metadata.annotations.note"),
+        # The CRD checks label and annotation values, not keys: the operator's models refuse a bad key.
+        (template_metadata(labels={"bad key!": "x"}), "spec.template.metadata.labels.bad key!.[key]"),
         # Nobody but the API server knows the pod's own rules: the dry run of a pod is refused.
         (pull_policy("Sometimes"), "spec.template.spec.containers[0].imagePullPolicy"),
         # A number where a string belongs: the API server cannot decode the body (400), naming the field
@@ -138,8 +157,7 @@ def assert_failed_as_invalid_spec(rl: RL, name: str, field: str) -> dict[str, An
         (pull_policy(5), "spec.template.spec.containers[0].imagePullPolicy"),
     ],
     ids=[
-        "label-value",
-        "annotation-not-a-string",
+        "label-key",
         "pod-refused-by-the-api-server",
         "pod-body-that-does-not-decode",
     ],

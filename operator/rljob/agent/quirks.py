@@ -83,3 +83,10 @@ class SGLangQuirks:
         death. Before (0.5.6, 0.5.8 checked) a scheduler that dies hard leaves HTTP up and `/ping` 200
         (http_server.py:1315-1318@0.5.6): the agent needs a bounded scheduler probe."""
         return self.key >= (0, 5, 10)
+
+    @property
+    def unknown_weights_group_is_fatal(self) -> bool:
+        """C-REFIT-GROUP-UNKNOWN: up to 0.5.20 a distributed push naming a group SGLang never formed trips
+        an assert outside any try and kills the server (model_runner.py:1165-1168@0.5.6,
+        …/model_runner_components/weight_updater.py:245-248@0.5.20); from 0.5.21 it answers 400."""
+        return self.key < (0, 5, 21)

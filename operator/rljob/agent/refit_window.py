@@ -6,6 +6,8 @@ the background (C-REFIT-GROUP-BLOCK): SGLang answers it only once the trainer ha
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +56,7 @@ class RefitWindows:
         self._client = client
         self._group_timeout_s = group_timeout_s
         self.current: OpenWindow | None = None
+        self.groups: set[str] = set()  # weight-update groups SGLang formed through this agent
 
     # --- agent side (the refit command) ----------------------------------------------------------
 
@@ -132,6 +135,13 @@ class RefitWindows:
 
     async def push_tensor(self, push: TensorPush) -> PushResult:
         w = self._usable(RefitSource.TENSOR)
+        for i, text in enumerate(push.serialized_named_tensors):  # C-REFIT-TENSOR-B64: fatal on 0.5.6
+            try:
+                base64.b64decode(text, validate=True)
+            except (binascii.Error, ValueError) as e:
+                raise Refused(
+                    422, "InvalidPush", f"serializedNamedTensors[{i}] is not base64 ({e}); nothing was sent"
+                ) from e
 
         async def call(version: str | None, timeout: float) -> str:
             return await self._client.update_weights_from_tensor(
@@ -144,6 +154,14 @@ class RefitWindows:
         w = self._usable(RefitSource.DISTRIBUTED)
         if not (len(push.names) == len(push.dtypes) == len(push.shapes)):
             raise Refused(422, "InvalidPush", "names, dtypes and shapes must have the same length")
+        quirks = self._client.quirks
+        if push.group_name not in self.groups and (quirks is None or quirks.unknown_weights_group_is_fatal):
+            formed = sorted(self.groups) or "none"
+            raise conflict(  # C-REFIT-GROUP-UNKNOWN: this SGLang dies on a group it never formed
+                "UnknownWeightsGroup",
+                f"groupName {push.group_name!r} was not formed through this agent (formed: {formed}); "
+                "POST /v1/trainer/refit/group and wait for group: Ready first; nothing was sent",
+            )
 
         async def call(version: str | None, timeout: float) -> str:
             return await self._client.update_weights_from_distributed(
@@ -172,6 +190,7 @@ class RefitWindows:
             try:
                 await self._client.init_weights_update_group(body.model_dump(), timeout=self._group_timeout_s)
                 w.group = GroupState.READY
+                self.groups.add(body.group_name)
             except SGLangError as e:
                 w.group, w.group_error = GroupState.FAILED, e.message
             except SGLangUnreachable as e:

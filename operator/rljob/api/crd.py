@@ -2,7 +2,7 @@
 
 The models are the single source of truth; this module only translates JSON Schema into the
 structural OpenAPI v3 subset the API server accepts (no $ref, no anyOf-null, no additionalProperties
-beside properties, Kubernetes list/CEL extensions kept)."""
+beside properties, map values typed through additionalProperties, Kubernetes list/CEL extensions kept)."""
 
 from __future__ import annotations
 
@@ -101,11 +101,17 @@ def _structural(node: Any) -> Any:
             node = {**{k: v for k, v in node.items() if k != "anyOf"}, **non_null[0]}
             if node.get("default", 0) is None:
                 node.pop("default")
+    patterns = node.get("patternProperties")
+    if isinstance(patterns, dict) and len(patterns) == 1 and "properties" not in node:
+        # dict[Key, Value]: the API server cannot check keys by schema, but it checks every value
+        node = {**node, "additionalProperties": next(iter(patterns.values()))}
     preserve = node.get("additionalProperties") is True
     for key, value in node.items():
-        if key in _DROP:
+        if key == "additionalProperties" and isinstance(value, dict) and value and "properties" not in node:
+            out[key] = _structural(value)  # a map's values: typed, so the API server checks each one
+        elif key in _DROP:
             continue
-        if key == "properties":
+        elif key == "properties":
             out[key] = {k: _structural(v) for k, v in value.items()}
         elif key in ("exclusiveMinimum", "exclusiveMaximum") and not isinstance(value, bool):
             bound = "minimum" if key == "exclusiveMinimum" else "maximum"
@@ -117,7 +123,7 @@ def _structural(node: Any) -> Any:
             out[key] = _structural(value)
     if preserve:
         out["x-kubernetes-preserve-unknown-fields"] = True
-    if out.get("type") == "object" and "properties" not in out and "additionalProperties" not in node:
+    if out.get("type") == "object" and "properties" not in out and "additionalProperties" not in out:
         out["x-kubernetes-preserve-unknown-fields"] = True
     return out
 

@@ -145,15 +145,17 @@ class PodSpec(WireModel):
 
 LabelKey = Annotated[str, Field(max_length=317, pattern=QUALIFIED_NAME)]
 LabelValue = Annotated[str, Field(max_length=63, pattern=LABEL_VALUE)]
+AnnotationValue = Annotated[str, Field(max_length=256 * 1024)]  # the API server's limit on them all
 
 
 class TemplateMetadata(WireModel):
-    """The pods' labels and annotations; other fields pass through. The CRD keeps no schema for map
-    entries, so the API server accepts any: the operator checks them and fails the job as InvalidSpec."""
+    """The pods' labels and annotations; other fields pass through. The API server checks every value
+    (a string; a label value's syntax); keys it cannot check by schema: the operator fails the job as
+    InvalidSpec on a bad key."""
 
     model_config = ConfigDict(extra="allow")
     labels: dict[LabelKey, LabelValue] | None = None
-    annotations: dict[LabelKey, str] | None = None
+    annotations: dict[LabelKey, AnnotationValue] | None = None
 
 
 class PodTemplate(WireModel):

@@ -174,6 +174,24 @@ class VersionProfile:
         return not self._at_least(22)
 
     @property
+    def distributed_unknown_group_is_fatal(self) -> bool:
+        """C-REFIT-GROUP-UNKNOWN: ≤0.5.20 asserts the group exists outside any try; from 0.5.21 the
+        assert sits inside the scheduler's try and the call returns success:false."""
+        # model_runner.py:1165-1168@0.5.6, tp_worker.py:152-161@0.5.6;
+        # …/model_runner_components/weight_updater.py:245-248@0.5.20,
+        # scheduler_components/weight_updater.py:144-153@0.5.20 (no try);
+        # scheduler_components/weight_updater.py:188-198@0.5.21 (try/except Exception)
+        return not self._at_least(21)
+
+    @property
+    def tensor_bad_base64_is_fatal(self) -> bool:
+        """C-REFIT-TENSOR-B64: 0.5.6 decodes each payload inside the scheduler with
+        `b64decode(validate=True)` and no try: text that is not base64 raises binascii.Error and kills
+        it. 0.5.6.post2 was not read for this: treated as 0.5.6."""
+        # tp_worker.py:164-172@0.5.6, utils/common.py:2211-2215@0.5.6
+        return not self._at_least(7)
+
+    @property
     def refit_paused_sets_weight_version(self) -> bool:
         """C-REFIT-WV-PAUSED: 0.5.6 returns before `_update_weight_version_if_provided` while paused."""
         # …/managers/tokenizer_manager.py:1299-1316@0.5.6,

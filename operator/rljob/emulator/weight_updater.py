@@ -75,6 +75,8 @@ class WeightUpdater:
             try:
                 payloads = [base64.b64decode(s, validate=True) for s in body["serialized_named_tensors"]]
             except (binascii.Error, ValueError) as e:
+                if eng.profile.tensor_bad_base64_is_fatal:  # C-REFIT-TENSOR-B64
+                    fatal.scheduler_exception("binascii.Error", str(e))
                 return _fail(f"Failed to update weights: cannot deserialize named tensors: {e}")
             failure = self.tensor_pushes.apply(
                 payloads, body.get("load_format"), final=body.get("weight_version") is not None
@@ -88,7 +90,13 @@ class WeightUpdater:
         if eng.profile.needs_weight_update_session and not self.session_open:
             return _session_required("update_weights_from_distributed")
         if body["group_name"] not in self.groups:
-            return _fail("Please call `init_weights_update_group` first.")
+            unknown = (
+                f"Group {body['group_name']} not in {sorted(self.groups)}. "
+                "Please call `init_weights_update_group` first."
+            )
+            if eng.profile.distributed_unknown_group_is_fatal:  # C-REFIT-GROUP-UNKNOWN
+                fatal.scheduler_exception("AssertionError", unknown)
+            return _fail(f"Failed to receive weights: {unknown}")
         if not (len(body["names"]) == len(body["dtypes"]) == len(body["shapes"])):
             return _fail("names, dtypes and shapes must have the same length")
         eng.refuse_under_weight_cache("update_weights_from_distributed")
