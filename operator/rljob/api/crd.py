@@ -101,17 +101,11 @@ def _structural(node: Any) -> Any:
             node = {**{k: v for k, v in node.items() if k != "anyOf"}, **non_null[0]}
             if node.get("default", 0) is None:
                 node.pop("default")
-    patterns = node.get("patternProperties")
-    if isinstance(patterns, dict) and len(patterns) == 1 and "properties" not in node:
-        # dict[Key, Value]: the API server cannot check keys by schema, but it checks every value
-        node = {**node, "additionalProperties": next(iter(patterns.values()))}
     preserve = node.get("additionalProperties") is True
     for key, value in node.items():
-        if key == "additionalProperties" and isinstance(value, dict) and value and "properties" not in node:
-            out[key] = _structural(value)  # a map's values: typed, so the API server checks each one
-        elif key in _DROP:
+        if key in _DROP:
             continue
-        elif key == "properties":
+        if key == "properties":
             out[key] = {k: _structural(v) for k, v in value.items()}
         elif key in ("exclusiveMinimum", "exclusiveMaximum") and not isinstance(value, bool):
             bound = "minimum" if key == "exclusiveMinimum" else "maximum"
@@ -121,11 +115,24 @@ def _structural(node: Any) -> Any:
             out[key] = " ".join(str(value).split())
         else:
             out[key] = _structural(value)
+    values = _map_values(node)
+    if values is not None:  # the API server cannot check a map's keys by schema, but checks every value
+        out["additionalProperties"] = _structural(values)
     if preserve:
         out["x-kubernetes-preserve-unknown-fields"] = True
     if out.get("type") == "object" and "properties" not in out and "additionalProperties" not in out:
         out["x-kubernetes-preserve-unknown-fields"] = True
     return out
+
+
+def _map_values(node: dict[str, Any]) -> dict[str, Any] | None:
+    """The value schema of a dict[K, V] (pydantic writes patternProperties when K has a pattern)."""
+    if "properties" in node:
+        return None
+    patterns = node.get("patternProperties")
+    values = next(iter(patterns.values())) if isinstance(patterns, dict) and len(patterns) == 1 else None
+    values = values or node.get("additionalProperties")
+    return values if isinstance(values, dict) and values else None
 
 
 def openapi_schema(model: type[Any]) -> dict[str, Any]:
