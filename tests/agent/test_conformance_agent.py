@@ -115,7 +115,7 @@ def test_abort_and_retract_drains_with_requests_in_flight(
         _in_flight(emu)
         if mode == "retract" and version in RETRACT_REFUSED:
             r = c.refused("drain", "RetractUnsupported", mode=mode, _emulator_url=emu.url)
-            assert "waiting" in r["reason"] and "abort" in r["reason"], r
+            assert "waiting" in r["reason"] and "abort" in r["reason"] and r["permanent"] is True, r
             mode = "abort"  # what the operator falls back to
         health = _calls(emu, *HEALTH_ROUTES)
         c.ok("drain", mode=mode, timeoutSeconds=5)
@@ -151,16 +151,31 @@ def test_drain_refusals_by_version() -> None:
     for version in ("0.5.9", "0.5.10", "0.5.15.post1", "0.5.20"):
         with pytest.raises(Refused) as err:
             check(retract, serving, facts(version))
-        assert err.value.error == "RetractUnsupported"
+        assert (err.value.error, err.value.permanent) == ("RetractUnsupported", True)
+        assert "spec.rollout.drain.mode: abort" in err.value.reason
+    # C-DP-LOADS-PAUSED: at dp > 1 no rank can be proven idle after a retract where the load route reads
+    # snapshots a paused scheduler never republishes; 0.5.8 still asks the schedulers
+    check(retract, serving, facts("0.5.8", dp_size=2))
+    for version in ("0.5.21", "0.5.23"):
+        with pytest.raises(Refused) as err:
+            check(retract, serving, facts(version, dp_size=2))
+        assert (err.value.error, err.value.permanent) == ("RetractUnsupported", True)
+        assert "C-DP-LOADS-PAUSED" in err.value.reason
+        check(DrainCommand(epoch=1), serving, facts(version, dp_size=2))
     check(DrainCommand(epoch=1), serving, facts("0.5.20"))
     for cmd in (DrainCommand(epoch=1), ResumeCommand(epoch=1), RefitCommand(epoch=1, version="1", path="/w")):
         with pytest.raises(Refused) as err:
             check(cmd, serving, facts("0.5.21", dp_size=2, dp_attention=True))
-        assert err.value.error == "DataParallelAttentionUnsupported"
+        assert (err.value.error, err.value.permanent) == ("DataParallelAttentionUnsupported", True)
     tensor = RefitCommand(epoch=1, version="1", source=RefitSource.TENSOR)
     with pytest.raises(Refused) as err:
         check(tensor, serving, facts("0.5.23", dp_size=2))
-    assert err.value.error == "DataParallelUnsupported"
+    assert (err.value.error, err.value.permanent) == ("DataParallelUnsupported", True)
+    with pytest.raises(Refused) as err:  # the moment explains it: the same drain is taken later
+        check(
+            DrainCommand(epoch=1), AgentState(revision=1, boot_id="b", stage=Stage.RELEASED), facts("0.5.23")
+        )
+    assert (err.value.error, err.value.permanent) == ("IllegalTransition", False)
     q = {v: SGLangQuirks.detect(v) for v in ("0.5.6", "0.5.6.post2", "0.5.8", "0.5.10", "0.5.23")}
     assert [q[v].refit_while_paused_records_version for v in q] == [False, True, True, True, True]
     assert [q[v].flush_takes_timeout for v in q] == [False, False, False, True, True]
@@ -207,6 +222,9 @@ def test_dp2_release_proves_every_rank_idle(
     assert emu.call("POST", "/abort_request", {"abort_all": True}).status == 200
     job.join(30)
     wait_until(lambda: emu.stats()["idle"], 10, "rank 1 to become idle")
+    # the in-place pause froze rank 1's load snapshot (C-DP-LOADS-PAUSED): undo it, back to an abort drain
+    assert emu.call("POST", "/continue_generation", {}).status == 200
+    assert emu.call("POST", "/pause_generation", {"mode": "abort"}).status == 200
     c.ok("release", tags=ALL_TAGS)
     assert _calls(emu, "/release_memory_occupation") == 1
     c.ok("grant")
@@ -215,6 +233,35 @@ def test_dp2_release_proves_every_rank_idle(
     c.ok("resume")
     assert agent.state()["sglang"]["servedVersion"] == "1"
     c.refused("refit", "DataParallelUnsupported", version="2", source="tensor", _emulator_url=emu.url)
+
+
+@pytest.mark.parametrize("version", ["0.5.21", "0.5.23"])
+def test_dp2_retract_is_refused_for_good(
+    version: str, tmp_path: Path, start_emulator: Callable[..., Emulator], start_agent: Callable[..., Agent]
+) -> None:
+    """C-DP-LOADS-PAUSED: with --dp-size 2 a retracted rank keeps publishing its pre-pause counts, so no
+    rank can be proven idle and the drain would wait for its deadline with SGLang paused. The agent refuses
+    the retract up front, permanently, naming what to change; nothing reaches SGLang, which keeps serving.
+    An abort drain then runs the iteration."""
+    emu = start_emulator(version, "--dp-size", "2", tps=100)
+    agent = start_agent(emu)
+    c = AgentDriver(agent)
+    traffic = Traffic(emu, clients=2)
+    wait_until(lambda: all(r["running"] > 0 for r in emu.stats()["ranks"]), 10, "both ranks busy")
+    r = c.refused("drain", "RetractUnsupported", mode="retract", timeoutSeconds=3, _emulator_url=emu.url)
+    assert r["permanent"] is True and "spec.rollout.drain.mode: abort" in r["reason"], r
+    assert not emu.stats()["ranks"][0]["scheduler_paused"] and agent.state()["stage"] == "Serving"
+    served = len(traffic.replies)
+    wait_until(lambda: len(traffic.replies) > served, 10, "rollout to go on after the refusal")
+    c.ok("drain", mode="abort", timeoutSeconds=5)
+    traffic.halt()
+    c.ok("release", tags=ALL_TAGS)
+    c.ok("grant")
+    c.publish("1", str(write_weights(tmp_path, "1")))
+    c.ok("refit", version="1")
+    c.ok("resume")
+    traffic.stop()  # the requests the pause held finish on the new weights
+    assert agent.state()["sglang"]["servedVersion"] == "1"
 
 
 # --- distributed refit with a peer that joins (C-REFIT-GROUP-BLOCK) ---------------------------------

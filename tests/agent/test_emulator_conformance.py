@@ -822,6 +822,42 @@ def test_c_dp_fanout_and_c_dp_flush_first(dp: Emulator, version: str) -> None:
 
 
 @_params()
+def test_c_dp_loads_paused(dp: Emulator, version: str) -> None:
+    """C-DP-LOADS-PAUSED: from 0.5.15 the load route reads the snapshots each scheduler publishes from its
+    loop, which a paused scheduler skips: after a retract the running request shows as running until
+    continue, though it waits. 0.5.6's /get_load asks the schedulers: live. An abort drain never pauses the
+    scheduler, so the counts stay live there."""
+    job = _running(dp, data_parallel_rank=1)
+    assert dp.call("POST", "/pause_generation", {"mode": "retract"}).status == 200
+    wait_until(lambda: dp.stats()["ranks"][1]["waiting"] == 1, 5, "the retract")
+    assert dp.stats()["ranks"][1]["running"] == 0
+    if version == "0.5.6":
+        assert [(x["num_reqs"], x["num_waiting_reqs"]) for x in dp.call("GET", "/get_load").body] == [
+            (0, 0),
+            (1, 1),
+        ]
+    else:
+        loads = dp.call("GET", "/v1/loads").body["loads"]
+        assert [(x["num_running_reqs"], x["num_waiting_reqs"]) for x in loads] == [(0, 0), (1, 0)], loads
+        if version in ("0.5.15.post1", "0.5.20"):  # the /get_load shim reads the same snapshots
+            assert [x["num_waiting_reqs"] for x in dp.call("GET", "/get_load").body] == [0, 0]
+    assert dp.call("POST", "/continue_generation", {}).status == 200
+    wait_until(lambda: dp.stats()["ranks"][1]["running"] == 1, 5, "the request to run again")
+    if version != "0.5.6":
+        loads = dp.call("GET", "/v1/loads").body["loads"]
+        assert [(x["num_running_reqs"], x["num_waiting_reqs"]) for x in loads] == [(0, 0), (1, 0)], loads
+    assert dp.call("POST", "/pause_generation", {"mode": "abort"}).status == 200
+    job["thread"].join(10)
+    if version != "0.5.6":  # abort: the scheduler is not paused, its snapshot follows
+        wait_until(
+            lambda: all(x["num_running_reqs"] == 0 for x in dp.call("GET", "/v1/loads").body["loads"]),
+            5,
+            "the live snapshot after an abort",
+        )
+    assert dp.call("POST", "/continue_generation", {}).status == 200
+
+
+@_params()
 def test_c_refit_dp(dp: Emulator, version: str, tmp_path: Path, dp_fleet: dict[str, Emulator]) -> None:
     """C-REFIT-DP: with dp_size > 1 the tokenizer asserts before a tensor or distributed refit or a group
     init: HTTP 500, the server survives; allowed with --enable-dp-attention up to 0.5.21, never on 0.5.23.

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 from agent_procs import VERSIONS, Emulator, wait_until, write_weights
+from test_refit_window import bucket_without_numel
 
 from rljob.emulator.rendezvous import Rank0
+from rljob.trainer import packing
 
 pytestmark = pytest.mark.emulator_may_die
 
@@ -123,6 +125,21 @@ def test_tensor_push_that_is_not_base64(start_emulator: Callable[..., Emulator])
     body = {"serialized_named_tensors": ["not base64!"], "flush_cache": False}
     _call_expecting_drop(emu, "/update_weights_from_tensor", body)
     _dies(emu, "binascii.Error")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_bucket_metadata_without_numel(version: str, start_emulator: Callable[..., Emulator]) -> None:
+    """C-REFIT-TENSOR-META: each entry's numel is read into SGLang's own FlattenedTensorMetadata in the
+    scheduler, outside any try, at every version."""
+    emu = start_emulator(version)
+    emu.call("POST", "/begin_weight_update", {})  # 404 before 0.5.21
+    body = {
+        "serialized_named_tensors": [packing.to_wire(bucket_without_numel())],
+        "load_format": "flattened_bucket",
+        "flush_cache": False,
+    }
+    _call_expecting_drop(emu, "/update_weights_from_tensor", body)
+    _dies(emu, "numel")
 
 
 @pytest.mark.parametrize("version", VERSIONS)

@@ -83,7 +83,7 @@ def test_fuzz_both_listeners(
         )
         if 400 <= resp.status_code < 500 and resp.status_code not in (404, 405):
             body = resp.json()
-            assert set(body) == {"error", "reason"}, body
+            assert set(body) == {"error", "reason", "permanent"}, body
 
     fuzz = settings(max_examples=120, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 

@@ -176,6 +176,35 @@ def test_push_that_is_not_base64_is_refused_before_sglang(
     assert emu.alive() and agent.state()["sglang"]["servedVersion"] == "1"
 
 
+def bucket_without_numel() -> bytes:
+    """A hand-built bucket whose second metadata entry lacks `numel` (the SDK always writes it)."""
+    good = packing.metadata_entry("a", (2,), "float32", 0, 8)
+    bare = packing.metadata_entry("b", (2,), "float32", 8, 16)
+    bare = packing.Instance(bare.cls, {k: v for k, v in bare.state.items() if k != "numel"})
+    return packing.bucket_payload(_ipc_stand_in(16), [good, bare])
+
+
+@pytest.mark.parametrize("version", ["0.5.6", "0.5.23"])
+def test_bucket_metadata_without_numel_is_refused_before_sglang(
+    version: str, start_emulator: Callable[..., Emulator], start_agent: Callable[..., Agent]
+) -> None:
+    """C-REFIT-TENSOR-META: every version reads each entry's numel outside any try and dies without it;
+    the agent reads the pickle with stand-ins (nothing in it runs), answers 422 naming the field, keeps
+    the window usable, and SGLang stays alive and serving."""
+    emu, agent, _ = _open_window(version, "tensor", start_emulator, start_agent)
+    body = {
+        "serializedNamedTensors": [packing.to_wire(bucket_without_numel())],
+        "loadFormat": "flattened_bucket",
+    }
+    r = agent.trainer("POST", "/v1/trainer/refit/tensor", body)
+    assert r.status == 422 and r.body["error"] == "InvalidPush", r.text
+    assert "serializedNamedTensors[0].metadata[1].numel" in r.body["reason"], r.text
+    assert "/update_weights_from_tensor" not in emu.stats()["calls"]
+    assert emu.alive() and agent.state()["lastCommand"]["state"] == "Running"
+    _push_one_bucket(agent)
+    assert emu.alive() and agent.state()["sglang"]["servedVersion"] == "1"
+
+
 @pytest.mark.parametrize("version", ["0.5.6", "0.5.15.post1", "0.5.21"])
 def test_push_naming_a_group_sglang_never_formed(
     version: str, start_emulator: Callable[..., Emulator], start_agent: Callable[..., Agent]

@@ -1,6 +1,7 @@
 """The emulator produces the signals the rollout profile reads (docs/profiling.md), and the real agent
 reads them: queueing past --max-running-requests, GPU busy falling as batches shrink, prefix reuse
-following the prompts, and the trainer's sample count."""
+following the prompts, and the trainer's sample count. Without --enable-metrics SGLang measures neither
+rate (C-METRIC-OFF): the emulator reports them as SGLang does, and the agent reports them absent."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import pytest
 from agent_procs import Agent, AgentDriver, Emulator, http
+
+from rljob.emulator.versions import SUPPORTED_VERSIONS
 
 
 def _generate(emu: Emulator, text: str | list[str], tokens: int) -> Any:
@@ -91,3 +95,48 @@ def test_agent_reports_queue_busy_reuse_and_samples(
     assert 0.0 < report["gpuBusyFraction"] <= 1.0, report
     assert report["gpus"] == 1 and report["gpuName"] == "NVIDIA H100 80GB HBM3" and report["tpSize"] == 1
     assert report["windowSeconds"] > 0
+
+
+@pytest.mark.parametrize("version", [v for v in SUPPORTED_VERSIONS if v != "0.5.6"])
+def test_c_metric_off_load_route_rates_stay_zero(
+    version: str, start_emulator: Callable[..., Emulator]
+) -> None:
+    """C-METRIC-OFF: without --enable-metrics no /metrics, and /v1/loads' cache_hit_rate and gen_throughput
+    are SchedulerStats' never-written 0.0, while requests reuse the cache and tokens are generated;
+    /server_info's last_gen_throughput (the decode log line's) is still computed."""
+    emu = start_emulator(version, tps=100)
+    emu.wait_ready()
+    prefix = " ".join(f"c{i}" for i in range(40))
+    _generate(emu, f"{prefix} first", 5)
+    with ThreadPoolExecutor(2) as pool:
+        busy = pool.submit(_generate, emu, [f"{prefix} again"] * 2, 200)
+        time.sleep(0.5)
+        load = emu.call("GET", "/v1/loads").body["loads"][0]
+        assert load["num_running_reqs"] == 2, load  # generating, from the cached prefix
+        assert (load["cache_hit_rate"], load["gen_throughput"]) == (0.0, 0.0), load
+        states = emu.call("GET", "/server_info").body["internal_states"]
+        assert states[0]["last_gen_throughput"] > 0, states
+        busy.result()
+    assert emu.call("GET", "/metrics").status == 404
+
+
+@pytest.mark.parametrize("version", SUPPORTED_VERSIONS)
+def test_agent_without_metrics_reports_the_rates_and_counts_not_measured(
+    version: str, start_emulator: Callable[..., Emulator], start_agent: Callable[..., Agent]
+) -> None:
+    """Row 6 of issue 32: the agent took the load route's 0.0 for a measured hit rate. Without
+    --enable-metrics the report leaves the rates and counts unset, each with MetricsDisabled."""
+    emu = start_emulator(version, tps=100)
+    agent = start_agent(emu, "--rollout-sample-seconds", "0.05")
+    prefix = " ".join(f"p{i}" for i in range(60))
+    with ThreadPoolExecutor(2) as pool:  # prefix reuse and generation SGLang does not measure
+        list(pool.map(lambda i: _generate(emu, [f"{prefix} q{i}"] * 2, 40), range(2)))
+    AgentDriver(agent).ok("drain")  # the drain's sample closes the window
+    report = agent.state()["rollout"]
+    assert report["samples"] >= 1 and report["meanRunningRequests"] > 0, report  # the counts are measured
+    for key in ("cacheHitRate", "generationTokensPerSecond", "promptTokens", "cachedTokens"):
+        assert key not in report, (key, report)
+    unmeasured = {u["signal"]: u for u in report.get("unmeasured", [])}
+    assert set(unmeasured) == {"cacheHitRate", "generationTokensPerSecond", "tokenCounts"}, report
+    for entry in unmeasured.values():
+        assert entry["reason"] == "MetricsDisabled" and "--enable-metrics" in entry["message"], entry

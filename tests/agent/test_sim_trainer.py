@@ -113,7 +113,7 @@ def test_simulated_trainer_cycles(
     start_emulator: Callable[..., Emulator],
     start_agent: Callable[..., Agent],
 ) -> None:
-    emu = start_emulator(version, "--weight-version", "0", tps=300)
+    emu = start_emulator(version, "--weight-version", "0", "--enable-metrics", tps=300)
     agent = start_agent(emu, "--rollout-sample-seconds", "0.05")
     seen = _run_cycle(source, 3, procs, tmp_path, emu, agent)
     st = agent.state()

@@ -10,12 +10,14 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from rljob.emulator.call_log import CALL_LOG_ENV
 from rljob.testing.harness import ROOT, OperatorProcess, get_rljob, phase_is, rljob_path, wait_rljob
 from rljob.testing.kubeaccess import KubeApi, Kubectl
 from rljob.testing.kubelet import Kubelet
@@ -134,6 +136,10 @@ def job(
         str(train_seconds),
     ]
     return manifest
+
+
+def _instant(stamp: str) -> datetime:
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00"))
 
 
 def versions(obj: dict[str, Any]) -> list[str]:
@@ -283,6 +289,45 @@ def test_weight_cache_is_refused_before_memory_is_touched(rl: RL) -> None:
     assert "--weight-cache-mode daemon" in status["message"]
     assert status["restarts"] == 0  # no emulator died: nothing was released or refitted
     assert "GangMemberLost" not in {e["reason"] for e in rl.events(name)}
+
+
+def test_retract_that_the_version_cannot_do_fails_at_the_first_drain(rl: RL, tmp_path: Path) -> None:
+    """docs/lifecycle.md, "Permanent refusals": SGLang 0.5.15.post1 counts retracted requests as work, so
+    every agent refuses a retract drain for good. The job fails at the first drain, naming retract and what
+    to change: no restart, one Warning, and no SGLang received a release."""
+    name = "retract-old"
+    manifest = job(name, sim_args="--sglang-version 0.5.15.post1")
+    manifest["spec"]["rollout"] = {**manifest["spec"].get("rollout", {}), "drain": {"mode": "retract"}}
+    calls_file = tmp_path / "sglang-calls.jsonl"  # outlives the pods, which a Failed job deletes
+    sglang = manifest["spec"]["template"]["spec"]["containers"][0]
+    sglang["env"] = [*sglang["env"], {"name": CALL_LOG_ENV, "value": str(calls_file)}]
+    rl.apply(manifest)
+    obj = rl.wait(name, "Failed", timeout=120)
+    status = obj["status"]
+    drains = [s["startTime"] for s in status["timeline"] if s["phase"] == "Draining"]
+    assert len(drains) == 1, status["timeline"]
+    took = (_instant(status["completionTime"]) - _instant(drains[0])).total_seconds()
+    assert 0 <= took < 30, took
+    assert status["reason"] == "RetractUnsupported", status
+    assert "retract" in status["message"] and "spec.rollout.drain.mode: abort" in status["message"], status
+    assert status["restarts"] == 0 and status["iteration"] == 1, status
+
+    def warnings() -> list[str]:
+        events = rl.events(name)
+        return [
+            e["reason"] for e in events if e["type"] == "Warning" and e["involvedObject"]["kind"] == "RLJob"
+        ]
+
+    deadline = time.monotonic() + 10  # events are posted after the status write
+    while not warnings() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(2)  # and no second one follows
+    assert warnings() == ["RetractUnsupported"]
+    calls = [json.loads(line) for line in calls_file.read_text().splitlines()]
+    assert len({c["boot"] for c in calls}) == 2, calls  # both pods' servers, once each: no restart
+    routes = [c["route"] for c in calls if "route" in c]
+    assert "/release_memory_occupation" not in routes and "/pause_generation" not in routes, routes
+    print(f"the first drain -> Failed in {took:.2f} s (operator clock)")
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,9 @@ different, correct diagnoses in status and in `kubectl rljob status` / `kubectl 
 Levers about the handoff, the control plane or the trainer are left out of the comparison: on a loaded
 2-core machine they depend on the load, which tests/unit/test_levers.py covers with fixed numbers.
 
+A third job runs its SGLang without --enable-metrics: it completes, and its profile says which signals
+were not measured (and why) instead of a 0 % hit rate, in status and in `kubectl rljob status` / `profile`.
+
 The real operator, agents, SGLang emulators and simulated trainers, on a real API server."""
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import os
 import shlex
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +79,26 @@ UNIQUE = profiled_job(
 )
 
 
+def without_metrics(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The job with its SGLang launched without --enable-metrics (examples/rljob.yaml passes it)."""
+    sglang = manifest["spec"]["template"]["spec"]["containers"][0]
+    assert "--enable-metrics" in sglang["args"]
+    sglang["args"] = [a for a in sglang["args"] if a != "--enable-metrics"]
+    return manifest
+
+
+# Prompts that share a prefix: the cache hits, but SGLang without --enable-metrics does not measure it.
+NO_METRICS = without_metrics(
+    profiled_job(
+        "nometrics",
+        "--prompts 2 --samples-per-prompt 4 --prefix-tokens 128 --concurrency 2 --max-new-tokens 60",
+        "",
+        "--tokens-per-second 200 --saturation-batch 64",
+    )
+)
+SGLANG_METRICS_SIGNALS = {"cacheHitRate", "generationTokensPerSecond", "tokenCounts"}
+
+
 ROLLOUT_LEVERS = (
     "RolloutConcurrency",
     "RunningRequestLimit",
@@ -93,6 +116,21 @@ def rollout_levers(status: dict[str, Any]) -> list[str]:
     """The diagnosis' rollout-side levers, in rank order. The others (Trainer, WeightHandoff,
     ControlOverhead) depend on how loaded this machine is, not on the trainer's workload."""
     return [lv for lv in levers(status) if lv in ROLLOUT_LEVERS]
+
+
+def plugin_runner(kubectl: Kubectl, namespace: str) -> Callable[..., str]:
+    """`kubectl rljob ...` as a user runs it (the plugin on PATH)."""
+    env = kubectl_env(
+        {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    )
+
+    def plugin(*args: str) -> str:
+        argv = [kubectl.binary, "rljob", f"--kubeconfig={kubectl.kubeconfig}", "-n", namespace, *args]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env, check=False)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    return plugin
 
 
 def test_two_trainers_get_two_diagnoses(
@@ -147,16 +185,7 @@ def test_two_trainers_get_two_diagnoses(
 
     # Where users look: `kubectl rljob status` and `kubectl rljob profile` (kubectl finds the plugin on
     # PATH; it takes no kubectl flags before the plugin's name).
-    env = kubectl_env(
-        {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    )
-
-    def plugin(*args: str) -> str:
-        argv = [kubectl.binary, "rljob", f"--kubeconfig={kubectl.kubeconfig}", "-n", namespace, *args]
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env, check=False)
-        assert done.returncode == 0, done.stderr
-        return done.stdout
-
+    plugin = plugin_runner(kubectl, namespace)
     shown = plugin("status", "shared")
     assert "Levers (largest share of the last iteration first):" in shown
     assert ". RolloutConcurrency (" in shown and "GPU busy" in shown and "RolloutCapacity" not in shown
@@ -172,3 +201,48 @@ def test_two_trainers_get_two_diagnoses(
     page = report.read_text()
     assert page.count("<svg") == 4 and "<script" not in page and "RolloutCapacity" in page
     assert get_rljob(kube_api, namespace, "unique")["status"]["diagnosis"] == unique["diagnosis"]
+
+
+def test_a_job_without_metrics_completes_and_says_what_was_not_measured(
+    operator: OperatorProcess,
+    kube_api: KubeApi,
+    kubectl: Kubectl,
+    namespace: str,
+    tmp_path: Path,
+) -> None:
+    kubectl.apply(NO_METRICS, namespace=namespace)
+    status = wait_rljob(
+        kube_api,
+        namespace,
+        "nometrics",
+        phase_is("Succeeded"),
+        150,
+        "Succeeded",
+        on_timeout=operator.log_tail,
+    )["status"]
+    for report in status["iterationHistory"]:
+        unmeasured = {u["signal"]: u for u in report.get("unmeasured", [])}
+        assert set(unmeasured) >= SGLANG_METRICS_SIGNALS, report
+        for signal in SGLANG_METRICS_SIGNALS:
+            assert unmeasured[signal]["reason"] == "MetricsDisabled", unmeasured[signal]
+            assert "--enable-metrics" in unmeasured[signal]["message"], unmeasured[signal]
+        # absent, never the 0.0 SGLang reports without metrics; nor anything derived from them
+        for key in ("cacheHitRate", "generationTokensPerSecond", "promptTokens", "rooflineFraction"):
+            assert key not in report, (key, report)
+        # what SGLang and the probe do measure without metrics is still there
+        assert report["meanRunningRequests"] > 0 and report["gpuBusyFraction"] > 0, report
+        assert report["samples"] > 0 and report["decodeRooflineTokensPerSecond"] > 0, report
+    rollout = [s for s in status["timeline"] if s["phase"] == "Rollout" and s.get("rollout")]
+    assert rollout and all("cacheHitRate" not in s and "tokensPerSecond" not in s for s in rollout), rollout
+    assert not {"PromptStructure", "RuntimeSpeed"} & set(levers(status)), status["diagnosis"]
+
+    plugin = plugin_runner(kubectl, namespace)
+    shown = plugin("status", "nometrics")
+    assert "prefix-cache hit rate not measured, generation not measured" in shown, shown
+    assert "Not measured: prefix-cache hit rate, generation tokens/s, token counts (MetricsDisabled" in shown
+    assert "hit rate 0%" not in shown
+    page_path = tmp_path / "nometrics.html"
+    chart = plugin("profile", "nometrics", "--html", str(page_path))
+    assert "n/m, not measured: prefix-cache hit rate, generation tokens/s, token counts" in chart, chart
+    page = page_path.read_text()
+    assert "Not measured in the last iteration, so not judged" in page and 'class="nm"' in page

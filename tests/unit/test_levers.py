@@ -9,7 +9,16 @@ from typing import Any
 
 import pytest
 
-from rljob.api.status import MAX_DIAGNOSIS, IterationReport, LeverName, PhaseSeconds, Verdict
+from rljob.api.status import (
+    MAX_DIAGNOSIS,
+    IterationReport,
+    LeverName,
+    PhaseSeconds,
+    Signal,
+    Unmeasured,
+    UnmeasuredReason,
+    Verdict,
+)
 from rljob.lifecycle import levers
 from rljob.lifecycle.levers import THRESHOLDS, Thresholds, diagnose, lever_table_markdown
 from rljob.lifecycle.profile import profile
@@ -134,6 +143,51 @@ def test_missing_signals_are_named_last_not_judged() -> None:
     assert [lv.lever for lv in got] == [LeverName.MEASUREMENT]
     assert "--enable-metrics" in got[0].reason and "GPU busy" in got[0].reason
     assert "handoff.report_rollout" in got[0].reason
+
+
+def _off(*signals: Signal) -> list[Unmeasured]:
+    return [
+        Unmeasured(
+            signal=s, reason=UnmeasuredReason.METRICS_DISABLED, message="SGLang runs without --enable-metrics"
+        )
+        for s in signals
+    ]
+
+
+def test_no_lever_is_ranked_from_an_unmeasured_signal() -> None:
+    """Figures that would fire PromptStructure (no reuse) and RuntimeSpeed (far below the roofline), each
+    listed as not measured: neither fires; Measurement names them, grouped by why."""
+    prompts = dict(cache_hit_rate=0.0, prompt_tokens=10_000, cached_tokens=0, generation_tokens=9_500)
+    assert LeverName.PROMPT_STRUCTURE in names(report(**prompts))  # measured: it fires
+    got = diagnose(report(**prompts, unmeasured=_off(Signal.CACHE_HIT_RATE)))
+    assert [lv.lever for lv in got] == [LeverName.MEASUREMENT]
+    assert got[0].reason == (
+        "not measured, so not judged: prefix-cache hit rate: SGLang runs without --enable-metrics"
+    )
+    runtime = dict(gpu_busy_fraction=0.95, roofline_fraction=0.1)
+    assert LeverName.RUNTIME_SPEED in names(report(**runtime))
+    off = _off(Signal.GENERATION_TOKENS_PER_SECOND, Signal.TOKEN_COUNTS)
+    got = diagnose(report(**runtime, unmeasured=off))
+    assert [lv.lever for lv in got] == [LeverName.ROLLOUT_CAPACITY, LeverName.MEASUREMENT]
+    assert "generation tokens/s, token counts: SGLang runs without --enable-metrics" in got[1].reason
+    assert "tok/s not measured" in got[0].evidence
+
+
+def test_every_lever_reading_a_signal_is_held_back_by_it() -> None:
+    """Each row's `reads`: a report on which the row fires stops firing once that signal is unmeasured."""
+    fires: dict[LeverName, dict[str, Any]] = {
+        LeverName.ROLLOUT_CONCURRENCY: dict(gpu_busy_fraction=0.3),
+        LeverName.RUNNING_REQUEST_LIMIT: dict(gpu_busy_fraction=0.4, mean_waiting_requests=40.0),
+        LeverName.ROLLOUT_CAPACITY: dict(gpu_busy_fraction=0.95),
+        LeverName.RUNTIME_SPEED: dict(gpu_busy_fraction=0.95, roofline_fraction=0.1),
+        LeverName.PROMPT_STRUCTURE: dict(cache_hit_rate=0.05, cached_tokens=500),
+    }
+    rows = {row.lever: row for row in levers.RULES}
+    for lever, figures in fires.items():
+        assert rows[lever].reads, lever
+        assert lever in names(report(**figures)), lever
+        for signal in rows[lever].reads:
+            assert lever not in names(report(**figures, unmeasured=_off(signal))), (lever, signal)
 
 
 def test_at_most_five_largest_first() -> None:

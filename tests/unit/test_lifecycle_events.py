@@ -8,7 +8,7 @@ from collections import Counter
 from lifecycle_world import World, make_spec
 
 from rljob.api.status import Phase
-from rljob.lifecycle.model import Decision, EventReason, EventType
+from rljob.lifecycle.model import AgentRefusal, Decision, EventReason, EventType
 
 
 def reasons(decisions: list[Decision]) -> Counter[EventReason]:
@@ -103,10 +103,45 @@ def test_agent_refusals_become_one_warning_event_each_through_the_decision() -> 
     into a CommandRefused Warning, and a round without new refusals posts none."""
     world = World(make_spec(iterations=3))
     world.bring_up()
-    obs = dataclasses.replace(world.observe(), refusals=(("job-1", "Busy: a refit window is open"),))
+    obs = dataclasses.replace(
+        world.observe(), refusals=(AgentRefusal("job-1", "Busy: a refit window is open"),)
+    )
     refused = world.step(obs)
     warnings = [e for e in refused.events if e.reason == EventReason.COMMAND_REFUSED]
     assert [(e.type, e.message) for e in warnings] == [
         (EventType.WARNING, "job-1: Busy: a refit window is open")
     ]
     assert all(e.reason != EventReason.COMMAND_REFUSED for e in world.step().events)
+
+
+def test_a_permanent_refusal_fails_the_job_in_one_decision_without_a_restart() -> None:
+    """docs/lifecycle.md, "Permanent refusals": SGLang's version or launch flags forbid the drain the spec
+    asks for, so no retry and no new gang can change it. The next decision fails the job with the agent's
+    reason and what to change: one Warning event, no restart, no release sent, the pods deleted."""
+    world = World(make_spec(iterations=3))
+    world.bring_up()
+    world.trainers_request()
+    world.step()
+    assert world.status.phase == Phase.DRAINING
+    why = "HTTP 409: SGLang 0.5.15.post1 counts retracted requests ... Set spec.rollout.drain.mode: abort"
+    refusals = tuple(AgentRefusal(p, why, "RetractUnsupported", permanent=True) for p in ("job-0", "job-1"))
+    failed = world.step(dataclasses.replace(world.observe(), refusals=refusals))
+    st = world.status
+    assert (st.phase, st.reason, st.restarts) == (Phase.FAILED, "RetractUnsupported", 0)
+    assert "spec.rollout.drain.mode: abort" in st.message and st.message.startswith("job-0: ")
+    assert [(e.reason, e.type) for e in failed.events if e.type == EventType.WARNING] == [
+        (EventReason.RETRACT_UNSUPPORTED, EventType.WARNING)
+    ]
+    assert failed.commands == ()
+    assert set(failed.delete_pods) == {"job-0", "job-1"}
+
+
+def test_a_transient_refusal_keeps_the_phase() -> None:
+    """A refusal the moment explains (Busy, NotReady, ...) is an event, and the command is sent again."""
+    world = World(make_spec(iterations=3))
+    world.bring_up()
+    world.trainers_request()
+    world.step()
+    refusals = (AgentRefusal("job-0", "HTTP 409: busy", "Busy"),)
+    world.step(dataclasses.replace(world.observe(), refusals=refusals))
+    assert world.status.phase == Phase.DRAINING and world.status.restarts == 0

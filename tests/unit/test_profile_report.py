@@ -16,7 +16,12 @@ from rljob.api.status import (
     LeverName,
     Phase,
     PhaseSeconds,
+    PhaseSpan,
     RLJobStatus,
+    RolloutTotals,
+    Signal,
+    Unmeasured,
+    UnmeasuredReason,
 )
 from rljob.cli.kubectl_plugin import render
 from rljob.cli.profile_report import html_report, nice_top, si, stack_bar, terminal_chart
@@ -148,3 +153,55 @@ def test_history_is_bounded() -> None:
     history = world.status.iteration_history
     assert len(history) == MAX_ITERATION_HISTORY
     assert [r.iteration for r in history] == list(range(3, MAX_ITERATION_HISTORY + 3))
+
+
+def _metrics_off_status() -> RLJobStatus:
+    """An iteration whose SGLang ran without --enable-metrics, as lifecycle/signals.py leaves it."""
+    off = [
+        Unmeasured(
+            signal=s, reason=UnmeasuredReason.METRICS_DISABLED, message="SGLang runs without --enable-metrics"
+        )
+        for s in (Signal.CACHE_HIT_RATE, Signal.GENERATION_TOKENS_PER_SECOND, Signal.TOKEN_COUNTS)
+    ]
+    report = it(1, 6.0, 2.0, gpu_busy_fraction=0.3, mean_running_requests=4.0, mean_waiting_requests=0.0)
+    report.unmeasured = off
+    span = PhaseSpan(
+        phase=Phase.ROLLOUT,
+        iteration=1,
+        start_time="2024-01-01T00:00:00Z",
+        seconds=6.0,
+        rollout=RolloutTotals(pods=1, gpus=1, unmeasured=off),
+    )
+    measurement = Lever(lever=LeverName.MEASUREMENT, reason="not measured, so not judged: ...", share=0.0)
+    return RLJobStatus(
+        phase=Phase.SUCCEEDED,
+        iteration=1,
+        timeline=[span],
+        last_iteration=report,
+        iteration_history=[report],
+        diagnosis=[measurement],
+    )
+
+
+def test_unmeasured_signals_read_not_measured_with_the_reason_everywhere() -> None:
+    """Metrics off: `kubectl rljob status`, `kubectl rljob profile` and the HTML report say "not
+    measured" and why, never a 0 % hit rate or a blank."""
+    st = _metrics_off_status()
+    text = render("job", "ns", st, {})
+    assert "prefix-cache hit rate not measured, generation not measured" in text
+    why = "(MetricsDisabled: SGLang runs without --enable-metrics)"
+    assert f"  Not measured: prefix-cache hit rate, generation tokens/s, token counts {why}" in text
+    rollout_row = next(line for line in text.splitlines() if line.split()[:2] == ["1", "Rollout"])
+    assert rollout_row.count("not measured") == 2, rollout_row  # the CACHE-HIT and TOK/S cells
+    assert " 0%" not in text and "hit rate 0" not in text
+    chart = terminal_chart(st)
+    row = chart.splitlines()[2]
+    assert row.startswith("1 ") and row.count("n/m") == 3, row  # cache hit, tok/s, roofline
+    assert (
+        "  n/m, not measured: prefix-cache hit rate, generation tokens/s, token counts (MetricsDisabled"
+        in chart
+    )
+    page = html_report("job", "ns", st)
+    assert page.count('<td class="nm" title="MetricsDisabled: SGLang runs without --enable-metrics">') == 5
+    assert "Not measured in the last iteration, so not judged" in page
+    assert "<li>prefix-cache hit rate, generation tokens/s, token counts (MetricsDisabled: SGLang" in page

@@ -12,11 +12,21 @@ import pytest
 from rljob.agent import rollout as rollout_module
 from rljob.agent.gpu_probe import GpuMemory
 from rljob.agent.rollout import RolloutSampler
-from rljob.agent.sglang_client import parse_metrics
+from rljob.agent.sglang_client import SGLangError, parse_metrics
 from rljob.agent.state import ServerFacts, StateStore
 from rljob.api.agent import AgentState, RolloutReport, Stage
 from rljob.api.spec import ProfileHints
-from rljob.api.status import IterationReport, Phase, PhaseSeconds, PhaseSpan, RolloutTotals
+from rljob.api.status import (
+    MAX_UNMEASURED,
+    IterationReport,
+    Phase,
+    PhaseSeconds,
+    PhaseSpan,
+    RolloutTotals,
+    Signal,
+    Unmeasured,
+    UnmeasuredReason,
+)
 from rljob.emulator.probe import EmulatorProbe
 from rljob.lifecycle import signals
 from rljob.lifecycle.profile import iteration_report
@@ -64,12 +74,15 @@ class FakeClient:
 
     def __init__(self) -> None:
         self.load_value: dict[str, float | None] = {}
-        self.counters: dict[str, float] | None = {}
+        self.counters: dict[str, float] | None = {}  # None: a 404 (no --enable-metrics)
+        self.metrics_error: SGLangError | None = None
 
     async def load(self) -> dict[str, float | None]:
         return dict(self.load_value)
 
     async def metrics(self) -> dict[str, float] | None:
+        if self.metrics_error is not None:
+            raise self.metrics_error
         return None if self.counters is None else dict(self.counters)
 
 
@@ -138,26 +151,75 @@ def test_sampler_weights_samples_by_time_and_counts_from_the_baseline(
     assert r.cache_hit_rate == 0.25 and r.generation_tokens_per_second == 10.0  # the load route's, kept
 
 
-def test_sampler_without_metrics_or_busy_reports_none_of_them(monkeypatch: pytest.MonkeyPatch) -> None:
+def _sample_once(
+    monkeypatch: pytest.MonkeyPatch, client: FakeClient, load: dict[str, float | None]
+) -> RolloutReport:
+    """A baseline, then one sample of `load` two seconds later, with a probe that reads no busy time."""
     clock = FakeClock()
     monkeypatch.setattr(rollout_module, "time", SimpleNamespace(monotonic=clock.monotonic))
 
     async def run() -> RolloutReport:
         store = StateStore()
-        client, probe = FakeClient(), FakeProbe()
-        client.counters = None  # no --enable-metrics
-        sampler = RolloutSampler(store, client, 1.0, 0.0, probe=probe)  # type: ignore[arg-type]
+        sampler = RolloutSampler(store, client, 1.0, 0.0, probe=FakeProbe())  # type: ignore[arg-type]
         await sampler.begin()
         with store.change() as s:
             s.stage, s.rollout = Stage.SERVING, RolloutReport()
         clock.t = 102.0
-        client.load_value = _load(2, 0)
+        client.load_value = load
         await sampler.sample()
         return store.state.rollout
 
-    r = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_sampler_without_metrics_or_busy_reports_none_of_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    client = FakeClient()
+    client.counters = None  # no --enable-metrics: /metrics is a 404
+    r = _sample_once(monkeypatch, client, _load(2, 0))
     assert r.samples == 1 and r.mean_running_requests == 2.0
     assert r.prompt_tokens is None and r.gpu_busy_fraction is None
+
+
+def test_sampler_without_metrics_takes_no_load_rate_as_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """C-METRIC-OFF: without --enable-metrics /v1/loads reports cache_hit_rate and gen_throughput as
+    SchedulerStats' 0.0 defaults; the report leaves them unset and says why."""
+    client = FakeClient()
+    client.counters = None
+    load: dict[str, float | None] = {"cache_hit_rate": 0.0, "gen_throughput": 0.0, "running": 3, "waiting": 1}
+    r = _sample_once(monkeypatch, client, load)
+    assert r.cache_hit_rate is None and r.generation_tokens_per_second is None
+    assert r.mean_running_requests == 3.0 and r.mean_waiting_requests == 1.0  # the counts are measured
+    assert [(u.signal, u.reason) for u in r.unmeasured] == [
+        (Signal.CACHE_HIT_RATE, UnmeasuredReason.METRICS_DISABLED),
+        (Signal.GENERATION_TOKENS_PER_SECOND, UnmeasuredReason.METRICS_DISABLED),
+        (Signal.TOKEN_COUNTS, UnmeasuredReason.METRICS_DISABLED),
+    ]
+    assert all("--enable-metrics" in u.message for u in r.unmeasured)
+    # the same rates with /metrics served are SGLang's measurement
+    client = FakeClient()
+    measured = _sample_once(monkeypatch, client, {**load, "cache_hit_rate": 0.0, "gen_throughput": 5.0})
+    assert measured.cache_hit_rate == 0.0 and measured.generation_tokens_per_second == 5.0
+    assert measured.unmeasured == []
+
+
+def test_unmeasured_has_room_for_every_signal_and_names_a_missing_baseline() -> None:
+    assert len(Signal) <= MAX_UNMEASURED
+    # an agent restarted mid-rollout whose /metrics answers: no baseline yet, so no increase
+    (entry,) = RolloutSampler._unmeasured(RolloutReport(), None)
+    assert (entry.signal, entry.reason) == (Signal.TOKEN_COUNTS, UnmeasuredReason.NOT_REPORTED)
+    assert "baseline" in entry.message
+    assert RolloutSampler._unmeasured(RolloutReport(prompt_tokens=0), None) == []
+
+
+def test_sampler_whose_metrics_do_not_answer_lacks_only_the_counters(monkeypatch: pytest.MonkeyPatch) -> None:
+    client = FakeClient()
+    client.metrics_error = SGLangError("metrics", 500, "boom")
+    r = _sample_once(monkeypatch, client, _load(2, 0))
+    assert r.cache_hit_rate == 0.25 and r.generation_tokens_per_second == 10.0  # /metrics exists: measured
+    assert r.prompt_tokens is None
+    assert [(u.signal, u.reason) for u in r.unmeasured] == [
+        (Signal.TOKEN_COUNTS, UnmeasuredReason.METRICS_UNANSWERED)
+    ]
 
 
 def test_emulator_probe_turns_cumulative_busy_seconds_into_a_fraction() -> None:
@@ -235,6 +297,20 @@ def test_rollout_totals_sum_pods_weight_busy_by_gpus_and_add_per_pod_rates() -> 
     assert signals.prefix_hit_rate(t) == 0.4
     assert signals.rollout_totals([never_sampled]) is None
     assert signals.rollout_totals([_agent(samples=1)]) == RolloutTotals(pods=1)  # nothing else measured
+
+
+def _off(signal: Signal) -> Unmeasured:
+    return Unmeasured(signal=signal, reason=UnmeasuredReason.METRICS_DISABLED, message="no --enable-metrics")
+
+
+def test_rollout_totals_list_a_signal_unmeasured_only_where_no_pod_measured_it() -> None:
+    off = [_off(Signal.CACHE_HIT_RATE), _off(Signal.TOKEN_COUNTS)]
+    a = _agent(samples=2, window_seconds=1.0, mean_running_requests=2.0, unmeasured=off)
+    b = _agent(samples=2, window_seconds=1.0, mean_running_requests=2.0, unmeasured=off[1:])
+    t = signals.rollout_totals([a, b])
+    assert t is not None and t.unmeasured == off[1:]  # b measured the hit rate
+    t = signals.rollout_totals([a, a])
+    assert t is not None and t.unmeasured == off
 
 
 def test_prefix_hit_rate_needs_prompt_tokens() -> None:
@@ -334,6 +410,44 @@ def test_fill_signals_leaves_unmeasured_signals_unset() -> None:
     assert r.decode_roofline_tokens_per_second is None and r.roofline_fraction is None
 
 
+def test_fill_signals_lists_what_was_not_measured_and_derives_nothing_from_it() -> None:
+    """Metrics off: the agents' reasons for the hit rate, tokens/s and counts; the derived tokens/s per
+    GPU, roofline fraction and tokens per GPU-second stay unset; the roofline itself (running requests)
+    and the measured signals stay."""
+    said = [
+        _off(Signal.CACHE_HIT_RATE),
+        _off(Signal.GENERATION_TOKENS_PER_SECOND),
+        _off(Signal.TOKEN_COUNTS),
+    ]
+    totals = _totals(
+        prompt_tokens=None,
+        cached_tokens=None,
+        generation_tokens=None,
+        generation_tokens_per_second=None,
+        unmeasured=said,
+    )
+    r = IterationReport(iteration=1, seconds=_seconds(), cache_hit_rate=0.0, generation_tokens_per_second=0.0)
+    signals.fill_signals(r, totals, ProfileHints(model_bytes=16_000_000_000))
+    assert r.unmeasured == said
+    assert r.cache_hit_rate is None and r.generation_tokens_per_second is None  # never the load route's 0.0
+    assert r.tokens_per_second_per_gpu is None and r.roofline_fraction is None
+    assert r.tokens_per_gpu_second is None and r.prompt_tokens is None
+    assert r.decode_roofline_tokens_per_second == pytest.approx(3000) and r.gpu_busy_fraction == 0.5
+    assert r.gpu_seconds_per_sample == 0.2
+    # what no agent gave a reason for is NotReported, by its source
+    r = IterationReport(iteration=1, seconds=_seconds())
+    signals.fill_signals(r, _totals(gpu_busy_fraction=None, samples=None), ProfileHints())
+    assert [(u.signal, u.reason) for u in r.unmeasured] == [
+        (Signal.GPU_BUSY_FRACTION, UnmeasuredReason.NOT_REPORTED),
+        (Signal.SAMPLES, UnmeasuredReason.NOT_REPORTED),
+    ]
+    assert "handoff.report_rollout" in r.unmeasured[1].message and r.gpu_seconds_per_sample is None
+    r = IterationReport(iteration=1, seconds=_seconds())
+    signals.fill_signals(r, None, ProfileHints())
+    assert {u.signal for u in r.unmeasured} == set(Signal)
+    assert {u.message for u in r.unmeasured} == {signals.NO_ROLLOUT_SAMPLE}
+
+
 def test_iteration_report_reads_the_rollout_span_totals() -> None:
     spans = [
         PhaseSpan(
@@ -353,3 +467,31 @@ def test_iteration_report_reads_the_rollout_span_totals() -> None:
     assert r.control_overhead_seconds == 0.5
     assert r.cache_hit_rate == 0.75  # from the counters, over the span's last-batch 0.1
     assert r.samples == 100 and r.gpu_seconds == 10.0
+
+
+def test_iteration_report_without_metrics_keeps_no_rate_of_the_span() -> None:
+    """The Rollout span's own rates (the agents' load-route means) are not a measurement of a signal the
+    span's totals list as unmeasured."""
+    totals = RolloutTotals(
+        pods=1,
+        gpus=1,
+        window_seconds=2.0,
+        mean_running_requests=4.0,
+        mean_waiting_requests=0.0,
+        unmeasured=[_off(Signal.CACHE_HIT_RATE), _off(Signal.GENERATION_TOKENS_PER_SECOND)],
+    )
+    span = PhaseSpan(
+        phase=Phase.ROLLOUT,
+        iteration=1,
+        start_time="t",
+        seconds=2.0,
+        cache_hit_rate=0.0,
+        tokens_per_second=0.0,
+        rollout=totals,
+    )
+    r = iteration_report(1, [span], ProfileHints())
+    assert r.cache_hit_rate is None and r.generation_tokens_per_second is None
+    assert [u.signal for u in r.unmeasured][:2] == [
+        Signal.CACHE_HIT_RATE,
+        Signal.GENERATION_TOKENS_PER_SECOND,
+    ]

@@ -6,13 +6,21 @@ from __future__ import annotations
 class Refused(Exception):
     """The agent refuses a request instead of forwarding it (body: Refusal)."""
 
-    def __init__(self, status: int, error: str, reason: str) -> None:
+    def __init__(self, status: int, error: str, reason: str, *, permanent: bool = False) -> None:
         super().__init__(f"{error}: {reason}")
         self.status, self.error, self.reason = status, error, reason
+        self.permanent = permanent  # the spec or SGLang's launch forbids it: no retry or new gang helps
 
 
 def conflict(error: str, reason: str) -> Refused:
+    """A refusal the state of the moment explains: the same command may be taken later."""
     return Refused(409, error, reason)
+
+
+def forbidden_by_launch(error: str, reason: str) -> Refused:
+    """A refusal that SGLang's version or launch flags, or the spec, make certain for every retry and every
+    new gang: the operator fails the job with `error` (docs/lifecycle.md, "Permanent refusals")."""
+    return Refused(409, error, reason, permanent=True)
 
 
 class CommandFailed(Exception):

@@ -74,7 +74,7 @@ def refusal(e: Refused, metrics: AgentMetrics, what: str) -> Refusal:
     """The body of a refusal, counted and logged: an HTTP answer's or a channel reply's."""
     metrics.refusals.labels(e.error).inc()
     log.info("refused %s: %s: %s", what, e.error, e.reason)
-    return Refusal(error=e.error[:64], reason=e.reason[:1024])
+    return Refusal(error=e.error[:64], reason=e.reason[:1024], permanent=e.permanent)
 
 
 def parse_body(raw: str | bytes, adapter: TypeAdapter[T]) -> T:

@@ -90,3 +90,12 @@ class SGLangQuirks:
         an assert outside any try and kills the server (model_runner.py:1165-1168@0.5.6,
         …/model_runner_components/weight_updater.py:245-248@0.5.20); from 0.5.21 it answers 400."""
         return self.key < (0, 5, 21)
+
+    @property
+    def loads_frozen_while_paused(self) -> bool:
+        """C-DP-LOADS-PAUSED: the load route reads snapshots the schedulers publish from their loop, and a
+        paused (retract / in_place) scheduler skips the publish (scheduler.py:1551@0.5.15.post1,
+        scheduler.py:2033-2036@0.5.23; read side tokenizer_control_mixin.py:1001-1029@0.5.23): its counts
+        stay at their pre-pause values. 0.5.8 still asked the schedulers (tokenizer_communicator_mixin.py:
+        799-824@0.5.8); 0.5.9 and 0.5.10 were not read: treated as frozen."""
+        return self.key >= (0, 5, 9)

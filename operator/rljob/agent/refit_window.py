@@ -11,6 +11,7 @@ import binascii
 from dataclasses import dataclass, field
 from typing import Any
 
+from rljob.agent.bucket_check import missing_metadata
 from rljob.agent.errors import Refused, conflict
 from rljob.agent.sglang_client import SGLangClient, SGLangError, SGLangUnreachable
 from rljob.agent.state import StateStore
@@ -137,11 +138,19 @@ class RefitWindows:
         w = self._usable(RefitSource.TENSOR)
         for i, text in enumerate(push.serialized_named_tensors):  # C-REFIT-TENSOR-B64: fatal on 0.5.6
             try:
-                base64.b64decode(text, validate=True)
+                payload = base64.b64decode(text, validate=True)
             except (binascii.Error, ValueError) as e:
                 raise Refused(
                     422, "InvalidPush", f"serializedNamedTensors[{i}] is not base64 ({e}); nothing was sent"
                 ) from e
+            missing = missing_metadata(payload) if push.load_format == "flattened_bucket" else None
+            if missing is not None:  # C-REFIT-TENSOR-META: fatal on every version
+                raise Refused(
+                    422,
+                    "InvalidPush",
+                    f"serializedNamedTensors[{i}].{missing} is missing: SGLang reads it and would die; "
+                    "nothing was sent",
+                )
 
         async def call(version: str | None, timeout: float) -> str:
             return await self._client.update_weights_from_tensor(

@@ -7,6 +7,9 @@ defines each signal and its source.
   run): the load route (running and waiting requests, the last prefill batch's cache_hit_rate,
   gen_throughput), the counters again (their increase since the baseline) and each GPU's busy fraction
   since the previous sample. Means are weighted by the time each sample stands for.
+- A signal SGLang did not measure stays unset and is listed in `unmeasured` with the reason: without
+  --enable-metrics (/metrics is a 404) the load route's cache_hit_rate and gen_throughput are SGLang's 0.0
+  defaults, never written (C-METRIC-OFF in docs/sglang-conformance.md), so they are not read.
 
 Rollout-only changes bump the revision at most every `report_s`, so long-polls are not woken every second
 for numbers nobody waits on."""
@@ -22,6 +25,7 @@ from rljob.agent.gpu_probe import GpuProbe
 from rljob.agent.sglang_client import SGLangClient, SGLangError, SGLangUnreachable
 from rljob.agent.state import StateStore
 from rljob.api.agent import RolloutReport, Stage
+from rljob.api.status import Signal, Unmeasured, UnmeasuredReason
 
 log = logging.getLogger("rljob.agent")
 
@@ -30,6 +34,10 @@ COUNTERS = {
     "cached_tokens": "sglang:cached_tokens_total",
     "generation_tokens": "sglang:generation_tokens_total",
 }
+
+METRICS_DISABLED_MESSAGE = "SGLang runs without --enable-metrics (no /metrics; load route rates stay 0.0)"
+# The signals SGLang measures only with --enable-metrics (C-METRIC-OFF, C-METRIC-PROM).
+METRICS_SIGNALS = (Signal.CACHE_HIT_RATE, Signal.GENERATION_TOKENS_PER_SECOND, Signal.TOKEN_COUNTS)
 
 
 @dataclass
@@ -68,6 +76,8 @@ class RolloutSampler:
         self._window: _Window | None = None
         self._pending: _Window | None = None  # the baseline `begin` took for the next report
         self._devices: tuple[int, str | None] | None = None  # GPU count and name, read once
+        # Why the last /metrics read gave no counters (a 404: no --enable-metrics); None: it answered
+        self._counters_missing: UnmeasuredReason | None = None
 
     async def run(self) -> None:
         while self._store.state.stage != Stage.FAILED:
@@ -112,17 +122,14 @@ class RolloutSampler:
         now = time.monotonic()
         report.samples += 1
         report.window_seconds = round(now - window.started, 6)
-        if load["cache_hit_rate"] is not None:
-            report.cache_hit_rate = min(1.0, max(0.0, load["cache_hit_rate"]))
-        # `utilization` is not read: SGLang never sets it (0.0, or -1 in PD prefill; C-METRIC-UTILIZATION,
-        # managers/scheduler_components/metrics_reporter.py:1303-1315@0.5.23).
-        tput = load["gen_throughput"]
-        if tput is not None and tput > 0:  # average over busy samples: idle tails say nothing
-            window.tput_sum += tput
-            window.tput_busy += 1
-            report.generation_tokens_per_second = window.tput_sum / window.tput_busy
+        if self._counters_missing == UnmeasuredReason.METRICS_DISABLED:
+            # C-METRIC-OFF: the load route's two figures are SchedulerStats' 0.0 defaults, never written
+            report.cache_hit_rate = report.generation_tokens_per_second = None
+        else:
+            self._rates(report, window, load)
         self._queue(report, window, load, now)
         self._increase(report, window, counters)
+        report.unmeasured = self._unmeasured(report, self._counters_missing)
         if busy is not None:
             window.busy_seconds += busy * (now - window.last_busy)
             window.busy_span += now - window.last_busy
@@ -133,6 +140,43 @@ class RolloutSampler:
             self._store.commit()
 
     # --- the parts of a sample -----------------------------------------------------------------------
+
+    @staticmethod
+    def _rates(report: RolloutReport, window: _Window, load: dict[str, float | None]) -> None:
+        """The load route's last-prefill-batch cache_hit_rate and its gen_throughput (averaged over the busy
+        samples: idle tails say nothing). `utilization` is not read: SGLang never sets it (0.0, or -1 in
+        PD prefill; C-METRIC-UTILIZATION, managers/scheduler_components/metrics_reporter.py:1303-1315
+        @0.5.23)."""
+        if load["cache_hit_rate"] is not None:
+            report.cache_hit_rate = min(1.0, max(0.0, load["cache_hit_rate"]))
+        tput = load["gen_throughput"]
+        if tput is not None and tput > 0:
+            window.tput_sum += tput
+            window.tput_busy += 1
+            report.generation_tokens_per_second = window.tput_sum / window.tput_busy
+
+    @staticmethod
+    def _unmeasured(report: RolloutReport, counters_missing: UnmeasuredReason | None) -> list[Unmeasured]:
+        """The SGLang signals this report leaves unset, and why. A rate the load route gave while /metrics
+        did not answer is still SGLang's measurement; only the counters are then missing."""
+        if counters_missing == UnmeasuredReason.METRICS_DISABLED:
+            return [
+                Unmeasured(signal=signal, reason=counters_missing, message=METRICS_DISABLED_MESSAGE)
+                for signal in METRICS_SIGNALS
+            ]
+        if report.prompt_tokens is not None:
+            return []
+        if counters_missing == UnmeasuredReason.METRICS_UNANSWERED:
+            message = "SGLang's /metrics did not answer during the rollout"
+        else:
+            message = "no counter baseline: the agent started during this rollout"
+        return [
+            Unmeasured(
+                signal=Signal.TOKEN_COUNTS,
+                reason=counters_missing or UnmeasuredReason.NOT_REPORTED,
+                message=message,
+            )
+        ]
 
     @staticmethod
     def _queue(report: RolloutReport, window: _Window, load: dict[str, float | None], now: float) -> None:
@@ -161,11 +205,15 @@ class RolloutSampler:
             setattr(report, key, max(0, round(increase)))
 
     async def _counters(self) -> dict[str, float] | None:
-        """/metrics, or None when SGLang has none (no --enable-metrics) or did not answer."""
+        """/metrics, or None when SGLang has none (no --enable-metrics: a 404) or did not answer;
+        `_counters_missing` says which."""
         try:
-            return await self._client.metrics()
+            counters = await self._client.metrics()
         except (SGLangError, SGLangUnreachable, TimeoutError):
+            self._counters_missing = UnmeasuredReason.METRICS_UNANSWERED
             return None
+        self._counters_missing = UnmeasuredReason.METRICS_DISABLED if counters is None else None
+        return counters
 
     async def _utilization(self) -> float | None:
         """Mean busy fraction over the pod's GPUs since the probe's previous call."""

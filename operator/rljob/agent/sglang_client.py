@@ -382,7 +382,8 @@ class SGLangClient:
 
     async def load(self, timeout: float = 5.0) -> dict[str, float | None]:
         """cache_hit_rate (mean), gen_throughput, running and waiting requests (sums) over the DP ranks; None
-        where the version has none (0.5.6's /get_load has counts only)."""
+        where the version has none (0.5.6's /get_load has counts only). Without --enable-metrics the two
+        rates are SGLang's 0.0 defaults, not measurements (C-METRIC-OFF): the caller asks `metrics`."""
         route = self._q().load_route
         keys = ("cache_hit_rate", "gen_throughput", "running", "waiting")
         none: dict[str, float | None] = dict.fromkeys(keys)
@@ -414,8 +415,8 @@ class SGLangClient:
         }
 
     async def metrics(self, timeout: float = 5.0) -> dict[str, float] | None:
-        """`/metrics` summed per series (parse_metrics), or None when the server has none: SGLang serves it
-        only with --enable-metrics (C-METRIC-PROM)."""
+        """`/metrics` summed per series (parse_metrics), or None when the server has none (a 404): SGLang
+        mounts it only with --enable-metrics (C-METRIC-PROM, C-METRIC-OFF)."""
         status, _, text = await self._call("metrics", "GET", "/metrics", timeout=timeout)
         if status == 404:
             return None

@@ -3,7 +3,7 @@ docs/lifecycle.md). Pure functions of the state: a refusal here means nothing wa
 
 from __future__ import annotations
 
-from rljob.agent.errors import conflict
+from rljob.agent.errors import conflict, forbidden_by_launch
 from rljob.agent.quirks import SGLangQuirks
 from rljob.agent.state import ServerFacts
 from rljob.api.agent import (
@@ -49,11 +49,12 @@ def check(cmd: Command, state: AgentState, facts: ServerFacts | None) -> None:
         # any other control call would queue behind it (utils/common.py:1752-1790@0.5.6).
         raise conflict("Busy", "init_weights_update_group is still waiting for the trainer to join the group")
     if facts.dp_attention:
-        raise conflict(
+        raise forbidden_by_launch(
             "DataParallelAttentionUnsupported",
             "SGLang runs --enable-dp-attention: control messages go to every tp_size-th worker "
             "(C-DP-FANOUT, data_parallel_controller.py:246-252@0.5.23) and the per-rank idle proof is not "
-            "known to hold there, so the agent does not pause, release or refit it",
+            "known to hold there, so the agent does not pause, release or refit it. Launch SGLang without "
+            "--enable-dp-attention.",
         )
     allowed = ALLOWED_FROM[cmd.action]
     if state.stage not in allowed:
@@ -75,14 +76,23 @@ def check(cmd: Command, state: AgentState, facts: ServerFacts | None) -> None:
 
 
 def _check_drain(cmd: DrainCommand, facts: ServerFacts) -> None:
+    if cmd.mode != DrainMode.RETRACT:
+        return
     quirks = SGLangQuirks.detect(facts.version)
-    if cmd.mode == DrainMode.RETRACT and not quirks.release_ignores_waiting_when_retracted:
-        raise conflict(
+    if not quirks.release_ignores_waiting_when_retracted:
+        raise forbidden_by_launch(
             "RetractUnsupported",
             f"SGLang {facts.version} counts retracted (waiting) requests as work in its flush and release "
             "checks (C-IDLE-RELEASE, scheduler_components/weight_updater.py:185-187@0.5.15.post1): after a "
             "retract with requests in flight it never becomes idle, and a release or a flushing refit "
-            "would kill it. Drain with mode abort on 0.5.9-0.5.20.",
+            "would kill it. Set spec.rollout.drain.mode: abort (0.5.9-0.5.20), or run SGLang 0.5.21+.",
+        )
+    if facts.dp_size > 1 and quirks.loads_frozen_while_paused:
+        raise forbidden_by_launch(
+            "RetractUnsupported",
+            f"SGLang {facts.version} runs --dp-size {facts.dp_size}: after a retract its schedulers stay "
+            "paused and never republish their load snapshots (C-DP-LOADS-PAUSED), so no rank can be proven "
+            "idle and a release would be sent blind. Set spec.rollout.drain.mode: abort, or run --dp-size 1.",
         )
 
 
@@ -96,29 +106,35 @@ def _check_release(cmd: ReleaseCommand, state: AgentState, facts: ServerFacts) -
             "AlreadyReleased", f"already released: {', '.join(again)} (a second release kills SGLang)"
         )
     if ReleaseTag.WEIGHTS in cmd.tags and facts.weight_cache_active:
-        raise conflict(
+        raise forbidden_by_launch(
             "WeightCacheActive",
-            f"SGLang runs --weight-cache-mode {facts.weight_cache_mode}: releasing weights kills it",
+            f"SGLang runs --weight-cache-mode {facts.weight_cache_mode}: releasing weights kills it. "
+            "Launch SGLang with --weight-cache-mode off.",
         )
     if not facts.memory_saver:
-        raise conflict(
-            "MemorySaverDisabled", "SGLang runs without --enable-memory-saver: release frees nothing"
+        raise forbidden_by_launch(
+            "MemorySaverDisabled",
+            "SGLang runs without --enable-memory-saver: release frees nothing. Launch SGLang with "
+            "--enable-memory-saver.",
         )
 
 
 def _check_refit(cmd: RefitCommand, state: AgentState, facts: ServerFacts) -> None:
     if facts.weight_cache_active:
-        raise conflict(
+        raise forbidden_by_launch(
             "WeightCacheActive",
-            f"SGLang runs --weight-cache-mode {facts.weight_cache_mode}: every refit kills it",
+            f"SGLang runs --weight-cache-mode {facts.weight_cache_mode}: every refit kills it. Launch "
+            "SGLang with --weight-cache-mode off.",
         )
     if cmd.source == RefitSource.DISK and refit_path(cmd, state) is None:
         raise conflict(
             "NoPath", "disk refit needs a path: none in the command and none published by the trainer"
         )
     if cmd.source != RefitSource.DISK and facts.dp_size > 1:
-        raise conflict(
-            "DataParallelUnsupported", f"{cmd.source.value} refit is not supported with dp_size > 1"
+        raise forbidden_by_launch(
+            "DataParallelUnsupported",
+            f"{cmd.source.value} refit is not supported with dp_size > 1 (C-REFIT-DP). Set "
+            "spec.refit.source: disk, or run --dp-size 1.",
         )
 
 

@@ -10,6 +10,7 @@ from pydantic import Field, TypeAdapter
 
 from rljob.api.base import WireModel
 from rljob.api.spec import DrainMode, RefitSource, ReleaseTag, ReleaseVerify, WeightVersion
+from rljob.api.status import MAX_UNMEASURED, Unmeasured
 
 AGENT_API_VERSION = "v1"
 
@@ -134,6 +135,12 @@ class Refusal(WireModel):
 
     error: str = Field(max_length=64)
     reason: str = Field(max_length=1024)
+    permanent: bool = Field(
+        default=False,
+        description="No retry and no new gang can change the answer (the version or a launch flag of SGLang, "
+        "or the spec, forbids the call): the operator fails the job with `error` as its reason, and "
+        "`reason` says what to change.",
+    )
 
 
 class SGLangInfo(WireModel):
@@ -207,10 +214,14 @@ class RolloutReport(WireModel):
         ge=0,
         le=1,
         description="The last sample of SGLang's cache_hit_rate: the hit ratio of its last prefill batch "
-        "(C-METRIC-CACHE-HIT), not a running ratio.",
+        "(C-METRIC-CACHE-HIT), not a running ratio. Unset without --enable-metrics, where SGLang reports "
+        "0.0 (C-METRIC-OFF).",
     )
     generation_tokens_per_second: float | None = Field(
-        default=None, ge=0, description="Mean of SGLang's gen_throughput gauge over the busy samples."
+        default=None,
+        ge=0,
+        description="Mean of SGLang's gen_throughput gauge over the busy samples. Unset without "
+        "--enable-metrics, where SGLang reports 0.0 (C-METRIC-OFF).",
     )
     utilization: float | None = Field(
         default=None,
@@ -251,6 +262,11 @@ class RolloutReport(WireModel):
     tp_size: int | None = Field(default=None, ge=1, description="SGLang's tensor-parallel size.")
     completed_samples: int = Field(
         default=0, ge=0, description="Samples the trainer reported (POST /v1/trainer/rollout) this rollout."
+    )
+    unmeasured: list[Unmeasured] = Field(
+        default_factory=list,
+        max_length=MAX_UNMEASURED,
+        description="The SGLang signals of this report left unset, and why.",
     )
 
 

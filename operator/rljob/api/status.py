@@ -16,6 +16,7 @@ MAX_TIMELINE = 24
 MAX_ITERATION_HISTORY = 16
 MAX_DIAGNOSIS = 5
 MAX_MESSAGE = 1024
+MAX_UNMEASURED = 8  # at least one entry per Signal
 
 
 class Phase(StrEnum):
@@ -101,6 +102,33 @@ class PodStatus(StatusModel):
     )
 
 
+class Signal(StrEnum):
+    """A signal of docs/profiling.md that its source may not measure, named as its IterationReport field
+    (tokenCounts: promptTokens, cachedTokens and generationTokens, read from the same counters)."""
+
+    CACHE_HIT_RATE = "cacheHitRate"
+    GENERATION_TOKENS_PER_SECOND = "generationTokensPerSecond"
+    TOKEN_COUNTS = "tokenCounts"
+    GPU_BUSY_FRACTION = "gpuBusyFraction"
+    SAMPLES = "samples"
+
+
+class UnmeasuredReason(StrEnum):
+    """Why a signal is absent (docs/profiling.md, "Not measured")."""
+
+    METRICS_DISABLED = "MetricsDisabled"  # SGLang runs without --enable-metrics (C-METRIC-OFF)
+    METRICS_UNANSWERED = "MetricsUnanswered"  # SGLang's /metrics answered no read of the rollout
+    NOT_REPORTED = "NotReported"  # its source (an agent, the GPU probe, the trainer) reported none
+
+
+class Unmeasured(StatusModel):
+    """A signal left unset, never 0, and why: no lever is ranked from it (lifecycle/levers.py)."""
+
+    signal: Signal
+    reason: UnmeasuredReason
+    message: str = Field(default="", max_length=256, description="What was missing, for kubectl.")
+
+
 class RolloutTotals(StatusModel):
     """One rollout, summed over the gang's agents (docs/profiling.md defines each number). Kept on the
     Rollout span until the iteration's report is made from it."""
@@ -120,6 +148,11 @@ class RolloutTotals(StatusModel):
     mean_running_requests: float | None = Field(default=None, ge=0, description="Sum over pods.")
     mean_waiting_requests: float | None = Field(default=None, ge=0, description="Sum over pods.")
     samples: int | None = Field(default=None, ge=0, description="Completed samples the trainers reported.")
+    unmeasured: list[Unmeasured] = Field(
+        default_factory=list,
+        max_length=MAX_UNMEASURED,
+        description="The signals no agent measured, with the first agent's reason.",
+    )
 
 
 class PhaseSpan(StatusModel):
@@ -144,7 +177,7 @@ class PhaseSpan(StatusModel):
         ge=0,
         le=1,
         description="Rollout: prefix-cache hit rate, token-weighted over the gang (the mean of the last "
-        "prefill batches' rates where SGLang has no counters).",
+        "prefill batches' rates where SGLang's counters did not answer); unset without --enable-metrics.",
     )
     tokens_per_second: float | None = Field(default=None, ge=0, description="Rollout: sum over pods.")
     rollout: RolloutTotals | None = Field(default=None, description="Rollout: what the agents measured.")
@@ -173,7 +206,8 @@ class IterationReport(StatusModel):
         ge=0,
         le=1,
         description="Prefix-cache hit rate over the whole rollout: cached / prompt tokens (SGLang's "
-        "counters); the last prefill batches' rate where SGLang has no counters.",
+        "counters); the last prefill batches' rate where the counters did not answer; unset (see "
+        "unmeasured) without --enable-metrics.",
     )
     generation_tokens_per_second: float | None = Field(default=None, ge=0, description="Sum over pods.")
     # The signals of docs/profiling.md (lifecycle/signals.py computes them); None where not measured.
@@ -200,6 +234,11 @@ class IterationReport(StatusModel):
     gpu_seconds: float | None = Field(default=None, ge=0, description="Iteration wall x GPUs.")
     gpu_seconds_per_sample: float | None = Field(default=None, ge=0, description="The cost per rollout.")
     tokens_per_gpu_second: float | None = Field(default=None, ge=0)
+    unmeasured: list[Unmeasured] = Field(
+        default_factory=list,
+        max_length=MAX_UNMEASURED,
+        description="Every signal left unset and why; a signal derived from one of them is unset too.",
+    )
 
 
 class Profile(StatusModel):

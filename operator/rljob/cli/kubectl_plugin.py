@@ -12,8 +12,15 @@ from typing import Any
 
 from rljob.api import parse_status
 from rljob.api.crd import GROUP, PLURAL, VERSION
-from rljob.api.status import IterationReport, RLJobStatus
-from rljob.cli.profile_report import diagnosis_lines, html_report, terminal_chart
+from rljob.api.status import IterationReport, PhaseSpan, RLJobStatus, Signal
+from rljob.cli.profile_report import (
+    NOT_MEASURED,
+    diagnosis_lines,
+    html_report,
+    not_measured_lines,
+    terminal_chart,
+    unmeasured_in,
+)
 
 
 def _table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
@@ -56,6 +63,15 @@ def _signals(it: IterationReport) -> list[str]:
     return ["  " + ", ".join(parts)] if parts else []
 
 
+def _span_rate(span: PhaseSpan, value: float | None, fmt: str, signal: Signal) -> str | None:
+    """A Rollout span's rate, or "not measured" where its agents said so (span.rollout.unmeasured)."""
+    if value is not None:
+        return format(value, fmt)
+    if span.rollout is not None and any(e.signal == signal for e in span.rollout.unmeasured):
+        return NOT_MEASURED
+    return None
+
+
 def render(name: str, namespace: str, status: RLJobStatus, spec: dict[str, Any]) -> str:
     out = [
         f"RLJob {namespace}/{name}",
@@ -82,8 +98,8 @@ def render(name: str, namespace: str, status: RLJobStatus, spec: dict[str, Any])
                     _secs(s.agent_seconds),
                     _secs(s.trainer_seconds),
                     _bytes(s.freed_bytes) if s.freed_bytes is not None else None,
-                    f"{s.cache_hit_rate:.0%}" if s.cache_hit_rate is not None else None,
-                    f"{s.tokens_per_second:.0f}" if s.tokens_per_second is not None else None,
+                    _span_rate(s, s.cache_hit_rate, ".0%", Signal.CACHE_HIT_RATE),
+                    _span_rate(s, s.tokens_per_second, ".0f", Signal.GENERATION_TOKENS_PER_SECOND),
                 )
                 for s in status.timeline[-18:]
             ],
@@ -128,9 +144,18 @@ def render(name: str, namespace: str, status: RLJobStatus, spec: dict[str, Any])
             )
         )
         hit = f"{it.cache_hit_rate:.0%}" if it.cache_hit_rate is not None else "-"
-        tps = f"{it.generation_tokens_per_second:.0f}" if it.generation_tokens_per_second is not None else "-"
-        out.append(f"  freed {_bytes(it.freed_bytes)}, prefix-cache hit rate {hit}, generation {tps} tok/s")
+        tps = (
+            f"{it.generation_tokens_per_second:.0f} tok/s"
+            if it.generation_tokens_per_second is not None
+            else "-"
+        )
+        if unmeasured_in(it, Signal.CACHE_HIT_RATE):
+            hit = NOT_MEASURED
+        if unmeasured_in(it, Signal.GENERATION_TOKENS_PER_SECOND):
+            tps = NOT_MEASURED
+        out.append(f"  freed {_bytes(it.freed_bytes)}, prefix-cache hit rate {hit}, generation {tps}")
         out.extend(_signals(it))
+        out.extend(not_measured_lines(it.unmeasured))
     if status.profile:
         p = status.profile
         hint = {

@@ -1,7 +1,8 @@
 """`kubectl rljob profile NAME [--html FILE]`: the per-iteration profile (status.iterationHistory) as a
 terminal chart, and as one self-contained HTML file with inline SVG plots (no script, no network): the
 phase stack per iteration, GPU busy and prefix reuse, tokens/s against the decode roofline, requests
-running and waiting, and the diagnosis. docs/profiling.md defines every number."""
+running and waiting, and the diagnosis. docs/profiling.md defines every number; a signal that was not
+measured reads "not measured" (the terminal: "n/m"), with its reason, never 0 or a blank."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import html
 import math
 from collections.abc import Callable, Sequence
 
-from rljob.api.status import IterationReport, Lever, RLJobStatus
+from rljob.api.status import IterationReport, Lever, RLJobStatus, Signal, Unmeasured
+from rljob.lifecycle.signals import SIGNAL_LABELS
 
 # (field of PhaseSeconds, label, terminal glyph, colour): the phase stack's order and legend.
 PHASES: tuple[tuple[str, str, str, str], ...] = (
@@ -21,6 +23,8 @@ PHASES: tuple[tuple[str, str, str, str], ...] = (
     ("resuming", "resume", "S", "#bcbddc"),
 )
 OVERHEAD_COLOUR = "#636363"
+NOT_MEASURED = "not measured"
+NOT_MEASURED_SHORT = "n/m"  # the terminal chart's narrow columns
 
 
 def _pct(x: float | None) -> str:
@@ -33,6 +37,24 @@ def _num(x: float | None, fmt: str = ".0f") -> str:
 
 def _wall(r: IterationReport) -> float:
     return r.wall_seconds if r.wall_seconds is not None else sum(getattr(r.seconds, f) for f, *_ in PHASES)
+
+
+def unmeasured_in(r: IterationReport | None, *signals: Signal) -> Unmeasured | None:
+    """The first of `signals` that `r` lists as not measured (a figure derived from it is not either)."""
+    if r is None:
+        return None
+    return next((e for e in r.unmeasured if e.signal in signals), None)
+
+
+def not_measured_lines(entries: Sequence[Unmeasured], prefix: str = "  Not measured: ") -> list[str]:
+    """One line per reason: `Not measured: prefix-cache hit rate, token counts (MetricsDisabled: why)`."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for e in entries:
+        groups.setdefault((e.reason.value, e.message), []).append(SIGNAL_LABELS[e.signal])
+    return [
+        f"{prefix}{', '.join(labels)} ({reason}{': ' + message if message else ''})"
+        for (reason, message), labels in groups.items()
+    ]
 
 
 def history(status: RLJobStatus) -> list[IterationReport]:
@@ -78,18 +100,23 @@ def terminal_chart(status: RLJobStatus, width: int = 48) -> str:
     legend = "  ".join(f"{glyph} {label}" for _, label, glyph, _ in PHASES)
     header = ["ITER", "WALL", f"PHASES (1 char = {scale:.3g}s)".ljust(width), "ROLLOUT%", "GPU-BUSY"]
     header += ["CACHE-HIT", "RUN/WAIT", "TOK/S", "ROOFLINE", "GPU-s/SAMPLE"]
+
+    def cell(r: IterationReport, text: str, *signals: Signal) -> str:
+        return NOT_MEASURED_SHORT if unmeasured_in(r, *signals) else text
+
+    tps = Signal.GENERATION_TOKENS_PER_SECOND
     rows = [
         [
             str(r.iteration),
             f"{_wall(r):.2f}s",
             stack_bar(r, scale).ljust(width),
             _pct(r.rollout_share),
-            _pct(r.gpu_busy_fraction),
-            _pct(r.cache_hit_rate),
+            cell(r, _pct(r.gpu_busy_fraction), Signal.GPU_BUSY_FRACTION),
+            cell(r, _pct(r.cache_hit_rate), Signal.CACHE_HIT_RATE),
             f"{_num(r.mean_running_requests, '.1f')}/{_num(r.mean_waiting_requests, '.1f')}",
-            _num(r.generation_tokens_per_second),
-            _pct(r.roofline_fraction),
-            _num(r.gpu_seconds_per_sample, ".3g"),
+            cell(r, _num(r.generation_tokens_per_second), tps),
+            cell(r, _pct(r.roofline_fraction), tps),
+            cell(r, _num(r.gpu_seconds_per_sample, ".3g"), Signal.SAMPLES),
         ]
         for r in reports
     ]
@@ -97,7 +124,9 @@ def terminal_chart(status: RLJobStatus, width: int = 48) -> str:
     lines = [
         "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in [header, *rows]
     ]
-    out = [f"Per-iteration profile ({len(reports)} iterations)", *lines, f"  {legend}", ""]
+    out = [f"Per-iteration profile ({len(reports)} iterations)", *lines, f"  {legend}"]
+    out += not_measured_lines(reports[-1].unmeasured, prefix=f"  {NOT_MEASURED_SHORT}, not measured: ")
+    out.append("")
     out += ["Levers (last iteration):", *diagnosis_lines(status.diagnosis)]
     return "\n".join(out) + "\n"
 
@@ -299,31 +328,45 @@ th,td{padding:3px 6px;text-align:right;border-bottom:1px solid #eee}
 th:first-child,td:first-child{text-align:left} th{color:#555;font-weight:600}
 ol.levers{margin:0;padding-left:20px} ol.levers li{margin-bottom:8px}
 .lever{font-weight:600} .ev{color:#555;font-size:12px}
+td.nm{color:#999;font-style:italic} ul.nm-list{margin:0;padding-left:20px}
 """
 
 
 def _signals_table(reports: Sequence[IterationReport]) -> str:
-    cols: list[tuple[str, Callable[[IterationReport], str]]] = [
-        ("iter", lambda r: str(r.iteration)),
-        ("wall", lambda r: f"{_wall(r):.2f}s"),
-        ("rollout %", lambda r: _pct(r.rollout_share)),
-        ("GPU busy", lambda r: _pct(r.gpu_busy_fraction)),
-        ("cache hit", lambda r: _pct(r.cache_hit_rate)),
-        ("running", lambda r: _num(r.mean_running_requests, ".1f")),
-        ("waiting", lambda r: _num(r.mean_waiting_requests, ".1f")),
-        ("tok/s", lambda r: _num(r.generation_tokens_per_second)),
-        ("tok/s/GPU", lambda r: _num(r.tokens_per_second_per_gpu)),
-        ("roofline", lambda r: _pct(r.roofline_fraction)),
-        ("samples", lambda r: _num(r.samples, "d") if r.samples is not None else "-"),
-        ("GPU-s/sample", lambda r: _num(r.gpu_seconds_per_sample, ".3g")),
-        ("tok/GPU-s", lambda r: _num(r.tokens_per_gpu_second)),
-        ("overhead", lambda r: f"{r.control_overhead_seconds:.3f}s"),
+    tps, tokens = Signal.GENERATION_TOKENS_PER_SECOND, Signal.TOKEN_COUNTS
+    # (heading, the cell's text, the signals it is derived from)
+    cols: list[tuple[str, Callable[[IterationReport], str], tuple[Signal, ...]]] = [
+        ("iter", lambda r: str(r.iteration), ()),
+        ("wall", lambda r: f"{_wall(r):.2f}s", ()),
+        ("rollout %", lambda r: _pct(r.rollout_share), ()),
+        ("GPU busy", lambda r: _pct(r.gpu_busy_fraction), (Signal.GPU_BUSY_FRACTION,)),
+        ("cache hit", lambda r: _pct(r.cache_hit_rate), (Signal.CACHE_HIT_RATE,)),
+        ("running", lambda r: _num(r.mean_running_requests, ".1f"), ()),
+        ("waiting", lambda r: _num(r.mean_waiting_requests, ".1f"), ()),
+        ("tok/s", lambda r: _num(r.generation_tokens_per_second), (tps,)),
+        ("tok/s/GPU", lambda r: _num(r.tokens_per_second_per_gpu), (tps,)),
+        ("roofline", lambda r: _pct(r.roofline_fraction), (tps,)),
+        ("samples", lambda r: _num(r.samples, "d") if r.samples is not None else "-", (Signal.SAMPLES,)),
+        ("GPU-s/sample", lambda r: _num(r.gpu_seconds_per_sample, ".3g"), (Signal.SAMPLES,)),
+        ("tok/GPU-s", lambda r: _num(r.tokens_per_gpu_second), (tokens,)),
+        ("overhead", lambda r: f"{r.control_overhead_seconds:.3f}s", ()),
     ]
-    head = "".join(f"<th>{html.escape(c)}</th>" for c, _ in cols)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(f(r))}</td>" for _, f in cols) + "</tr>" for r in reports
-    )
+
+    def td(r: IterationReport, text: Callable[[IterationReport], str], derived: tuple[Signal, ...]) -> str:
+        missing = unmeasured_in(r, *derived)
+        if missing is None:
+            return f"<td>{html.escape(text(r))}</td>"
+        why = f"{missing.reason.value}: {missing.message}" if missing.message else missing.reason.value
+        return f'<td class="nm" title="{html.escape(why)}">{NOT_MEASURED}</td>'
+
+    head = "".join(f"<th>{html.escape(c)}</th>" for c, _, _ in cols)
+    body = "".join("<tr>" + "".join(td(r, f, d) for _, f, d in cols) + "</tr>" for r in reports)
     return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _unmeasured_html(entries: Sequence[Unmeasured]) -> str:
+    items = "".join(f"<li>{html.escape(line)}</li>" for line in not_measured_lines(entries, prefix=""))
+    return f'<ul class="nm-list">{items}</ul>'
 
 
 def _levers_html(levers: Sequence[Lever]) -> str:
@@ -362,6 +405,15 @@ def html_report(name: str, namespace: str, status: RLJobStatus) -> str:
         '<div class="card" style="margin-bottom:18px"><h2>Levers, largest share first</h2>',
         _levers_html(status.diagnosis),
         "</div>",
+    ]
+    if reports[-1].unmeasured:
+        parts += [
+            '<div class="card" style="margin-bottom:18px"><h2>Not measured in the last iteration, so not '
+            "judged</h2>",
+            _unmeasured_html(reports[-1].unmeasured),
+            "</div>",
+        ]
+    parts += [
         '<div class="grid2">',
         '<div class="card"><h2>Where the wall-clock went, per iteration</h2>',
         phase_stack_svg(reports),

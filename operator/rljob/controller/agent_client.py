@@ -46,6 +46,8 @@ class CommandOutcome:
     pod: str
     accepted: bool
     refusal: str | None = None  # the agent's reason, for a 409
+    error: str | None = None  # the refusal's typed name (Refusal.error)
+    permanent: bool = False  # Refusal.permanent: no retry and no new gang can change it
 
 
 class AgentClient:
@@ -131,19 +133,24 @@ class AgentClient:
                 if resp.status in (200, 202):
                     return _outcome(agent.pod, action, resp.status)
                 text = await resp.text()
-                with contextlib.suppress(ValidationError, ValueError):
-                    text = Refusal.model_validate_json(text).reason
-                return _outcome(agent.pod, action, resp.status, text)
+                try:
+                    refusal: Refusal | str = Refusal.model_validate_json(text)
+                except (ValidationError, ValueError):
+                    refusal = text
+                return _outcome(agent.pod, action, resp.status, refusal)
         except (TimeoutError, aiohttp.ClientError) as err:
             return _unreachable(agent.pod, action, repr(err))
 
 
-def _outcome(pod: str, action: str, status: int, refusal: str = "") -> CommandOutcome:
+def _outcome(pod: str, action: str, status: int, refusal: Refusal | str | None = None) -> CommandOutcome:
     if status in (200, 202):
         AGENT_COMMANDS.labels(action=action, outcome="accepted").inc()
         return CommandOutcome(pod, True)
     AGENT_COMMANDS.labels(action=action, outcome=f"http_{status}").inc()
-    return CommandOutcome(pod, False, f"HTTP {status}: {refusal[:500]}")
+    if isinstance(refusal, Refusal):
+        why = f"HTTP {status}: {refusal.reason[:500]}"
+        return CommandOutcome(pod, False, why, refusal.error, refusal.permanent)
+    return CommandOutcome(pod, False, f"HTTP {status}: {(refusal or '')[:500]}")
 
 
 def _unreachable(pod: str, action: str, why: str) -> CommandOutcome:
@@ -192,8 +199,7 @@ class AgentWatch:
             return  # not an answer to one of ours: the operator sends only valid commands
         answer = self._answers.pop((reply.action.value, reply.epoch), None)
         if answer is not None and not answer.done():
-            why = reply.refusal.reason if reply.refusal else ""
-            answer.set_result(_outcome(self.endpoint.pod, reply.action.value, reply.status, why))
+            answer.set_result(_outcome(self.endpoint.pod, reply.action.value, reply.status, reply.refusal))
 
     def _unanswered(self, why: str) -> None:
         for (action, _), answer in self._answers.items():

@@ -31,9 +31,9 @@ from rljob.controller.children import (
 from rljob.controller.kube import ChildRefused, Kube, NamespaceTerminating, PodList
 from rljob.controller.pod_cache import PodCache
 from rljob.controller.queueing import AdmissionView, JobQueue, Workloads, queue_name, workload_manifest
-from rljob.controller.status_writer import StatusWriter
+from rljob.controller.status_writer import StatusNotStored, StatusWriter
 from rljob.lifecycle.machine import AwaitedReport, awaited_report, decide
-from rljob.lifecycle.model import Admission, Awaited, Decision, Observation
+from rljob.lifecycle.model import Admission, AgentRefusal, Awaited, Decision, Observation
 
 log = logging.getLogger(__name__)
 # A decision is made when something it depends on is observed to change, or when time alone would change
@@ -154,7 +154,7 @@ class Conductor:
         self._accepted: set[tuple[str, str, int]] = set()  # (pod uid, action, epoch) an agent took
         # Refusals for the next decision, and those already reported: a command re-sent each round and
         # refused each time is one event, not one per round.
-        self._refusals: list[tuple[str, str]] = []
+        self._refusals: list[AgentRefusal] = []
         self._refused: set[tuple[str, str, int, str]] = set()
         self._workloads = workloads
         self._queue: JobQueue | None = None  # the job's Kueue Workload, once it names a queue
@@ -231,14 +231,22 @@ class Conductor:
         """Conduct until `stopped`, the RLJob is marked for deletion, or its namespace is being deleted
         (a create refused as NamespaceTerminating: the RLJob goes with the namespace); returns then, and
         after the job deleted itself (its TTL)."""
-        # From the status as stored, not kopf's body of the job: a conductor kopf starts again (after a
-        # status write the API server answered 504, which it may still have applied) got a body five
-        # transitions behind under load, and wrote the job's epoch back (docs/benchmarks.md).
+        # From the status as stored, not kopf's body of the job: a conductor kopf started again (after a
+        # status write the API server answered 504, which it may still have applied; now read back in
+        # place, controller/status_writer.py) got a body five transitions behind under load, and wrote
+        # the job's epoch back (docs/benchmarks.md).
         stored = await self.kube.read_status(self.namespace, self.name)
         if stored is None:  # the RLJob is gone: kopf stops this daemon
             return
         status = parse_status(stored)
-        writer = StatusWriter(self.kube, self.namespace, self.name, stored)
+        writer = StatusWriter(
+            self.kube,
+            self.namespace,
+            self.name,
+            stored,
+            retry_seconds=self.options.tick_seconds,
+            max_retry_seconds=self.options.quiet_seconds,
+        )
         loop = asyncio.get_running_loop()
         async with AgentClient() as agents:
             try:
@@ -254,7 +262,14 @@ class Conductor:
                         # Most decisions while reports come in change nothing: comparing the models is
                         # cheaper than building the wire form the writer diffs.
                         offered = decision.status != status
-                        written = offered and await writer.write(decision.status)
+                        try:
+                            written = offered and await writer.write(decision.status)
+                        except StatusNotStored as not_stored:
+                            # Nothing of a decision whose status is not stored is carried out: it is
+                            # made again when due, and the next round, finding nothing new, waits.
+                            self._awaited.not_taken()
+                            self._due_at = loop.time() + not_stored.retry_in
+                            continue
                         self._observe_metrics(status, decision.status)
                         if written:  # else the same status: keep the object the next round compares
                             status = decision.status
@@ -516,10 +531,12 @@ class Conductor:
             if (
                 outcome.refusal
                 and not outcome.refusal.startswith("unreachable")
-                and (*key, outcome.refusal) not in self._refused
+                and (outcome.permanent or (*key, outcome.refusal) not in self._refused)
             ):
+                # A permanent refusal reaches every decision until one is stored: it fails the job.
                 self._refused.add((*key, outcome.refusal))
-                self._refusals.append((outcome.pod, outcome.refusal))  # an event via the next Decision
+                refusal = AgentRefusal(outcome.pod, outcome.refusal, outcome.error, outcome.permanent)
+                self._refusals.append(refusal)  # an event via the next Decision
                 progressed = True
         return progressed
 

@@ -4,8 +4,10 @@ over controller/apiserver.py (no client library: its models cost more to build t
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -51,6 +53,29 @@ def _namespace_terminating(err: ApiError) -> bool:
     if any(isinstance(c, dict) and c.get("reason") == "NamespaceTerminating" for c in causes):
         return True
     return "because it is being terminated" in str(status.get("message") or "")
+
+
+class Unanswered(Exception):
+    """The API server said nothing of the call's outcome: it answered 5xx, or the connection broke, or the
+    call timed out, perhaps after the request was sent. A write may or may not have been applied.
+    `status`: the HTTP status of the answer, None when none came."""
+
+    def __init__(self, verb: str, status: int | None, detail: str) -> None:
+        super().__init__(f"{verb}: HTTP {status} {detail}" if status else f"{verb}: no answer ({detail})")
+        self.status = status
+
+
+@contextlib.contextmanager
+def _unanswered(verb: str) -> Iterator[None]:
+    """A 5xx answer, a broken connection and a timeout raise Unanswered; any other answer as it is."""
+    try:
+        yield
+    except ApiError as err:
+        if err.status < 500:
+            raise
+        raise Unanswered(verb, err.status, err.reason) from err
+    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as err:
+        raise Unanswered(verb, None, repr(err)) from err
 
 
 class PodList(list[dict[str, Any]]):
@@ -165,15 +190,20 @@ class Kube:
 
     async def read_status(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The RLJob's status as the API server has it now ({} for none); None when the RLJob is gone.
-        A consistent read (no resourceVersion): kopf's body of a job can be transitions behind."""
+        A consistent read (no resourceVersion): kopf's body of a job can be transitions behind. Raises
+        Unanswered for a 5xx, a broken connection or a timeout."""
         path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}"
-        job = await self._read("read_rljob", path)
+        with _unanswered("read_rljob"):
+            job = await self._read("read_rljob", path)
         return None if job is None else dict(job.get("status") or {})
 
     async def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
-        """A JSON merge patch of the status subresource; the answer, the whole RLJob, is not read."""
+        """A JSON merge patch of the status subresource; the answer, the whole RLJob, is not read. Raises
+        Unanswered when the API server may or may not have applied it (a 5xx, a broken connection, a
+        timeout), ApiError for any other refusal."""
         path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}/status"
-        await self.server.call("patch_status", "PATCH", path, {"status": patch}, content_type=MERGE_PATCH)
+        with _unanswered("patch_status"):
+            await self.server.call("patch_status", "PATCH", path, {"status": patch}, content_type=MERGE_PATCH)
 
     async def delete_job(self, namespace: str, name: str) -> None:
         try:

@@ -88,20 +88,22 @@ def _load(eng: Engine, s: Scheduler) -> dict[str, Any]:
     """One rank's load snapshot, core fields (…/managers/scheduler_components/load_inquirer.py:226-250
     @0.5.23)."""
     cfg = eng.cfg
-    used = s.num_used_tokens()
+    counts = s.published_counts(eng.profile.loads_frozen_while_paused)
+    used = counts.used_tokens
     return {
         "dp_rank": s.dp_rank,
-        "num_running_reqs": s.num_running(),
-        "num_waiting_reqs": s.num_waiting(),
-        "num_waiting_uncached_tokens": s.num_waiting_tokens(),
+        "num_running_reqs": counts.running,
+        "num_waiting_reqs": counts.waiting,
+        "num_waiting_uncached_tokens": counts.waiting_tokens,
         "num_used_tokens": used,
-        "num_total_tokens": used + s.num_waiting_tokens(),  # load_inquirer.py:131-133@0.5.15.post1
+        "num_total_tokens": used + counts.waiting_tokens,  # load_inquirer.py:131-133@0.5.15.post1
         "num_active_tokens": used,
         "max_total_num_tokens": cfg.max_total_tokens,
         "max_running_requests": cfg.max_running_requests,
         "token_usage": round(used / cfg.max_total_tokens, 4),
-        "gen_throughput": round(s.gen_throughput(), 2),
-        "cache_hit_rate": round(s.cache_hit_rate, 4),
+        # C-METRIC-OFF: SchedulerStats' two rates are written only with --enable-metrics, else their 0.0
+        "gen_throughput": round(s.gen_throughput(), 2) if cfg.enable_metrics else 0.0,
+        "cache_hit_rate": round(s.cache_hit_rate, 4) if cfg.enable_metrics else 0.0,
         # C-METRIC-UTILIZATION: computed only when max_running_requests_under_SLO > 0, which nothing sets
         # (…/managers/scheduler_components/metrics_reporter.py:1303-1315@0.5.23): always 0.0
         "utilization": 0.0,
@@ -150,17 +152,18 @@ async def get_load(request: web.Request) -> web.Response:
     eng = engine_of(request)
     if eng.profile.get_load == "shim":
         ts = time.perf_counter()
+        counts = [(r.dp_rank, r.published_counts(eng.profile.loads_frozen_while_paused)) for r in eng.ranks]
         return web.json_response(
             [
                 {
-                    "dp_rank": r.dp_rank,
-                    "num_reqs": r.num_running() + r.num_waiting(),
-                    "num_waiting_reqs": r.num_waiting(),
-                    "num_tokens": r.num_used_tokens() + r.num_waiting_tokens(),
-                    "num_pending_tokens": r.num_waiting_tokens(),
+                    "dp_rank": rank,
+                    "num_reqs": c.running + c.waiting,
+                    "num_waiting_reqs": c.waiting,
+                    "num_tokens": c.used_tokens + c.waiting_tokens,
+                    "num_pending_tokens": c.waiting_tokens,
                     "ts_tic": ts,
                 }
-                for r in eng.ranks
+                for rank, c in counts
             ]
         )
     return web.json_response(await eng.get_load())

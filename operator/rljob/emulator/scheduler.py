@@ -142,6 +142,16 @@ class Tokenizer:
         await self.changes.notify()
 
 
+@dataclass(frozen=True)
+class LoadCounts:
+    """One rank's request and token counts, as its load snapshot carries them."""
+
+    running: int
+    waiting: int
+    waiting_tokens: int
+    used_tokens: int
+
+
 class Scheduler:
     def __init__(
         self,
@@ -179,6 +189,7 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.requests: dict[str, GenRequest] = {}
         self.scheduler_paused = False  # `_engine_paused`: retract / in_place, never abort
+        self.counts_at_pause: LoadCounts | None = None
         self.blocked = False  # the event loop is stuck in a control call (group init) or dead: no progress
         self.inbox = asyncio.Lock()  # one control message at a time, FIFO
         self.cache_hit_rate = 0.0  # of the last prefill batch (C-METRIC-CACHE-HIT)
@@ -377,6 +388,8 @@ class Scheduler:
 
     async def pause(self, mode: str) -> None:
         """retract / in_place (abort never reaches the scheduler, C-DRAIN-ABORT)."""
+        if not self.scheduler_paused:
+            self.counts_at_pause = self.load_counts()  # the last snapshot published (C-DP-LOADS-PAUSED)
         self.scheduler_paused = True
         if mode == "retract":
             for r in self.requests.values():
@@ -389,6 +402,7 @@ class Scheduler:
 
     async def continue_generation(self) -> None:
         self.scheduler_paused = False
+        self.counts_at_pause = None
         self.update_busy()
         await self._notify()
 
@@ -404,6 +418,18 @@ class Scheduler:
         return n
 
     # --- load numbers ----------------------------------------------------------------------------
+
+    def load_counts(self) -> LoadCounts:
+        return LoadCounts(
+            self.num_running(), self.num_waiting(), self.num_waiting_tokens(), self.num_used_tokens()
+        )
+
+    def published_counts(self, frozen_while_paused: bool) -> LoadCounts:
+        """What the load route reads: where it reads the snapshots the rank publishes from its loop, a
+        paused rank shows the counts it had when it paused (C-DP-LOADS-PAUSED)."""
+        if frozen_while_paused and self.scheduler_paused and self.counts_at_pause is not None:
+            return self.counts_at_pause
+        return self.load_counts()
 
     def num_running(self) -> int:
         return sum(1 for r in self.requests.values() if r.phase == "running")

@@ -307,8 +307,9 @@ def _read_flattened(obj: Any) -> Bucket:
     entries = []
     for meta in obj["metadata"]:
         try:
-            name, shape, dtype, start, end = (
-                meta.name, meta.shape, meta.dtype, int(meta.start_idx), int(meta.end_idx)
+            # every field is read into SGLang's own FlattenedTensorMetadata, numel too (C-REFIT-TENSOR-META)
+            name, shape, dtype, start, end, _ = (
+                meta.name, meta.shape, meta.dtype, int(meta.start_idx), int(meta.end_idx), meta.numel
             )  # fmt: skip
         except AttributeError as e:
             raise SchedulerError("AttributeError", str(e)) from e

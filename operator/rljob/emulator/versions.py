@@ -68,6 +68,14 @@ class VersionProfile:
         return self._at_least(15)
 
     @property
+    def loads_frozen_while_paused(self) -> bool:
+        """C-DP-LOADS-PAUSED: the load route reads snapshots each scheduler publishes from its loop, and a
+        paused (retract / in_place) scheduler skips the publish: its counts stay at their pre-pause values.
+        0.5.6's `/get_load` asks the schedulers (a watching call)."""
+        # scheduler.py:1551@0.5.15.post1, scheduler.py:1914-1916@0.5.21, scheduler.py:2033-2036@0.5.23
+        return self._at_least(15)
+
+    @property
     def has_ready(self) -> bool:
         # C-HEALTH-READY: http_server.py:662@0.5.20
         return self._at_least(20)

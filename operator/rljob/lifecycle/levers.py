@@ -7,6 +7,9 @@ beside the rule itself; every threshold is a field of Thresholds. docs/profiling
 
 "Train-bound" is rollout share < train_bound_share: Balanced iterations get both the trainer's and the
 rollout's levers, and the shares rank them.
+
+Each row names the signals it reads: a row whose signal was not measured (signals.unmeasured) never
+fires; the Measurement lever names them instead.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rljob.api.status import MAX_DIAGNOSIS, IterationReport, Lever, LeverName
+from rljob.api.status import MAX_DIAGNOSIS, IterationReport, Lever, LeverName, Signal, Unmeasured
+from rljob.lifecycle import signals
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,11 @@ class _Iteration:
     rollout: float  # rollout / wall
     share: float | None  # rollout / (rollout + train)
     queue: float | None  # mean waiting / mean running
+    unmeasured: tuple[Unmeasured, ...]  # signals.unmeasured(r)
+
+    @property
+    def missing(self) -> frozenset[Signal]:
+        return frozenset(entry.signal for entry in self.unmeasured)
 
     @property
     def train_bound(self) -> bool:
@@ -137,7 +146,13 @@ def _capacity(i: _Iteration) -> Lever | None:
         reason="the GPUs are saturated during rollout"
         + (" and requests queue" if queued else "")
         + ": more rollout GPUs (replicas) or a faster runtime; more concurrency will not help",
-        evidence=_load(i) + f", {_num(i.r.tokens_per_second_per_gpu, 0)} tok/s per GPU",
+        evidence=_load(i)
+        + (
+            f", {_num(i.r.tokens_per_second_per_gpu, 0)} tok/s per GPU"
+            if i.r.tokens_per_second_per_gpu is not None
+            and Signal.GENERATION_TOKENS_PER_SECOND not in i.missing
+            else ", tok/s not measured"
+        ),
         share=i.rollout * busy,
     )
 
@@ -205,19 +220,18 @@ def _control(i: _Iteration) -> Lever | None:
 
 
 def _measurement(i: _Iteration) -> Lever | None:
-    r = i.r
-    missing = []
-    if r.prompt_tokens is None:
-        missing.append("token counts and prefix reuse (run SGLang with --enable-metrics)")
-    if r.gpu_busy_fraction is None:
-        missing.append("GPU busy (the agent's GPU probe reports none)")
-    if r.samples is None:
-        missing.append("cost per rollout (the trainer reports no samples: handoff.report_rollout)")
-    if not missing:
+    """The unmeasured signals, grouped by why: `prefix-cache hit rate, token counts: <message>`."""
+    if not i.unmeasured:
         return None
+    by_message: dict[str, list[str]] = {}
+    for entry in i.unmeasured:
+        by_message.setdefault(entry.message or entry.reason.value, []).append(
+            signals.SIGNAL_LABELS[entry.signal]
+        )
     return _lever(
         lever=LeverName.MEASUREMENT,
-        reason="not measured, so not judged: " + "; ".join(missing),
+        reason="not measured, so not judged: "
+        + "; ".join(f"{', '.join(labels)}: {message}" for message, labels in by_message.items()),
         share=0.0,
     )
 
@@ -228,6 +242,7 @@ class Row:
     rule: Rule
     fires_when: str
     share: str
+    reads: tuple[Signal, ...] = ()  # the signals `rule` reads that a source may not measure
 
 
 # The lever table, in table order (ties in share keep this order). "Not train-bound": rollout share >=
@@ -239,30 +254,35 @@ RULES: tuple[Row, ...] = (
         _concurrency,
         "not train-bound; GPU busy < idle_gpu_busy; waiting / running <= queue_per_running",
         "rollout / wall x (1 - busy)",
+        (Signal.GPU_BUSY_FRACTION,),
     ),
     Row(
         LeverName.RUNNING_REQUEST_LIMIT,
         _running_limit,
         "not train-bound; waiting / running > queue_per_running; GPU busy < saturated_gpu_busy",
         "rollout / wall x (1 - busy)",
+        (Signal.GPU_BUSY_FRACTION,),
     ),
     Row(
         LeverName.ROLLOUT_CAPACITY,
         _capacity,
         "not train-bound; GPU busy >= saturated_gpu_busy",
         "rollout / wall x busy",
+        (Signal.GPU_BUSY_FRACTION,),
     ),
     Row(
         LeverName.RUNTIME_SPEED,
         _runtime,
         "not train-bound; GPU busy >= saturated_gpu_busy; tokens/s < low_roofline_fraction x decode roofline",
         "rollout / wall x busy x (1 - roofline fraction)",
+        (Signal.GPU_BUSY_FRACTION, Signal.GENERATION_TOKENS_PER_SECOND),
     ),
     Row(
         LeverName.PROMPT_STRUCTURE,
         _prompts,
         "not train-bound; prompt tokens >= min_prompt_tokens; prefix-cache hit < low_prefix_hit",
         "rollout / wall x uncached prompt / (uncached prompt + generated) tokens",
+        (Signal.CACHE_HIT_RATE, Signal.TOKEN_COUNTS),
     ),
     Row(
         LeverName.WEIGHT_HANDOFF,
@@ -282,13 +302,19 @@ RULES: tuple[Row, ...] = (
 
 def lever_table_markdown() -> str:
     """RULES as the markdown table docs/profiling.md carries."""
-    lines = ["| lever | fires when | ranked by the share |", "|---|---|---|"]
-    lines += [f"| {row.lever.value} | {row.fires_when} | {row.share} |" for row in RULES]
+    lines = [
+        "| lever | fires when | ranked by the share | reads (never fires when one is unmeasured) |",
+        "|---|---|---|---|",
+    ]
+    for row in RULES:
+        reads = ", ".join(signal.value for signal in row.reads) or "-"
+        lines.append(f"| {row.lever.value} | {row.fires_when} | {row.share} | {reads} |")
     return "\n".join(lines)
 
 
 def diagnose(report: IterationReport, thresholds: Thresholds = THRESHOLDS) -> list[Lever]:
-    """The levers that fire for `report`, largest share first, at most MAX_DIAGNOSIS."""
+    """The levers that fire for `report`, largest share first, at most MAX_DIAGNOSIS; none from a signal
+    that was not measured."""
     wall = report.wall_seconds or 0.0
     if wall <= 0:
         return []
@@ -303,8 +329,13 @@ def diagnose(report: IterationReport, thresholds: Thresholds = THRESHOLDS) -> li
         rollout=report.seconds.rollout / wall,
         share=report.rollout_share,
         queue=queue,
+        unmeasured=tuple(signals.unmeasured(report)),
     )
-    fired = [lever for row in RULES if (lever := row.rule(it)) is not None]
+    fired = [
+        lever
+        for row in RULES
+        if not it.missing.intersection(row.reads) and (lever := row.rule(it)) is not None
+    ]
     order = {row.lever: n for n, row in enumerate(RULES)}
     fired.sort(key=lambda lv: (-(lv.share or 0.0), order[lv.lever]))
     return fired[:MAX_DIAGNOSIS]

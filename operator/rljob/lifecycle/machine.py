@@ -44,6 +44,7 @@ from rljob.lifecycle.clock import parse, stamp
 from rljob.lifecycle.conditions import refresh_phase_conditions, set_condition
 from rljob.lifecycle.model import (
     Admission,
+    AgentRefusal,
     Awaited,
     Decision,
     Event,
@@ -908,12 +909,15 @@ def decide(spec: RLJobSpec | None, status: RLJobStatus, obs: Observation) -> Dec
         st.ready_replicas = sum(1 for p in step.gang().values() if p.running and p.ready)
         st.ready = f"{st.ready_replicas}/{spec.replicas}"
 
+    permanent = [r for r in obs.refusals if r.permanent]
     if spec is None or obs.spec_error is not None:
         _fail_on_invalid_spec(step, obs.spec_error or "spec: refused by the models")
     elif st.phase.terminal:
         _finished(step)
     elif _fail_if_deadline_exceeded(step):
         pass
+    elif permanent:
+        _fail_on_permanent_refusal(step, permanent[0])
     else:
         for pod in obs.pods:  # leftovers of an earlier gang never rejoin
             if pod.gang != st.restarts or pod.index >= spec.replicas:
@@ -930,8 +934,9 @@ def decide(spec: RLJobSpec | None, status: RLJobStatus, obs: Observation) -> Dec
                 row.then(step, [])
             else:
                 _send_and_collect(step, row)  # a new lock-step phase sends its commands in the same decision
-    for refused_pod, refusal in obs.refusals:
-        step.event(EventReason.COMMAND_REFUSED, f"{refused_pod}: {refusal}", warning=True)
+    for refusal in obs.refusals:
+        if not refusal.permanent:  # a permanent one is the Failed event's reason
+            step.event(EventReason.COMMAND_REFUSED, f"{refusal.pod}: {refusal.reason}", warning=True)
     refresh_phase_conditions(st, step.now)
     if obs.admission != Admission.NOT_QUEUED and not st.phase.terminal:
         reason, message = (
@@ -969,6 +974,14 @@ def _fail(step: _Step, reason: EventReason, message: str) -> None:
     st.completion_time = step.now
     step.enter(Phase.FAILED, reason, message)
     _clean_up_finished(step)
+
+
+def _fail_on_permanent_refusal(step: _Step, refusal: AgentRefusal) -> None:
+    """An agent refused a command that no retry and no new gang can change (its SGLang's version or launch
+    flags forbid it): the job fails now, with the agent's reason and what to change, and no restart."""
+    known = {r.value: r for r in EventReason}
+    reason = known.get(refusal.error or "", EventReason.COMMAND_REFUSED)
+    _fail(step, reason, f"{refusal.pod}: {refusal.reason}")
 
 
 def _fail_on_invalid_spec(step: _Step, error: str) -> None:

@@ -39,6 +39,16 @@ class Admission(StrEnum):
 
 
 @dataclass(frozen=True)
+class AgentRefusal:
+    """An agent's answer to a command it did not take (api/agent.py Refusal)."""
+
+    pod: str
+    reason: str  # what the agent said, as shown to people
+    error: str | None = None  # its typed name, e.g. RetractUnsupported
+    permanent: bool = False  # no retry and no new gang can change it: the job fails
+
+
+@dataclass(frozen=True)
 class Observation:
     """Everything the machine may look at. `agents` maps pod name -> the latest state that pod's agent
     reported (None: unreachable so far). Time is an input: the machine never reads a clock."""
@@ -54,9 +64,9 @@ class Observation:
     # the queue's own reason): status.message and the Queued condition carry it.
     admission: Admission = Admission.NOT_QUEUED
     admission_message: str = ""
-    # Commands the agents refused since the last decision, as (pod, "Error: reason"): each becomes one
-    # CommandRefused Warning event, so refusals reach people through the Decision like every other event.
-    refusals: tuple[tuple[str, str], ...] = ()
+    # Commands the agents refused since the last decision: each becomes one CommandRefused Warning event,
+    # so refusals reach people through the Decision like every other event; a permanent one fails the job.
+    refusals: tuple[AgentRefusal, ...] = ()
 
 
 class EventType(StrEnum):
@@ -77,6 +87,11 @@ class EventReason(StrEnum):
     BACKOFF_LIMIT_EXCEEDED = "BackoffLimitExceeded"
     DEADLINE_EXCEEDED = "DeadlineExceeded"
     WEIGHT_CACHE_ACTIVE = "WeightCacheActive"
+    # Permanent refusals of an agent (agent/transitions.py): SGLang's version or launch flags forbid the call.
+    RETRACT_UNSUPPORTED = "RetractUnsupported"
+    MEMORY_SAVER_DISABLED = "MemorySaverDisabled"
+    DATA_PARALLEL_ATTENTION_UNSUPPORTED = "DataParallelAttentionUnsupported"
+    DATA_PARALLEL_UNSUPPORTED = "DataParallelUnsupported"
     INITIAL_VERSION_MISMATCH = "InitialVersionMismatch"
     TRAINER_VERSION_MISMATCH = "TrainerVersionMismatch"
     VERSION_NOT_NEWER = "VersionNotNewer"

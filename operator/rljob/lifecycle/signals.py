@@ -1,5 +1,7 @@
 """The per-iteration signals of docs/profiling.md: arithmetic only, over what the agents reported (their
-RolloutReports, summed into RolloutTotals) and the timeline's phase seconds. Pure: no I/O, no clock."""
+RolloutReports, summed into RolloutTotals) and the timeline's phase seconds. Pure: no I/O, no clock.
+
+A signal not measured is unset, never 0, and listed with its reason in `unmeasured` (`unmeasured()`)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,14 @@ from collections.abc import Sequence
 
 from rljob.api.agent import AgentState
 from rljob.api.spec import ProfileHints
-from rljob.api.status import IterationReport, PhaseSeconds, RolloutTotals
+from rljob.api.status import (
+    IterationReport,
+    PhaseSeconds,
+    RolloutTotals,
+    Signal,
+    Unmeasured,
+    UnmeasuredReason,
+)
 
 # One GPU's memory bandwidth (bytes/s) by its NVML name, first match wins (so "H100 NVL" before "H100",
 # "L40S" before "L4"). NVIDIA's datasheets; None: the name covers parts that differ (give
@@ -27,6 +36,26 @@ GPU_MEMORY_BANDWIDTH: tuple[tuple[str, int | None], ...] = (
     ("A10G", 600_000_000_000),
     ("L4", 300_000_000_000),
 )
+
+
+# How kubectl and the diagnosis name each signal.
+SIGNAL_LABELS: dict[Signal, str] = {
+    Signal.CACHE_HIT_RATE: "prefix-cache hit rate",
+    Signal.GENERATION_TOKENS_PER_SECOND: "generation tokens/s",
+    Signal.TOKEN_COUNTS: "token counts",
+    Signal.GPU_BUSY_FRACTION: "GPU busy",
+    Signal.SAMPLES: "samples",
+}
+
+# Why a signal is unset when no agent said why (NotReported), by signal.
+NOT_REPORTED_MESSAGES: dict[Signal, str] = {
+    Signal.CACHE_HIT_RATE: "no agent reported one",
+    Signal.GENERATION_TOKENS_PER_SECOND: "no agent reported one",
+    Signal.TOKEN_COUNTS: "no counters (SGLang's /metrics, --enable-metrics)",
+    Signal.GPU_BUSY_FRACTION: "no GPU probe reading",
+    Signal.SAMPLES: "the trainers report none (handoff.report_rollout)",
+}
+NO_ROLLOUT_SAMPLE = "no agent sampled the rollout"
 
 
 def gpu_bandwidth(name: str | None) -> int | None:
@@ -62,6 +91,16 @@ def rollout_totals(agents: Sequence[AgentState]) -> RolloutTotals | None:
         _sum([r.mean_waiting_requests for r in reports]),
     )
     samples = sum(r.completed_samples for r in reports)
+    first: dict[Signal, Unmeasured] = {}
+    for r in reports:
+        for entry in r.unmeasured:
+            first.setdefault(entry.signal, entry)
+    # Unmeasured for the gang only where no pod measured it: the pods that did are summed.
+    unmeasured = [
+        first[signal]
+        for signal in Signal
+        if signal in first and all(any(e.signal == signal for e in r.unmeasured) for r in reports)
+    ]
     return RolloutTotals(
         pods=len(reports),
         gpus=sum(r.gpus for r in reports),
@@ -76,6 +115,7 @@ def rollout_totals(agents: Sequence[AgentState]) -> RolloutTotals | None:
         mean_running_requests=None if running is None else round(running, 4),
         mean_waiting_requests=None if waiting is None else round(waiting, 4),
         samples=samples or None,  # 0: the trainers report none (handoff.report_rollout)
+        unmeasured=unmeasured,
     )
 
 
@@ -122,8 +162,51 @@ def _ratio(num: float | None, den: float | None, digits: int = 6) -> float | Non
     return round(num / den, digits)
 
 
+def _measured(report: IterationReport) -> dict[Signal, object]:
+    """Each Signal's value in `report` (tokenCounts: the prompt tokens, read with the other two)."""
+    return {
+        Signal.CACHE_HIT_RATE: report.cache_hit_rate,
+        Signal.GENERATION_TOKENS_PER_SECOND: report.generation_tokens_per_second,
+        Signal.TOKEN_COUNTS: report.prompt_tokens,
+        Signal.GPU_BUSY_FRACTION: report.gpu_busy_fraction,
+        Signal.SAMPLES: report.samples,
+    }
+
+
+def unmeasured(
+    report: IterationReport, totals: RolloutTotals | None = None, *, sampled: bool = True
+) -> list[Unmeasured]:
+    """Every signal the agents said they did not measure (totals', else the report's own list), and every
+    other one `report` leaves unset, as NotReported by its source (`sampled` False: no agent sampled the
+    rollout); in Signal order."""
+    said = {e.signal: e for e in [*report.unmeasured, *(totals.unmeasured if totals is not None else [])]}
+    out = []
+    for signal, value in _measured(report).items():
+        if signal in said:
+            out.append(said[signal])
+        elif value is None:
+            message = NOT_REPORTED_MESSAGES[signal] if sampled else NO_ROLLOUT_SAMPLE
+            out.append(Unmeasured(signal=signal, reason=UnmeasuredReason.NOT_REPORTED, message=message))
+    return out
+
+
+def _clear(report: IterationReport, signal: Signal) -> None:
+    """An unmeasured signal is unset, never a stale or default figure."""
+    if signal == Signal.CACHE_HIT_RATE:
+        report.cache_hit_rate = None
+    elif signal == Signal.GENERATION_TOKENS_PER_SECOND:
+        report.generation_tokens_per_second = None
+    elif signal == Signal.TOKEN_COUNTS:
+        report.prompt_tokens = report.cached_tokens = report.generation_tokens = None
+    elif signal == Signal.GPU_BUSY_FRACTION:
+        report.gpu_busy_fraction = None
+    else:
+        report.samples = None
+
+
 def fill_signals(report: IterationReport, totals: RolloutTotals | None, hints: ProfileHints) -> None:
-    """Write the signals derived from `report`'s phase seconds and the rollout's totals into `report`."""
+    """Write the signals derived from `report`'s phase seconds and the rollout's totals into `report`, and
+    the list of those not measured (a signal derived from one of them stays unset too)."""
     wall = wall_seconds(report.seconds)
     report.wall_seconds = round(wall, 6)
     share = rollout_share(report.seconds)
@@ -131,19 +214,23 @@ def fill_signals(report: IterationReport, totals: RolloutTotals | None, hints: P
     hit = prefix_hit_rate(totals)
     if hit is not None:
         report.cache_hit_rate = hit  # the whole rollout's, over the last batch's
+    if totals is not None:
+        if totals.generation_tokens_per_second is not None:
+            report.generation_tokens_per_second = totals.generation_tokens_per_second
+        report.gpu_busy_fraction = totals.gpu_busy_fraction
+        report.mean_running_requests = totals.mean_running_requests
+        report.mean_waiting_requests = totals.mean_waiting_requests
+        report.prompt_tokens = totals.prompt_tokens
+        report.cached_tokens = totals.cached_tokens
+        report.generation_tokens = totals.generation_tokens
+        report.samples = totals.samples
+    report.unmeasured = unmeasured(report, totals, sampled=totals is not None)
+    for entry in report.unmeasured:
+        _clear(report, entry.signal)
     if totals is None:
         return
-    if totals.generation_tokens_per_second is not None:
-        report.generation_tokens_per_second = totals.generation_tokens_per_second
     gpus = totals.gpus or None
     report.gpus = gpus
-    report.gpu_busy_fraction = totals.gpu_busy_fraction
-    report.mean_running_requests = totals.mean_running_requests
-    report.mean_waiting_requests = totals.mean_waiting_requests
-    report.prompt_tokens = totals.prompt_tokens
-    report.cached_tokens = totals.cached_tokens
-    report.generation_tokens = totals.generation_tokens
-    report.samples = totals.samples
     tps = report.generation_tokens_per_second
     report.tokens_per_second_per_gpu = _ratio(tps, gpus, 3)
     bandwidth = hints.memory_bandwidth_bytes_per_second or gpu_bandwidth(totals.gpu_name)
@@ -152,5 +239,5 @@ def fill_signals(report: IterationReport, totals: RolloutTotals | None, hints: P
     report.roofline_fraction = _ratio(tps, roofline, 4)
     gpu_seconds = wall * gpus if gpus else None
     report.gpu_seconds = None if gpu_seconds is None else round(gpu_seconds, 6)
-    report.gpu_seconds_per_sample = _ratio(gpu_seconds, totals.samples)
-    report.tokens_per_gpu_second = _ratio(totals.generation_tokens, gpu_seconds, 3)
+    report.gpu_seconds_per_sample = _ratio(gpu_seconds, report.samples)
+    report.tokens_per_gpu_second = _ratio(report.generation_tokens, gpu_seconds, 3)

@@ -1,0 +1,43 @@
+"""The agent's read of a flattened-bucket push (agent/bucket_check.py): what SGLang would miss, named;
+nothing in the pickle runs."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+from rljob.agent.bucket_check import missing_metadata
+from rljob.trainer import packing
+
+IPC = packing.Call(packing.Global("torch.multiprocessing.reductions", "rebuild_cuda_tensor"), (1, 2))
+
+
+def test_an_sdk_bucket_misses_nothing() -> None:
+    entries = [
+        packing.metadata_entry("a", (2,), "float32", 0, 8),
+        packing.metadata_entry("b", (4,), "bfloat16", 8, 16),
+    ]
+    assert missing_metadata(packing.bucket_payload(IPC, entries)) is None
+
+
+def test_each_field_sglang_reads_is_named_when_missing() -> None:
+    full = packing.metadata_entry("b", (2,), "float32", 8, 16)
+    for field in ("name", "shape", "dtype", "start_idx", "end_idx", "numel"):
+        bare = packing.Instance(full.cls, {k: v for k, v in full.state.items() if k != field})
+        payload = packing.bucket_payload(IPC, [full, bare])
+        assert missing_metadata(payload) == f"metadata[1].{field}"
+
+
+def test_nothing_in_the_pickle_runs(tmp_path: object) -> None:
+    class Boom:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return (os.system, ("touch /tmp/rljob-bucket-check-ran",))
+
+    payload = pickle.dumps({"flattened_tensor": Boom(), "metadata": [Boom()]})
+    assert missing_metadata(payload) == "metadata[0].name"
+    assert not os.path.exists("/tmp/rljob-bucket-check-ran")
+
+
+def test_what_is_not_a_bucket_is_left_to_sglang() -> None:
+    assert missing_metadata(b"opaque bytes") is None
+    assert missing_metadata(pickle.dumps([("w", 1)])) is None  # the "direct" format
