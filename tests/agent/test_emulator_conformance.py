@@ -24,7 +24,10 @@ from rljob.emulator.config import parse_config, startup_error
 from rljob.emulator.fatal import StartupError
 from rljob.emulator.rendezvous import Rank0
 from rljob.emulator.versions import SUPPORTED_VERSIONS as VERSIONS
+from rljob.trainer import packing
+from rljob.trainer.packing import TORCH_SIZE, Call, Global, Instance
 
+SESSION_VERSIONS = ("0.5.21", "0.5.23")  # tensor refits only inside begin/end (C-ROUTE-SESSION)
 SHARED_FLAGS = ("--enable-metrics", "--health-check-timeout", "0.5", "--weight-update-group-timeout", "1")
 STRICT_IDLE = ("0.5.15.post1", "0.5.20")  # is_fully_idle(): retracted (waiting) requests always count
 GROUP = {"master_address": "127.0.0.1", "rank_offset": 1, "world_size": 2}
@@ -152,10 +155,13 @@ def _params(versions: tuple[str, ...] = VERSIONS) -> pytest.MarkDecorator:
 
 @_params()
 def test_c_route_pause_and_c_drain_abort(emu: Emulator, version: str) -> None:
-    """C-ROUTE-PAUSE, C-DRAIN-ABORT: the default mode is abort; it is tokenizer-only (the scheduler is not
-    paused) and returns once every in-flight request was answered, aborted."""
+    """C-ROUTE-PAUSE, C-DRAIN-ABORT, C-DRAIN-TIMING: the default mode is abort; it is tokenizer-only (the
+    scheduler is not paused) and returns once every in-flight request was answered, aborted: after its
+    1 s sleep when a request was in flight, at once when none was."""
     job = _running(emu)
+    started = time.monotonic()
     r = emu.call("POST", "/pause_generation", {})
+    assert time.monotonic() - started >= 1.0  # abort, model-update lock held, sleep 1 s, abort, free
     assert r.status == 200 and r.body == {"message": "Generation paused successfully.", "status": "ok"}
     assert emu.stats()["in_flight"] == 0  # every in-flight request was answered before the reply
     job["thread"].join(5)
@@ -168,6 +174,50 @@ def test_c_route_pause_and_c_drain_abort(emu: Emulator, version: str) -> None:
     assert emu.call("POST", "/continue_generation", {}).status == 200
     blocked["thread"].join(5)
     assert blocked["result"].status == 200
+    _idle(emu)
+    started = time.monotonic()
+    assert emu.call("POST", "/pause_generation", {"mode": "abort"}).status == 200
+    assert time.monotonic() - started < 0.5  # nothing in flight: one abort-all, no sleep
+
+
+@_params()
+def test_c_drain_timing_continue_waits_for_the_abort_drain(emu: Emulator, version: str) -> None:
+    """C-DRAIN-TIMING: the abort drain holds `is_pause_cond` through its sleeps, and continue_generation
+    takes it: a continue sent during the drain answers only after the drain did."""
+    _running(emu)
+    drain = _background(lambda: emu.call("POST", "/pause_generation", {"mode": "abort"}))
+    time.sleep(0.2)
+    sent = time.monotonic()
+    resumed = _background(lambda: emu.call("POST", "/continue_generation", {}))
+    resumed["thread"].join(5)
+    waited = time.monotonic() - sent
+    drain["thread"].join(5)
+    assert drain["result"].status == 200 and resumed["result"].status == 200
+    assert waited >= 0.5, waited  # the drain's 1 s sleep, less the 0.2 s before the continue
+    assert not emu.stats()["paused"]  # the continue ran second
+
+
+@_params()
+def test_c_idle_after_reply_release(emu: Emulator, version: str) -> None:
+    """C-IDLE-AFTER-REPLY: a request is released and filtered out of the batch before its reply leaves
+    the tokenizer, so a release sent as soon as /generate answered passes the idle assert on every
+    version (SGLang's own test_release_memory_occupation does generate, then release)."""
+    for _ in range(3):
+        assert _generate(emu, 4).status == 200
+        r = emu.call("POST", "/release_memory_occupation", {"tags": ["kv_cache"]})
+        assert r.status == 200 and emu.alive(), (r.status, r.text)
+        assert emu.call("POST", "/resume_memory_occupation", {"tags": ["kv_cache"]}).status == 200
+
+
+@_params()
+def test_c_idle_after_reply_disk_refit(emu: Emulator, version: str, tmp_path: Path) -> None:
+    """C-IDLE-AFTER-REPLY: a disk refit with the default flush_cache=true sent as soon as /generate answered
+    flushes (the post-refit flush is fatal on ≤0.5.21 and 400 on 0.5.23 when the rank is not idle)."""
+    ckpt = str(write_weights(tmp_path, "21"))
+    for _ in range(3):
+        assert _generate(emu, 4).status == 200
+        r = emu.call("POST", "/update_weights_from_disk", {"model_path": ckpt})
+        assert r.status == 200 and r.body["success"] is True, r.text
 
 
 @_params()
@@ -319,14 +369,15 @@ def test_c_refit_wv_paused(emu: Emulator, version: str, tmp_path: Path) -> None:
 @_params()
 def test_c_route_continue_and_c_route_disk(emu: Emulator, version: str, tmp_path: Path) -> None:
     """C-ROUTE-CONTINUE: `torch_empty_cache` (0.5.15.post1+) is accepted everywhere (0.5.6 ignores it).
-    C-ROUTE-DISK: reply {success, message, num_paused_requests}; a path that does not load is 400 and
-    the old weights stay."""
+    C-ROUTE-DISK: reply {success, message, num_paused_requests}, on 400 too; a path that does not load is
+    400 and the old weights stay."""
     emu.call("POST", "/pause_generation", {"mode": "abort"})
     assert emu.call("POST", "/continue_generation", {"torch_empty_cache": False}).status == 200
     _idle(emu)
     before = emu.weights()["checksum"]
     r = emu.call("POST", "/update_weights_from_disk", {"model_path": str(tmp_path / "missing")})
     assert r.status == 400 and r.body["success"] is False and "Failed to update weights" in r.body["message"]
+    assert set(r.body) == {"success", "message", "num_paused_requests"}  # the 400 has the same fields
     assert emu.weights()["checksum"] == before
     r = emu.call("POST", "/update_weights_from_disk", {"model_path": str(write_weights(tmp_path, "8"))})
     assert r.status == 200 and set(r.body) == {"success", "message", "num_paused_requests"}
@@ -339,9 +390,8 @@ def test_c_refit_lock(emu: Emulator, version: str, tmp_path: Path) -> None:
     ckpt = str(write_weights(tmp_path, "9"))
     job = _running(emu, 25)  # 0.5 s at 50 tokens/s
     started = time.monotonic()
-    # flush_cache false: the finished request can still sit in the batch when the refit reaches the
-    # scheduler, and the flush assert would kill ≤0.5.21 (the emulator's --scheduler-lag-seconds)
-    r = emu.call("POST", "/update_weights_from_disk", {"model_path": ckpt, "flush_cache": False})
+    # the post-refit flush passes: the request left the scheduler before its reply (C-IDLE-AFTER-REPLY)
+    r = emu.call("POST", "/update_weights_from_disk", {"model_path": ckpt})
     assert r.status == 200 and "result" in job and time.monotonic() - started > 0.2
     _idle(emu)
     emu.call("POST", "/pause_generation", {"mode": "abort"})
@@ -351,6 +401,66 @@ def test_c_refit_lock(emu: Emulator, version: str, tmp_path: Path) -> None:
         == 200
     )
     assert time.monotonic() - started < 0.5
+
+
+# --- tensor pushes (C-REFIT-TENSOR-*) ---------------------------------------------------------------
+
+
+def _cuda_reduction(nbytes: int) -> Call:
+    """Shaped as torch's reduce_tensor of a 1-D uint8 CUDA tensor (its 15 rebuild arguments)."""
+    return Call(
+        Global("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
+        (Global("torch", "Tensor"), Call(TORCH_SIZE, ((nbytes,),)), (1,), 0,
+         Global("torch.storage", "TypedStorage"), Global("torch", "uint8"), "GPU-0", b"h" * 64, nbytes, 0,
+         False, b"/torch_1", 0, b"e" * 64, True),
+    )  # fmt: skip
+
+
+def local_serialized_push(version: str, names: tuple[str, ...] = ("w", "b")) -> str:
+    """verl's push (sglang/srt/weight_sync/utils.py:31-99@0.5.6): [(name, LocalSerializedTensor(values=[the
+    tensor pickled for TP rank 0]))], pickled and base64-encoded, with the class at the version's path."""
+    module = (
+        "sglang.srt.model_executor.model_runner"
+        if version in ("0.5.6", "0.5.15.post1")
+        else "sglang.srt.model_executor.model_runner_components.weight_updater"
+    )
+    local = Global(module, "LocalSerializedTensor")
+    items = [(n, Instance(local, {"values": [packing.dumps(_cuda_reduction(8))]})) for n in names]
+    return packing.to_wire(packing.dumps(items))
+
+
+def _tensor_push(emu: Emulator, version: str, body: dict[str, Any]) -> Reply:
+    """One update_weights_from_tensor, in a weight-update session where the version needs one."""
+    session = version in SESSION_VERSIONS
+    if session:
+        assert emu.call("POST", "/begin_weight_update", {}).status == 200
+    try:
+        return emu.call("POST", "/update_weights_from_tensor", body)
+    finally:
+        if session and emu.alive():
+            emu.call("POST", "/end_weight_update", {})
+
+
+@_params()
+def test_c_refit_tensor_local(emu: Emulator, version: str) -> None:
+    """C-REFIT-TENSOR-LOCAL: a LocalSerializedTensor push (verl's format) is unwrapped per TP rank and
+    loaded: 200 on every version."""
+    body = {"serialized_named_tensors": [local_serialized_push(version)], "weight_version": "L1"}
+    r = _tensor_push(emu, version, body)
+    assert r.status == 200 and r.body["success"] is True, r.text
+    w = emu.weights()
+    assert (w["source"], w["tensors"]) == ("tensor", 2)
+
+
+@_params(tuple(v for v in VERSIONS if v != "0.5.6"))
+def test_c_refit_tensor_b64_is_a_validation_error(emu: Emulator, version: str) -> None:
+    """C-REFIT-TENSOR-B64: from 0.5.15.post1 the body's `Base64Bytes` field decodes the payloads, so text
+    that is not base64 is a validation error: 400 in the ErrorResponse shape, and the server lives (0.5.6
+    dies: test_emulator_dies.py)."""
+    r = _tensor_push(emu, version, {"serialized_named_tensors": ["not base64!"], "flush_cache": False})
+    assert r.status == 400, r.text
+    assert set(r.body) == {"object", "message", "type", "param", "code"} and r.body["code"] == 400
+    assert "base64" in r.body["message"]
 
 
 # --- refit groups ----------------------------------------------------------------------------------
@@ -763,6 +873,24 @@ def test_c_mem_cudagraph_env_resolution(
     assert startup_error(without_saver) is None
 
 
+def test_only_recorded_versions_start() -> None:
+    """`--sglang-version` takes only the versions this table records (listed in --help); any other is a
+    startup error naming the nearest recorded ones."""
+    for v in VERSIONS:
+        assert parse_config(["--sglang-version", v]).profile.version == v
+    for asked, nearest in (
+        ("0.5.10", "0.5.6 and 0.5.10.post1"),
+        ("0.5.6.post2", "0.5.6 and 0.5.10.post1"),
+        ("0.5.22", "0.5.21 and 0.5.23"),
+        ("0.6.0", "0.5.23;"),
+        ("0.5.4", "0.5.6;"),
+    ):
+        with pytest.raises(StartupError, match=f"nearest recorded: {nearest}"):
+            parse_config(["--sglang-version", asked])
+    with pytest.raises(StartupError, match="not an SGLang version"):
+        parse_config(["--sglang-version", "latest"])
+
+
 def test_c_mem_cudagraph_env_choices_by_version() -> None:
     """C-MEM-CUDAGRAPH-ENV: tc_piecewise is no prefill choice on 0.5.23 (full|breakable|disabled)."""
     with pytest.raises(StartupError, match="invalid choice 'tc_piecewise'"):
@@ -914,3 +1042,140 @@ def test_c_mem_resume_unreleased(fleet: dict[str, Emulator]) -> None:
         _dropped(e, "POST", "/resume_memory_occupation", {"tags": ["kv_cache", "kv_cache"]})
     for e in fleet.values():
         _dies(e, "KeyError: 'kv_cache'")
+
+
+# --- 0.5.10.post1 (AReaL's pin): the rows where it is not simply 0.5.6 or 0.5.15.post1, and the moved
+# boundaries (docs/sglang-conformance.md, "### 0.5.10.post1"). Not in the fleet: targeted, one version. --
+
+V10 = "0.5.10.post1"
+
+
+@pytest.fixture(scope="module")
+def v10_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
+    e = Emulator(tmp_path_factory.mktemp("v10"), V10, *SHARED_FLAGS, tps=50)
+    try:
+        e.wait_ready(30)
+        yield e
+    finally:
+        _kill_all([e])
+        e.stop()
+
+
+@pytest.fixture
+def v10(v10_server: Emulator) -> Iterator[Emulator]:
+    """The shared 0.5.10.post1 emulator, checked alive and left unpaused and idle, as `emu` does."""
+    e = v10_server
+    assert e.alive(), e.log_text()[-3000:]
+    yield e
+    assert e.alive(), "the shared emulator died:\n" + e.log_text()[-3000:]
+    e.call("POST", "/continue_generation", {})
+    _idle(e)
+    st = e.stats()
+    assert st["offload_tags"] == [] and not st["paused"], f"test left the emulator {st}"
+
+
+def test_v10_is_recorded() -> None:
+    """0.5.10.post1 starts; its profile takes each side of the boundaries the subsection records."""
+    profile = parse_config(["--sglang-version", V10]).profile
+    assert profile.version == V10
+    assert (profile.get_weight_version, profile.get_load) == ("deprecated", "list")
+    assert profile.has_v1_loads is True
+    assert (profile.has_admin_api_key, profile.checker_get_and_default_action) == (True, False)
+    assert (profile.loads_frozen_while_paused, profile.tensor_bad_base64_is_fatal) == (False, True)
+    assert (profile.idle_predicate, profile.flush_cache_takes_timeout) == ("strict", True)
+
+
+def test_v10_routes(v10: Emulator) -> None:
+    """C-ROUTE-WV-READ as 0.5.15.post1 (404 naming /model_info); C-ROUTE-CHECKER as 0.5.6 (POST only,
+    `action` required); C-HEALTH-READY: no /ready; C-REFIT-TENSOR-LOCAL as 0.5.6 (the class in
+    model_runner.py, so 0.5.6's push loads)."""
+    old = v10.call("GET", "/get_weight_version")
+    assert old.status == 404 and "deprecated" in old.body["message"] and "/model_info" in old.body["message"]
+    assert "weight_version" in v10.call("GET", "/model_info").body
+    assert v10.call("GET", "/weights_checker").status == 405
+    assert v10.call("POST", "/weights_checker", {}).status == 400
+    assert v10.call("POST", "/weights_checker", {"action": "checksum"}).status == 200
+    assert v10.call("GET", "/ready").status == 404
+    push = {"serialized_named_tensors": [local_serialized_push("0.5.6")], "flush_cache": False}
+    r = v10.call("POST", "/update_weights_from_tensor", push)
+    assert r.status == 200 and r.body["success"] is True, r.text
+
+
+def test_v10_idle_flush_strict_and_deferred(v10: Emulator) -> None:
+    """C-IDLE-FLUSH and C-IDLE-FLUSH-DEFERRED as 0.5.15.post1: after a retract with a request waiting the
+    plain flush is refused and `?timeout=` times out; unpaused, the deferred flush answers once the request
+    finished."""
+    _running(v10)
+    assert v10.call("POST", "/pause_generation", {"mode": "retract"}).status == 200
+    r = v10.call("POST", "/flush_cache")
+    assert r.status == 400 and r.text == "Flush cache failed.\n", r.text
+    r = v10.call("POST", "/flush_cache?timeout=0.3")
+    assert r.status == 400 and r.text == "Timed out waiting for idle state.", r.text
+    v10.call("POST", "/abort_request", {"abort_all": True})
+    v10.call("POST", "/continue_generation", {})
+    _idle(v10)
+    _running(v10, 10)
+    started = time.monotonic()
+    r = v10.call("POST", "/flush_cache?timeout=5")
+    assert r.status == 200 and 0.05 < time.monotonic() - started < 5
+
+
+def test_v10_loads_live_while_paused(v10: Emulator) -> None:
+    """C-METRIC-LOAD-ROUTE (own): `/v1/loads` exists and `/get_load` is still the scheduler call.
+    C-DP-LOADS-PAUSED as 0.5.6: both ask the scheduler, so after a retract they show the request waiting
+    (snapshots frozen at the pause would still show it running)."""
+    _running(v10)
+    assert [x["num_running_reqs"] for x in v10.call("GET", "/v1/loads?include=core").body["loads"]] == [1]
+    assert v10.call("POST", "/pause_generation", {"mode": "retract"}).status == 200
+    load = v10.call("GET", "/v1/loads?include=core").body["loads"][0]
+    assert (load["num_running_reqs"], load["num_waiting_reqs"]) == (0, 1), load
+    old = v10.call("GET", "/get_load")
+    assert old.status == 200 and [(x["dp_rank"], x["num_reqs"], x["num_waiting_reqs"]) for x in old.body] == [
+        (0, 1, 1)
+    ]
+    v10.call("POST", "/abort_request", {"abort_all": True})
+
+
+def test_v10_metric_prom(v10: Emulator) -> None:
+    """C-METRIC-PROM (own): `cached_tokens_total` has `cache_source` and scheduler gauges `moe_ep_rank`, but
+    the tokenizer labels have no `engine_type`, the request counters no `is_streaming`, and there is no
+    `sglang:weight_load_duration_seconds`."""
+    prompt = " ".join(f"v{i}" for i in range(12))
+    for _ in range(2):  # the second is a prefix-cache hit
+        assert _generate(v10, 2, text=prompt).status == 200
+    metrics = v10.call("GET", "/metrics").text
+    lines = {line.split("{", 1)[0]: line for line in metrics.splitlines() if line.startswith("sglang:")}
+    assert 'cache_source="device"' in lines["sglang:cached_tokens_total"]
+    assert 'moe_ep_rank="0"' in lines["sglang:num_running_reqs"]
+    assert "engine_type" not in lines["sglang:num_requests_total"]
+    assert "is_streaming" not in lines["sglang:prompt_tokens_total"]
+    assert "sglang:weight_load_duration_seconds" not in metrics
+
+
+def test_v10_route_auth(start_emulator: Callable[..., Emulator]) -> None:
+    """C-ROUTE-AUTH as 0.5.15.post1: with an admin key control routes take only it; /ready is not open."""
+    e = start_emulator(V10, "--api-key", "user", "--admin-api-key", "admin")
+    e.wait_ready(30)
+    assert e.call("POST", "/flush_cache", token="user").status == 401
+    assert e.call("POST", "/flush_cache", token="admin").status == 200
+    assert e.call("GET", "/model_info", token="user").status == 200
+    assert (e.call("GET", "/health").status, e.call("GET", "/ready").status) == (200, 401)
+
+
+@pytest.mark.emulator_may_die
+def test_v10_fatal_rows(start_emulator: Callable[..., Emulator]) -> None:
+    """C-IDLE-RELEASE as 0.5.15.post1: a release after a retract with a request waiting is fatal.
+    C-REFIT-TENSOR-B64 as 0.5.6: text that is not base64 is decoded in the scheduler, fatal.
+    C-DEATH-HARD as 0.5.15.post1: a killed scheduler takes the server down (SubprocessWatchdog)."""
+    killed = start_emulator(V10, "--fault-scheduler-kill-after", "1")
+    emus = _start_all(start_emulator, {"release": (V10, ()), "b64": (V10, ())}, tps=50)
+    release, b64 = emus["release"], emus["b64"]
+    _running(release)
+    assert release.call("POST", "/pause_generation", {"mode": "retract"}).status == 200
+    _dropped(release, "POST", "/release_memory_occupation", {"tags": ["kv_cache"]})
+    _dies(release, "release_memory_occupation should be called only when server is idle.")
+    _dropped(b64, "POST", "/update_weights_from_tensor", {"serialized_named_tensors": ["not base64!"]})
+    _dies(b64, "binascii.Error")
+    _dies(killed, "Triggering SIGQUIT")
+    assert "ready to roll" in killed.log_text()
+    _kill_all([killed, *emus.values()])

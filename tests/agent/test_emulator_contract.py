@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 from agent_procs import Emulator, sha256_file, wait_until, write_weights
+from test_refit_window import bucket_payloads
 
 from rljob.emulator.versions import SUPPORTED_VERSIONS as VERSIONS
+from rljob.trainer import packing
 
 
 def _gen(emu: Emulator, text: str | list[str], n: int = 4) -> object:
@@ -66,7 +68,13 @@ def test_version_matrix_of_routes(version: str, start_emulator: Callable[..., Em
 @pytest.mark.parametrize("version", VERSIONS)
 def test_refit_sessions_by_version(version: str, start_emulator: Callable[..., Emulator]) -> None:
     emu = start_emulator(version)
-    push = {"serialized_named_tensors": ["AAAA"], "flush_cache": False, "weight_version": "7"}
+    payload = packing.to_wire(bucket_payloads([("w", "float32", (4,))])[0])
+    push = {
+        "serialized_named_tensors": [payload],
+        "load_format": "flattened_bucket",
+        "flush_cache": False,
+        "weight_version": "7",
+    }
     r = emu.call("POST", "/update_weights_from_tensor", push)
     if version in ("0.5.21", "0.5.23"):
         assert (

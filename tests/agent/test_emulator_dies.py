@@ -4,6 +4,7 @@ non-zero and logs SGLang's text. Where SGLang survives or hangs instead, see tes
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import threading
 from collections.abc import Callable
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from agent_procs import VERSIONS, Emulator, wait_until, write_weights
+from test_emulator_conformance import local_serialized_push
 from test_refit_window import bucket_without_numel
 
 from rljob.emulator.rendezvous import Rank0
@@ -125,6 +127,34 @@ def test_tensor_push_that_is_not_base64(start_emulator: Callable[..., Emulator])
     body = {"serialized_named_tensors": ["not base64!"], "flush_cache": False}
     _call_expecting_drop(emu, "/update_weights_from_tensor", body)
     _dies(emu, "binascii.Error")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_tensor_push_that_is_not_a_pickle(version: str, start_emulator: Callable[..., Emulator]) -> None:
+    """C-REFIT-TENSOR-PICKLE: each rank's payload goes through SafeUnpickler(...).load() in the scheduler,
+    outside any try: bytes that are not a pickle raise UnpicklingError, fatal on every version."""
+    emu = start_emulator(version)
+    emu.call("POST", "/begin_weight_update", {})  # 404 before 0.5.21
+    body = {"serialized_named_tensors": [base64.b64encode(b"xyz").decode()], "flush_cache": False}
+    _call_expecting_drop(emu, "/update_weights_from_tensor", body)
+    _dies(emu, "UnpicklingError: invalid load key, 'x'.")
+
+
+@pytest.mark.parametrize(
+    ("version", "error"), [("0.5.6", "CVE-2025-10164"), ("0.5.23", "Can't get attribute")]
+)
+def test_local_serialized_tensor_at_a_path_the_version_lacks(
+    version: str, error: str, start_emulator: Callable[..., Emulator]
+) -> None:
+    """C-REFIT-TENSOR-LOCAL: LocalSerializedTensor pickled at the other version's module path: 0.5.6's
+    prefix allowlist blocks model_runner_components; 0.5.23 allows model_runner's name but that module no
+    longer has the class (find_class raises AttributeError). Both in the scheduler: fatal."""
+    emu = start_emulator(version)
+    emu.call("POST", "/begin_weight_update", {})
+    other = "0.5.23" if version == "0.5.6" else "0.5.6"
+    body = {"serialized_named_tensors": [local_serialized_push(other)], "flush_cache": False}
+    _call_expecting_drop(emu, "/update_weights_from_tensor", body)
+    _dies(emu, error)
 
 
 @pytest.mark.parametrize("version", VERSIONS)

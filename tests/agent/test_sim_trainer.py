@@ -11,9 +11,8 @@ from typing import Any
 
 import pytest
 from agent_procs import ALL_TAGS, PY, Agent, AgentDriver, Emulator, Proc, sha256_file
-from safetensors.numpy import save
 
-from rljob.testing.trainer import make_tensors
+from rljob.testing.trainer import make_tensors, tensor_payload
 
 TRAINER_ARGS = [
     "--prompts",
@@ -124,7 +123,8 @@ def test_simulated_trainer_cycles(
         assert w["checksum"] == sha256_file(tmp_path / "weights" / "weights-v3.safetensors")
     elif source == "tensor":  # the emulator hashed exactly the bytes the trainer pushed, in order
         tensors = make_tensors("3", 8192)
-        expected = hashlib.sha256(b"".join(save({n: tensors[n]}) for n in sorted(tensors))).hexdigest()
+        pushed = b"".join(tensor_payload(n, tensors[n]) for n in sorted(tensors))
+        expected = hashlib.sha256(pushed).hexdigest()
         assert w["checksum"] == expected
     # the rollout report the agent sampled while the trainer generated (the first rollout ran before
     # the agent's first reset, so look at the later ones)

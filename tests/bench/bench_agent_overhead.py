@@ -34,7 +34,7 @@ def run(iterations: int, version: str) -> dict[str, dict[str, list[float]]]:
     samples: dict[str, dict[str, list[float]]] = {a: {"own": [], "e2e": [], "sglang": []} for a in ACTIONS}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        emu = Emulator(tmp, version, "--scheduler-lag-seconds", "0", "--weights-bytes", str(1 << 30))
+        emu = Emulator(tmp, version, "--weights-bytes", str(1 << 30))
         agent = Agent(tmp, emu.url)
         try:
             agent.wait_stage("Ready")

@@ -11,7 +11,7 @@ What runs: a real kube-apiserver + etcd (`LocalControlPlane`, cached binaries), 
 real agent and SGLang emulator, each a real HTTP server on the pod's loopback IP. Pods share processes
 (`rljob.testing.shared_pods`: all agents and emulators on one event loop in one host process, the trainers as
 threads driving the trainer SDK over HTTP), so that 64 pods fit a 2-core machine. Zero-cost operations:
-emulator `--tokens-per-second 0 --scheduler-lag-seconds 0`, no faults; trainer `--train-seconds 0`, one
+emulator `--tokens-per-second 0`, no faults; trainer `--train-seconds 0`, one
 prompt, one sample, 4 tokens, a 4 KiB checkpoint.
 
 Measured, per pod count, over the iterations after a warm-up one (window: rollout of iteration 2 opens ->
@@ -91,7 +91,7 @@ DEFAULT_ITERATIONS = (30, 30, 20, 5)
 COMMAND_PHASES = 5  # drain, release, grant, refit, resume: one fan-out each per iteration
 FLOOR_PAIRS = 10
 BENCH_DIR = Path(__file__).resolve().parent
-SIM_ARGS = "--tokens-per-second 0 --scheduler-lag-seconds 0"
+SIM_ARGS = "--tokens-per-second 0"
 TRAINER_ARGS = [
     "--prompts", "1", "--samples-per-prompt", "1", "--max-new-tokens", "4", "--prefix-tokens", "8",
     "--train-seconds", "0", "--weights-bytes", "4096",

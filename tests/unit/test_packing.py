@@ -1,7 +1,7 @@
 """The trainer SDK's tensor packing (rljob.trainer.packing) against the format SGLang reads, and the
-emulator's reader of it (rljob.emulator.tensor_refit). Without torch (CI) the envelope is written with a
-stand-in for torch's CUDA IPC reduction; tests that need torch, CUDA or sglang skip only where it is
-absent."""
+emulator's reader of it (rljob.emulator.tensor_refit). The envelope is written with a stand-in for
+torch's CUDA IPC reduction; tests that need torch (`make install` has it) or CUDA skip without it.
+SGLang's own code reads these payloads in test_sglang_reads_payloads.py (every recorded version)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import importlib.util
 import io
 import math
 import pickle
+import random
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -165,7 +166,6 @@ def test_dumps_reads_back_with_the_standard_unpickler(obj: Any) -> None:
     data = dumps(obj)
     assert pickle.loads(data) == obj
     assert data[:2] == b"\x80\x04" and data[-1:] == b"."
-    assert tensor_refit.looks_like_pickle(data)
 
 
 @dataclass
@@ -255,10 +255,12 @@ def test_load_format_must_match_the_payload() -> None:
     obj = unpickle(_bucket([metadata_entry("w", (2,), "bfloat16", 0, 4)], 4), V0_5_23, stand_in)
     with pytest.raises(SchedulerError, match="ValueError"):
         read_push(obj, None)  # load_weights() iterating a dict
-    with pytest.raises(SchedulerError, match="NotImplementedError") as err:
-        read_push(obj, "bucketed")
-    assert err.value.message == "Unknown load_format=bucketed"
+    with pytest.raises(SchedulerError, match="ValueError"):
+        read_push(obj, "bucketed")  # the tensors are unwrapped before load_format is looked at
     listed = unpickle(dumps([("w", fake_cuda_reduction(4))]), V0_5_23, stand_in)
+    with pytest.raises(SchedulerError, match="NotImplementedError") as err:
+        read_push(listed, "bucketed")
+    assert err.value.message == "Unknown load_format=bucketed"
     with pytest.raises(SchedulerError, match="TypeError"):
         read_push(listed, "flattened_bucket")
     assert [e.name for e in read_push(listed, None).entries] == ["w"]
@@ -278,11 +280,17 @@ def test_blocked_globals_by_version() -> None:
         unpickle(odd, V0_5_6, stand_in)
 
 
-def test_looks_like_pickle_leaves_opaque_stand_ins_alone() -> None:
+def test_a_payload_that_is_not_a_pickle_is_what_kills_sglang() -> None:
+    """C-REFIT-TENSOR-PICKLE: SafeUnpickler(...).load() raises on it in the scheduler, at every version."""
     header = struct.pack("<Q", 0x80) + b"{}"  # a small safetensors file starts 0x80 0x00
-    assert not tensor_refit.looks_like_pickle(header)
-    assert not tensor_refit.looks_like_pickle(b"alpha")
-    assert tensor_refit.looks_like_pickle(pickle.dumps([1], protocol=2))
+    for version in (V0_5_6, V0_5_23):
+        with pytest.raises(SchedulerError, match="UnpicklingError") as err:
+            unpickle(b"xyz", version, stand_in)
+        assert err.value.message == "invalid load key, 'x'."
+        with pytest.raises(SchedulerError):
+            unpickle(header, version, stand_in)
+        with pytest.raises(SchedulerError, match="EOFError"):
+            unpickle(b"", version, stand_in)
 
 
 # --- with torch ------------------------------------------------------------------------------------
@@ -290,15 +298,40 @@ def test_looks_like_pickle_leaves_opaque_stand_ins_alone() -> None:
 needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
 
 
+def _reference_weight(k: int) -> int:
+    """checksum_weights' definition, in plain Python."""
+    lo = (k % 2**31 * tensor_refit.CHECKSUM_MULT + tensor_refit.CHECKSUM_ADD) % 2**31
+    hi = (k // 2**31 % 2**31 * tensor_refit.CHECKSUM_MULT_HIGH + tensor_refit.CHECKSUM_ADD_HIGH) % 2**31
+    return (lo ^ hi) | 1
+
+
+def _reference_sum(words: dict[int, int]) -> int:
+    """h over a sparse stream: word position -> word (every other word zero)."""
+    return sum(w * _reference_weight(k) for k, w in words.items()) % 2**64
+
+
 def _reference_checksum(data: bytes) -> str:
     """device_checksum's definition, in plain Python."""
     padded = data + b"\0" * (-len(data) % 4)
-    h = 0
-    for k in range(len(padded) // 4):
-        (w,) = struct.unpack_from("<I", padded, 4 * k)
-        m = ((k * tensor_refit.CHECKSUM_MULT + tensor_refit.CHECKSUM_ADD) & 0x7FFFFFFF) | 1
-        h = (h + w * m) & 0xFFFFFFFFFFFFFFFF
-    return f"wsum64:{h:016x}:{len(data)}"
+    words = {k: struct.unpack_from("<I", padded, 4 * k)[0] for k in range(len(padded) // 4)}
+    return f"wsum64:{_reference_sum(words):016x}:{len(data)}"
+
+
+def test_buckets_8_gib_apart_swapped_change_the_checksum() -> None:
+    """Two 4 KiB buckets 2**31 words (8 GiB) apart, then swapped: the weights differ at that distance (and at
+    2**32, 2**40 words), so the sum does; the definition's torch-free half (the GPU tier swaps real ones)."""
+    rng = random.Random(11)
+    far = 2**31
+    a = [rng.getrandbits(32) for _ in range(1024)]
+    b = [rng.getrandbits(32) for _ in range(1024)]
+    start = 5000
+    layout = {start + i: w for i, w in enumerate(a)} | {start + far + i: w for i, w in enumerate(b)}
+    swapped = {start + i: w for i, w in enumerate(b)} | {start + far + i: w for i, w in enumerate(a)}
+    assert _reference_sum(layout) != _reference_sum(swapped)
+    for distance in (far, 2**32, 2**40):
+        assert all(_reference_weight(k) != _reference_weight(k + distance) for k in range(start, start + 64))
+    for k in (0, 1, far - 1, far, far + 7, 2**40 + 3):
+        assert tensor_refit.checksum_weights(k) == _reference_weight(k)
 
 
 @needs_torch
@@ -315,6 +348,8 @@ def test_device_checksum_matches_its_definition_and_ignores_chunking() -> None:
     assert tensor_refit.device_checksum([changed]) != whole
     swapped = torch.cat([data[4:8], data[:4], data[8:]])
     assert tensor_refit.device_checksum([swapped]) != whole
+    far = torch.tensor([0, 2**31 - 1, 2**31, 2**31 + 9, 2**40 + 3], dtype=torch.int64)
+    assert tensor_refit.checksum_weights(far).tolist() == [_reference_weight(int(k)) for k in far]
     with pytest.raises(ValueError, match="multiple of 4"):
         tensor_refit.device_checksum([data[:3], data[3:]])
 
@@ -353,20 +388,6 @@ def test_meta_tensor_reduction_reads_back_as_sglang_reconstructs_it() -> None:
         "a",
         "b",
     ]
-
-
-@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang is not installed")
-def test_sglang_reads_the_payload_with_its_own_code() -> None:
-    import torch
-    from sglang.srt.utils import MultiprocessingSerializer
-    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-
-    flat = torch.empty(96, dtype=torch.uint8, device="meta")
-    entries = [metadata_entry("a", (4, 8), "bfloat16", 0, 64), metadata_entry("b", (8,), "float32", 64, 96)]
-    wire = packing.to_wire(bucket_payload(packing.reduced_tensor(flat), entries))
-    obj = MultiprocessingSerializer.deserialize(wire)
-    bucket = FlattenedTensorBucket(flattened_tensor=obj["flattened_tensor"], metadata=obj["metadata"])
-    assert [(n, tuple(t.shape)) for n, t in bucket.reconstruct_tensors()] == [("a", (4, 8)), ("b", (8,))]
 
 
 needs_cuda = pytest.mark.skipif(

@@ -97,5 +97,6 @@ class SGLangQuirks:
         paused (retract / in_place) scheduler skips the publish (scheduler.py:1551@0.5.15.post1,
         scheduler.py:2033-2036@0.5.23; read side tokenizer_control_mixin.py:1001-1029@0.5.23): its counts
         stay at their pre-pause values. 0.5.8 still asked the schedulers (tokenizer_communicator_mixin.py:
-        799-824@0.5.8); 0.5.9 and 0.5.10 were not read: treated as frozen."""
-        return self.key >= (0, 5, 9)
+        799-824@0.5.8), and so do both load routes of 0.5.10.post1 (tokenizer_communicator_mixin.py:889-920
+        @0.5.10.post1); 0.5.11 to 0.5.14 were not read: treated as frozen."""
+        return self.key >= (0, 5, 11)

@@ -101,13 +101,55 @@ class CheckerBody(Body):
 
 
 class GenerateBody(Body):
+    """GenerateReqInput's fields that change the reply (C-GEN-REQUEST)."""
+
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     rid: str | list[str] | None = None
+    return_logprob: bool | list[bool] | None = None
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
+    token_ids_logprob: list[int] | list[list[int]] | None = None
+    return_text_in_logprobs: bool = False
     stream: bool = False
+    return_hidden_states: bool | str | list[bool | str] = False  # "last" / "full" from 0.5.20
     data_parallel_rank: int | None = None
     routed_dp_rank: int | None = None
+
+
+class _OpenAISampling(Body):
+    """The sampling fields the OpenAI routes pass to /generate (C-OAI-COMPLETIONS, C-OAI-CHAT)."""
+
+    model: str = "default"
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    no_stop_trim: bool | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    rid: str | list[str] | None = None
+
+
+class CompletionBody(_OpenAISampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int = 16
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ChatCompletionBody(_OpenAISampling):
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
 
 
 class CheckerBody056(Body):

@@ -14,7 +14,7 @@ from typing import Any
 from rljob.emulator.fatal import StartupError
 from rljob.emulator.faults import Faults, parse_route_seconds
 from rljob.emulator.memory import BACKENDS
-from rljob.emulator.versions import DEFAULT_VERSION, SUPPORTED_VERSIONS, VersionProfile, version_key
+from rljob.emulator.versions import DEFAULT_VERSION, RECORDED_VERSIONS, VersionProfile, check_recorded
 
 log = logging.getLogger("sglang.emulator")
 
@@ -51,7 +51,6 @@ class EmulatorConfig:
     startup_seconds: float
     health_check_timeout: float
     health_poll_seconds: float
-    scheduler_lag_seconds: float
     weight_update_group_timeout: float
     faults: Faults
     server_args: dict[str, Any] = field(default_factory=dict)  # what /server_info reports
@@ -98,7 +97,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--mem-fraction-static", type=float, default=None)
     e = p.add_argument_group("emulator")
     e.add_argument(
-        "--sglang-version", default=DEFAULT_VERSION, help=f"one of {', '.join(SUPPORTED_VERSIONS)}"
+        "--sglang-version",
+        default=DEFAULT_VERSION,
+        help=f"the SGLang version to behave as; only those docs/sglang-conformance.md records: "
+        f"{', '.join(RECORDED_VERSIONS)}",
     )
     e.add_argument("--gpus", type=int, default=None, help="GPUs of the server (default: tp-size x dp-size)")
     e.add_argument("--gpu-total-bytes", type=int, default=80 * GiB)
@@ -148,12 +150,6 @@ def _parser() -> argparse.ArgumentParser:
         default=1800.0,
         help="how long init_weights_update_group waits for the group to form (torch's default_pg_timeout)",
     )
-    e.add_argument(
-        "--scheduler-lag-seconds",
-        type=float,
-        default=0.05,
-        help="finished/aborted requests stay in the running batch this long (the abort-pause race)",
-    )
     f = p.add_argument_group("faults (also settable at runtime: POST /_emulator/faults)")
     f.add_argument("--fault-slow", action="append", default=[], metavar="ROUTE=SECONDS")
     f.add_argument("--fault-hang", action="append", default=[], metavar="ROUTE")
@@ -179,7 +175,9 @@ def parse_config(argv: list[str]) -> EmulatorConfig:
     args, unknown = _parser().parse_known_args(argv)
     if unknown:
         log.warning("ignoring launch flags the emulator does not model: %s", " ".join(unknown))
-    version_key(args.sglang_version)  # validate
+    unrecorded = check_recorded(args.sglang_version)
+    if unrecorded is not None:
+        raise StartupError(unrecorded)
     profile = VersionProfile(args.sglang_version)
     if args.weight_cache_mode is not None and not profile.has_weight_cache:
         log.warning("--weight-cache-mode does not exist in SGLang %s; ignored", profile.version)
@@ -235,7 +233,6 @@ def parse_config(argv: list[str]) -> EmulatorConfig:
         if args.health_check_timeout is not None
         else env_timeout,
         health_poll_seconds=args.health_poll_seconds,
-        scheduler_lag_seconds=args.scheduler_lag_seconds,
         weight_update_group_timeout=args.weight_update_group_timeout,
         faults=Faults(
             slow=parse_route_seconds(args.fault_slow),

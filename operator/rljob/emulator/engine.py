@@ -53,7 +53,6 @@ class Engine:
                 dp_rank=dp_rank,
                 idle_predicate=self.profile.idle_predicate,
                 tokens_per_second=cfg.tokens_per_second,
-                lag_seconds=cfg.scheduler_lag_seconds,
                 cache=PrefixCache(cfg.max_total_tokens),
                 max_running_requests=cfg.max_running_requests,
                 memory_guard=self.memory_guard,
@@ -183,23 +182,28 @@ class Engine:
     # --- pause / continue / abort (C-DRAIN-*) ----------------------------------------------------
 
     async def pause(self, mode: str) -> None:
+        """C-DRAIN-TIMING: under `is_pause_cond`. Abort is tokenizer-only (the scheduler is not paused):
+        send abort-all, then if the model-update lock has a reader or the writer, sleep 1 s and repeat.
+        So it answers at once with nothing in flight, else after a whole number of seconds (≥ 1)."""
         tok = self.tokenizer
-        tok.is_pause, tok.pause_mode = True, mode
-        if mode == "abort":
-            # Tokenizer only: abort all, wait up to 1 s for the readers to leave, repeat until none is
-            # left; the scheduler is not paused (…/managers/tokenizer_manager.py:1264-1277@0.5.6,
-            # tokenizer_manager.py:2267-2280@0.5.23).
-            while tok.in_flight > 0:
-                self.abort(abort_all=True)
-                await tok.wait_for(lambda: tok.in_flight == 0, timeout=1.0)
-        else:
-            self.post(lambda rank: rank.pause(mode))
+        async with tok.pause_cond:
+            tok.is_pause, tok.pause_mode = True, mode
+            if mode == "abort":
+                while True:
+                    self.abort(abort_all=True)
+                    if not tok.model_update_locked():
+                        break
+                    await asyncio.sleep(1.0)
+            else:
+                self.post(lambda rank: rank.pause(mode))
         await tok.changes.notify()
 
     async def continue_generation(self) -> None:
+        """Waits for `is_pause_cond`, so it waits for an abort drain in progress (C-DRAIN-TIMING)."""
         tok = self.tokenizer
-        tok.is_pause, tok.pause_mode = False, None
-        self.post(lambda rank: rank.continue_generation())
+        async with tok.pause_cond:
+            tok.is_pause, tok.pause_mode = False, None
+            self.post(lambda rank: rank.continue_generation())
         await tok.changes.notify()
 
     def abort(self, *, rid: str = "", abort_all: bool = False) -> int:

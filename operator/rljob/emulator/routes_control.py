@@ -4,6 +4,8 @@ are those of docs/sglang-conformance.md. Every route that needs a scheduler repl
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Any
 
 from aiohttp import web
@@ -92,6 +94,14 @@ async def resume_memory_occupation(request: web.Request) -> web.Response:
     return web.json_response(None)
 
 
+def _is_base64(text: str) -> bool:
+    try:
+        base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        return False
+    return True
+
+
 def _merge_dp(eng: Engine, status_body: tuple[int, dict[str, Any]]) -> tuple[int, dict[str, Any]]:
     """A disk refit with dp_size > 1: one reply per rank, messages joined with " | ", a list of
     num_paused_requests (…/managers/tokenizer_manager.py:1332-1344@0.5.6)."""
@@ -108,13 +118,21 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     body = await parse_body(request, DiskBody)
     eng = engine_of(request)
     async with eng.control("update_weights_from_disk"):
-        result = await _updater(request).from_disk(body.model_dump())
-    return reply(_merge_dp(eng, result))
+        status, content = await _updater(request).from_disk(body.model_dump())
+    # 200 and 400 alike carry num_paused_requests (…/entrypoints/http_server.py:756-777@0.5.6,
+    # http_server.py:1309-1326@0.5.23)
+    content.setdefault("num_paused_requests", 0)
+    return reply(_merge_dp(eng, (status, content)))
 
 
 async def update_weights_from_tensor(request: web.Request) -> web.Response:
     body = await parse_body(request, TensorBody)
     eng = engine_of(request)
+    if not eng.profile.tensor_bad_base64_is_fatal and not all(
+        _is_base64(s) for s in body.serialized_named_tensors
+    ):
+        # C-REFIT-TENSOR-B64: `Base64Bytes` decodes the field while the body is validated
+        return bad_request("serialized_named_tensors: Value error, Expected base64-encoded bytes")
     refused = _dp_refused(eng)
     if refused is not None:
         return refused

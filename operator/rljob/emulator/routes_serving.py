@@ -11,7 +11,7 @@ from aiohttp import web
 from rljob.emulator import metrics_text
 from rljob.emulator.bodies import GenerateBody
 from rljob.emulator.engine import Engine
-from rljob.emulator.generation import GenerateError, generate
+from rljob.emulator.generation import GenerateError, generate, generate_stream, sse, stream_error
 from rljob.emulator.http_common import bad_request, engine_of, parse_body
 from rljob.emulator.scheduler import Scheduler
 from rljob.emulator.versions import VersionProfile
@@ -19,14 +19,26 @@ from rljob.emulator.versions import VersionProfile
 LOAD_INCLUDES = {"core", "memory", "spec", "lora", "disagg", "queues", "all"}
 
 
-async def generate_route(request: web.Request) -> web.Response:
+async def generate_route(request: web.Request) -> web.StreamResponse:
+    """A ValueError from normalization or the scheduler is 400 {"error": {"message"}}; with `stream` it
+    is one `data:` event before `[DONE]` (C-GEN-STREAM)."""
     body = await parse_body(request, GenerateBody)
-    if body.stream:
-        return bad_request("stream=true is not emulated")
+    eng = engine_of(request)
+    if not body.stream:
+        try:
+            return web.json_response(await generate(eng, body))
+        except GenerateError as e:
+            return web.json_response({"error": {"message": str(e)}}, status=400)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+    await resp.prepare(request)
     try:
-        return web.json_response(await generate(engine_of(request), body))
+        async for chunk in generate_stream(eng, body):
+            await resp.write(sse(chunk))
     except GenerateError as e:
-        return bad_request(str(e))
+        await resp.write(sse(stream_error(eng, str(e))))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
 
 
 async def health(request: web.Request) -> web.Response:

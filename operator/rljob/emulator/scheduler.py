@@ -37,12 +37,15 @@ class GenRequest:
     rid: str
     prompt: list[int]
     max_new_tokens: int
-    sample: int
+    sampler: tokens.Sampler
     dp_rank: int = 0
     output: list[int] = field(default_factory=list)
     versions: list[str] = field(default_factory=list)  # weight_version that produced each output token
+    weights_ids: list[str] = field(default_factory=list)  # the loaded weights that produced each token
+    on_token: Callable[[GenRequest], None] | None = None  # streaming: called after each emitted token
     cached_tokens: int = 0
-    phase: str = "waiting"  # waiting | running | finished (finished = still in the batch until reaped)
+    retractions: int = 0  # times a retract pause sent it back to the queue
+    phase: str = "waiting"  # waiting | running | finished (then already out of the scheduler)
     holds_kv: bool = False
     prefilled: bool = False
     aborted: bool = False
@@ -95,6 +98,13 @@ class Tokenizer:
         self.last_receive_tstamp = 0.0  # wall time of the last scheduler output (C-HEALTH-GENERATE)
         self.changes = _Changes()
         self._communicators: dict[str, asyncio.Lock] = {}
+        # `is_pause_cond`'s lock: held by pause (an abort drain keeps it for the whole loop) and continue;
+        # a refit takes it to read is_pause (C-DRAIN-TIMING)
+        self.pause_cond = asyncio.Lock()
+
+    def model_update_locked(self) -> bool:
+        """`model_update_lock.is_locked()`: a reader (an unanswered generate) or the writer (a refit)."""
+        return self.in_flight > 0 or self.writer_active
 
     async def wait_for(self, predicate: Callable[[], bool], timeout: float | None = None) -> bool:
         return await self.changes.wait_for(predicate, timeout)
@@ -159,7 +169,6 @@ class Scheduler:
         dp_rank: int,
         idle_predicate: str,
         tokens_per_second: float,
-        lag_seconds: float,
         cache: PrefixCache,
         max_running_requests: int,
         memory_guard: Callable[[], None],
@@ -172,7 +181,6 @@ class Scheduler:
         self.dp_rank = dp_rank
         self.idle_predicate = idle_predicate
         self.tps = tokens_per_second
-        self.lag = lag_seconds
         self.cache = cache
         self.max_running_requests = max_running_requests
         self.saturation_batch = max(1, saturation_batch)
@@ -230,7 +238,8 @@ class Scheduler:
     # --- idle predicates (C-IDLE-FLUSH, C-IDLE-RELEASE) ------------------------------------------
 
     def _busy(self) -> bool:
-        """Running, or finished but not yet filtered out of the batch (the abort-pause race)."""
+        """Running (or holding KV). A finished request is not here: it left before its reply
+        (C-IDLE-AFTER-REPLY)."""
         return any(r.phase != "waiting" or r.holds_kv for r in self.requests.values())
 
     def _waiting(self) -> bool:
@@ -260,15 +269,25 @@ class Scheduler:
     # --- requests --------------------------------------------------------------------------------
 
     async def generate(
-        self, prompt: list[int], max_new_tokens: int, sample: int, rid: str | None
+        self,
+        prompt: list[int],
+        max_new_tokens: int,
+        sampler: tokens.Sampler,
+        rid: str | None,
+        on_token: Callable[[GenRequest], None] | None = None,
     ) -> GenRequest:
         """Run one admitted request to completion (or abort) and return it."""
-        req = GenRequest(rid or uuid.uuid4().hex, prompt, max_new_tokens, sample, dp_rank=self.dp_rank)
+        req = GenRequest(rid or uuid.uuid4().hex, prompt, max_new_tokens, sampler, dp_rank=self.dp_rank)
+        req.on_token = on_token
         self.requests[req.rid] = req
         try:
             await self._run(req)
         finally:
+            # Out of the scheduler before the reply leaves (C-IDLE-AFTER-REPLY): a control message sent
+            # after the reply finds this rank idle unless other requests run.
             req.phase, req.holds_kv = "finished", False
+            if self.requests.get(req.rid) is req:
+                del self.requests[req.rid]
             self.update_busy()
             self._notify_soon()  # a slot is free for a queued request
             if req.prefilled:  # one aborted in the queue never reached the cache
@@ -276,12 +295,7 @@ class Scheduler:
             self.tokenizer.finished(req)
             self.tokenizer.received()
             req.done.set()
-            asyncio.get_running_loop().call_later(self.lag, self._reap, req.rid)
         return req
-
-    def _reap(self, rid: str) -> None:
-        self.requests.pop(rid, None)
-        self._notify_soon()
 
     def _notify_soon(self) -> None:
         task = asyncio.ensure_future(self._notify())
@@ -309,10 +323,15 @@ class Scheduler:
                 if req.aborted:
                     break
             self._emit_token(req)
+            if (stop := req.sampler.stop_reason(req.output, req.max_new_tokens)) is not None:
+                req.finish_reason = stop
+                break
+            if req.on_token is not None:
+                req.on_token(req)
         req.finish_reason = (
             {"type": "abort", "message": "Abort in waiting queue" if not req.output else "Abort request"}
             if req.aborted
-            else {"type": "length", "length": req.max_new_tokens}
+            else req.finish_reason or {"type": "length", "length": req.max_new_tokens}
         )
 
     async def _admission(self, req: GenRequest) -> None:
@@ -378,8 +397,9 @@ class Scheduler:
     def _emit_token(self, req: GenRequest) -> None:
         self._memory_guard()
         weights_id, valid = self._weights_id()
-        req.output.append(tokens.next_token(weights_id, req.prompt, len(req.output), req.sample))
+        req.output.append(req.sampler.next_token(weights_id, req.prompt + req.output))
         req.versions.append(self._weight_version())
+        req.weights_ids.append(weights_id)
         req.garbage = req.garbage or not valid
         self._gen_events.append((time.monotonic(), 1))
         self.tokenizer.received()
@@ -395,6 +415,7 @@ class Scheduler:
             for r in self.requests.values():
                 if r.phase == "running":
                     r.phase, r.holds_kv = "waiting", False  # back to the queue; KV freed
+                    r.retractions += 1
             if self._retract_zeroes_throughput:
                 self._gen_events.clear()
         self.update_busy()

@@ -5,11 +5,13 @@ Each TP rank deserializes its own entry of `serialized_named_tensors` (base64, t
 `utils/common.py:2176-2290@0.5.6`) and loads it by `load_format` (`model_runner_components/weight_updater.py:
 343-410@0.5.23`, `model_runner.py:1237-1297@0.5.6`): "flattened_bucket" takes a dict
 {"flattened_tensor", "metadata"} and views `flattened_tensor[start_idx:end_idx]` as each entry's dtype and
-shape (`weight_sync/tensor_bucket.py:118-134@0.5.23`); None or "direct" take a list of (name, tensor); any
-other name is NotImplementedError. All of this runs in the scheduler, outside any try: an unpickling error,
-a blocked global, a missing key or a view that does not fit kills the server (`managers/scheduler.py:
-2253,6372@0.5.23`), and so it does here (`fatal.scheduler_exception`). The allowlist is the version's:
-module prefixes up to 0.5.20 (`utils/common.py:2218-2290@0.5.6`), exact globals from 0.5.21
+shape (`weight_sync/tensor_bucket.py:118-134@0.5.23`); None or "direct" take a list of (name, tensor), where
+a tensor may be a `LocalSerializedTensor(values=[...])` whose `values[tp_rank]` is deserialized again, by the
+same unpickler (C-REFIT-TENSOR-LOCAL); any other name is NotImplementedError. All of this runs in the
+scheduler, outside any try: a payload that is not a pickle, a blocked or missing global, a missing key or a
+view that does not fit kills the server (`managers/scheduler.py:2253,6372@0.5.23`; C-REFIT-TENSOR-PICKLE),
+and so it does here (`fatal.scheduler_exception`). The allowlist is the version's: module prefixes up to
+0.5.20 (`utils/common.py:2218-2290@0.5.6`, growing in 0.5.10, 0.5.15 and 0.5.20), exact globals from 0.5.21
 (`utils/common.py:3144-3370@0.5.23`).
 
 - accounting backend (no torch): the pickle is read with stand-ins for torch's classes, dtypes and rebuild
@@ -21,14 +23,12 @@ module prefixes up to 0.5.20 (`utils/common.py:2218-2290@0.5.6`), exact globals 
   after the other from offset 0, and the rebuilt tensors are dropped (which closes the handles), as SGLang
   drops them when the call returns. The checksum then served is `device_checksum` over the bytes written,
   computed on the GPU when first asked for (not part of the refit's time).
-
-A payload that is not a pickle (no PROTO 2..5 opcode first and STOP last) is an opaque stand-in: its
-bytes are hashed and nothing is checked. The simulated trainer and older tests push such bytes; real
-SGLang would fail to unpickle them.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import functools
 import hashlib
 import io
@@ -57,7 +57,8 @@ ITEMSIZE = {
 }  # fmt: skip
 TORCH_TYPE_NAME = {"uint8": "Byte", "bfloat16": "BFloat16", "float16": "Half", "float32": "Float"}
 
-# Up to 0.5.20: any global under these modules (utils/common.py:2219-2255@0.5.6).
+# Up to 0.5.20: any global under these modules (utils/common.py:2219-2255@0.5.6), plus those added by
+# (version, prefixes): utils/common.py:2160@0.5.10.post1, :2735-2737@0.5.15.post1, :3089@0.5.20.
 ALLOWED_PREFIXES = (
     "builtins.", "collections.", "copyreg.", "functools.", "itertools.", "operator.", "types.",
     "weakref.", "torch.", "multiprocessing.resource_sharer.", "multiprocessing.reduction.",
@@ -65,6 +66,11 @@ ALLOWED_PREFIXES = (
     "sglang.srt.weight_sync.tensor_bucket.", "sglang.srt.model_executor.model_runner.",
     "sglang.srt.layers.", "sglang.srt.utils.",
 )  # fmt: skip
+ADDED_PREFIXES = (
+    ((0, 5, 10), ("torch_npu.",)),
+    ((0, 5, 15), ("sglang.srt.disaggregation.", "sglang.srt.managers.")),
+    ((0, 5, 20), ("sglang.srt.model_executor.model_runner_components.weight_updater.",)),
+)
 DENIED = {("builtins", n) for n in ("eval", "exec", "compile")} | {
     ("os", "system"), ("subprocess", "Popen"), ("subprocess", "run"), ("codecs", "decode"),
     ("types", "CodeType"), ("types", "FunctionType"),
@@ -96,6 +102,13 @@ REBUILD_CUDA = {
 }
 REBUILD_META = ("torch.multiprocessing.reductions", "rebuild_meta_tensor")
 METADATA = ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
+# Where LocalSerializedTensor is defined: model_runner.py:2864@0.5.6, :3434@0.5.15.post1; moved to
+# model_runner_components/weight_updater.py:424@0.5.20 (:451@0.5.23) and not re-exported by model_runner.py
+# (it imports only WeightUpdater: model_runner.py:164-166@0.5.20, :188-190@0.5.23).
+LOCAL_SERIALIZED_OLD = ("sglang.srt.model_executor.model_runner", "LocalSerializedTensor")
+LOCAL_SERIALIZED_NEW = (
+    "sglang.srt.model_executor.model_runner_components.weight_updater", "LocalSerializedTensor"
+)  # fmt: skip
 LOAD_FORMATS = (None, "direct", "flattened_bucket")
 
 
@@ -111,19 +124,26 @@ class Unmodelled(Exception):
     """A push SGLang may accept but the emulator cannot read (answered success: false)."""
 
 
-def looks_like_pickle(data: bytes) -> bool:
-    return len(data) >= 3 and data[0] == 0x80 and 2 <= data[1] <= 5 and data[-1:] == b"."
-
-
 def allowed(major_minor_patch: tuple[int, int, int], module: str, name: str) -> str | None:
     """None when the version's SafeUnpickler resolves `module.name`, else the error it raises."""
     if major_minor_patch >= (0, 5, 21):
         if (module, name) in ALLOWED_GLOBALS:
             return None
         return f"Blocked unsafe global ({module}.{name}) during pickle deserialization"
-    if (module, name) not in DENIED and any((module + ".").startswith(p) for p in ALLOWED_PREFIXES):
+    prefixes = ALLOWED_PREFIXES + tuple(
+        p for since, added in ADDED_PREFIXES if major_minor_patch >= since for p in added
+    )
+    if (module, name) not in DENIED and any((module + ".").startswith(p) for p in prefixes):
         return None
     return f"Blocked unsafe class loading ({module}.{name}), to prevent exploitation of CVE-2025-10164"
+
+
+def missing(major_minor_patch: tuple[int, int, int], module: str, name: str) -> str | None:
+    """The AttributeError of `Unpickler.find_class` for a LocalSerializedTensor path the version lacks."""
+    old_path = major_minor_patch < (0, 5, 20)
+    if (module, name) == (LOCAL_SERIALIZED_NEW if old_path else LOCAL_SERIALIZED_OLD):
+        return f"Can't get attribute '{name}' on <module '{module}'>"
+    return None
 
 
 # --- stand-ins (accounting backend) -----------------------------------------------------------------
@@ -161,6 +181,13 @@ class TensorRef:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
+class LocalSerialized:
+    """Stands in for sglang's LocalSerializedTensor (a dataclass, `values: List[bytes]`, one per TP rank):
+    NEWOBJ makes it, BUILD fills its __dict__."""
+
+    values: Any
+
+
 class Metadata:
     """Stands in for sglang's FlattenedTensorMetadata: NEWOBJ makes it, BUILD fills its __dict__."""
 
@@ -196,6 +223,8 @@ def stand_in(module: str, name: str) -> Any:
     """What the accounting backend resolves an allowed global to (torch is not imported)."""
     if (module, name) == METADATA:
         return Metadata
+    if (module, name) in (LOCAL_SERIALIZED_OLD, LOCAL_SERIALIZED_NEW):
+        return LocalSerialized
     if (module, name) in REBUILD_CUDA:
         return _stand_in_cuda
     if (module, name) == REBUILD_META:
@@ -220,6 +249,9 @@ class _Unpickler(pickle.Unpickler):
         refused = allowed(self._version, module, name)
         if refused is not None:
             raise SchedulerError("RuntimeError", refused)
+        absent = missing(self._version, module, name)
+        if absent is not None:
+            raise SchedulerError("AttributeError", absent)
         found = self._resolve(module, name)
         return super().find_class(module, name) if found is None else found
 
@@ -282,13 +314,43 @@ class Bucket:
     nbytes: int
 
 
-def read_push(obj: Any, load_format: str | None) -> Bucket:
-    """Check `obj` as the version's loader would use it (SchedulerError where it would raise)."""
-    if load_format not in LOAD_FORMATS:
-        raise SchedulerError("NotImplementedError", f"Unknown load_format={load_format}")
+Deserialize = Callable[[bytes], Any]
+
+
+def local_tensor(value: LocalSerialized, rank: int, deserialize: Deserialize) -> Any:
+    """`LocalSerializedTensor.get(tp_rank)` = `MultiprocessingSerializer.deserialize(values[tp_rank])`: a str
+    is base64-decoded (validate=True), then the same restricted unpickler reads it (model_runner.py:
+    2857-2871@0.5.6, …/model_runner_components/weight_updater.py:444-458@0.5.23)."""
+    try:
+        data = value.values[rank]
+    except AttributeError as e:
+        no_values = "'LocalSerializedTensor' object has no attribute 'values'"
+        raise SchedulerError("AttributeError", no_values) from e
+    except IndexError as e:
+        raise SchedulerError("IndexError", "list index out of range") from e
+    except (TypeError, KeyError) as e:
+        raise SchedulerError(type(e).__name__, str(e)) from e
+    if isinstance(data, str):
+        try:
+            data = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise SchedulerError("binascii.Error", str(e)) from e
+    if not isinstance(data, bytes | bytearray):
+        raise SchedulerError("TypeError", f"a bytes-like object is required, not '{type(data).__name__}'")
+    return deserialize(bytes(data))
+
+
+def read_push(
+    obj: Any, load_format: str | None, unwrap: Callable[[LocalSerialized], Any] | None = None
+) -> Bucket:
+    """Check `obj` as the version's loader would use it (SchedulerError where it would raise). `unwrap`
+    reads a LocalSerializedTensor's value for this rank (`local_tensor`)."""
     if load_format == "flattened_bucket":
         return _read_flattened(obj)
-    return _read_named_list(obj)
+    bucket = _read_named_list(obj, unwrap)  # every tensor is unwrapped before load_format is looked at
+    if load_format not in LOAD_FORMATS:
+        raise SchedulerError("NotImplementedError", f"Unknown load_format={load_format}")
+    return bucket
 
 
 def _read_flattened(obj: Any) -> Bucket:
@@ -341,15 +403,26 @@ def _read_flattened(obj: Any) -> Bucket:
     return Bucket(entries, [flat], length)
 
 
-def _read_named_list(obj: Any) -> Bucket:
+PLAIN_TYPES = (type(None), bool, int, float, str, bytes, bytearray, list, tuple, dict, set, frozenset)
+
+
+def _read_named_list(obj: Any, unwrap: Callable[[LocalSerialized], Any] | None) -> Bucket:
     if isinstance(obj, dict):
         raise SchedulerError("ValueError", "too many values to unpack (expected 2)")  # load_weights(dict)
+    if not isinstance(obj, list | tuple):
+        raise SchedulerError("TypeError", f"'{type(obj).__name__}' object is not iterable")
     entries, sources, offset = [], [], 0
     for item in obj:
         if not isinstance(item, tuple | list) or len(item) != 2:
             raise SchedulerError("ValueError", "not enough values to unpack (expected 2)")
         name, t = item
+        if isinstance(t, LocalSerialized):
+            if unwrap is None:
+                raise Unmodelled(f"{name}: a LocalSerializedTensor with no rank to read it for")
+            t = unwrap(t)
         d = _describe(t)
+        if d is None and isinstance(t, PLAIN_TYPES):  # `_unwrap_tensor`: tensor.to(device)
+            raise SchedulerError("AttributeError", f"'{type(t).__name__}' object has no attribute 'to'")
         if d is None:
             raise Unmodelled(f"{name}: {type(t).__name__} is not a tensor the emulator can read")
         n = math.prod(d.shape) * d.itemsize
@@ -362,14 +435,25 @@ def _read_named_list(obj: Any) -> Bucket:
 # --- the GPU side (torch imported lazily) ---------------------------------------------------------
 
 CHECKSUM_MULT, CHECKSUM_ADD = 0x9E3779B1, 0x7F4A7C15
+CHECKSUM_MULT_HIGH, CHECKSUM_ADD_HIGH = 0x85EBCA77, 0x27D4EB2F
 CHECKSUM_SLICE_WORDS = 16 << 20
+
+
+def checksum_weights(k: Any) -> Any:
+    """m_k for word positions k (an int64 tensor): ((lo * M + A) xor (hi * M' + A')) mod 2**31, made odd,
+    with lo, hi the low and high 31 bits of k. Both halves count, so m has no period below 2**62 words
+    (with lo alone, blocks 2**31 words = 8 GiB apart had equal weights and swapped unnoticed). Every
+    product stays below 2**63: no overflow."""
+    lo = ((k & 0x7FFFFFFF) * CHECKSUM_MULT + CHECKSUM_ADD) & 0x7FFFFFFF
+    hi = (((k >> 31) & 0x7FFFFFFF) * CHECKSUM_MULT_HIGH + CHECKSUM_ADD_HIGH) & 0x7FFFFFFF
+    return (lo ^ hi) | 1
 
 
 def device_checksum(chunks: Sequence[Any]) -> str:
     """Checksum of the bytes of 1-D uint8 CUDA tensors taken as one stream, computed on their GPU:
     the stream is read as little-endian 32-bit words w_k (the last one zero-padded) and
-    h = sum_k w_k * m_k mod 2**64 with m_k = ((k * 0x9E3779B1 + 0x7F4A7C15) mod 2**31) | 1 (odd: any change
-    of one word changes h; position-dependent: moved words change it). Returned as
+    h = sum_k w_k * m_k mod 2**64 with m_k = `checksum_weights(k)` (odd: any change of one word changes h;
+    position-dependent over the whole stream: moved words change it, however far apart). Returned as
     "wsum64:<16 hex digits>:<bytes>". Every chunk but the last must be a multiple of 4 bytes. Evidence that
     the bytes arrived, not a cryptographic hash; about 37 bytes of memory traffic per byte hashed."""
     import torch
@@ -389,7 +473,7 @@ def device_checksum(chunks: Sequence[Any]) -> str:
         for p in parts:
             w = p.to(torch.int64) & 0xFFFFFFFF
             k = torch.arange(pos, pos + p.numel(), dtype=torch.int64, device=c.device)
-            m = (((k & 0x7FFFFFFF) * CHECKSUM_MULT + CHECKSUM_ADD) & 0x7FFFFFFF) | 1  # no overflow
+            m = checksum_weights(k)
             part = (w * m).sum()
             acc = part if acc is None else acc + part
             pos += p.numel()
@@ -431,6 +515,8 @@ class _CudaResolver:
     def __call__(self, module: str, name: str) -> Any:
         if (module, name) == METADATA:
             return Metadata
+        if (module, name) in (LOCAL_SERIALIZED_OLD, LOCAL_SERIALIZED_NEW):
+            return LocalSerialized
         if (module, name) in REBUILD_CUDA:
             return self._rebuild_cuda
         if module in ("builtins", "collections", "copyreg"):
@@ -490,7 +576,7 @@ class TensorRefit:
             if on_gpu:
                 tensors = self._load_on_gpu(payloads[:tp], load_format)
             else:
-                tensors = sum(self._check(p, load_format) for p in payloads[:tp]) // tp
+                tensors = sum(self._check(p, rank, load_format) for rank, p in enumerate(payloads[:tp])) // tp
         except SchedulerError as e:
             fatal.scheduler_exception(e.exc_type, e.message)
         except Unmodelled as e:
@@ -509,24 +595,33 @@ class TensorRefit:
             self.reset()
         return None
 
-    def _check(self, data: bytes, load_format: str | None) -> int:
-        if not looks_like_pickle(data):
-            return 1  # an opaque stand-in (module docstring)
-        return len(read_push(unpickle(data, self.engine.profile.key, stand_in), load_format).entries)
+    def _check(self, data: bytes, rank: int, load_format: str | None) -> int:
+        version = self.engine.profile.key
+
+        def deserialize(inner: bytes) -> Any:
+            return unpickle(inner, version, stand_in)
+
+        obj = deserialize(data)
+        return len(read_push(obj, load_format, lambda v: local_tensor(v, rank, deserialize)).entries)
 
     def _load_on_gpu(self, payloads: list[bytes], load_format: str | None) -> int:
         backend: Any = self.engine.backend
         started = time.perf_counter()
         decode_s = open_s = copy_s = close_s = 0.0
         offset, count, moved = self._written, 0, 0
+        version = self.engine.profile.key
         for rank, data in enumerate(payloads):
-            if not looks_like_pickle(data):
-                count = max(count, 1)
-                continue
             resolver = _CudaResolver()
+
+            def deserialize(inner: bytes, resolver: _CudaResolver = resolver) -> Any:
+                return unpickle(inner, version, resolver)
+
+            def unwrap(value: LocalSerialized, rank: int = rank, read: Deserialize = deserialize) -> Any:
+                return local_tensor(value, rank, read)
+
             t0 = time.perf_counter()
-            obj = unpickle(data, self.engine.profile.key, resolver)
-            bucket = read_push(obj, load_format)
+            obj = deserialize(data)
+            bucket = read_push(obj, load_format, unwrap)
             t1 = time.perf_counter()
             moved = max(moved, backend.write_weights(rank % backend.gpus, offset, bucket.sources))
             t2 = time.perf_counter()

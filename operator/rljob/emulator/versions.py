@@ -9,7 +9,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-SUPPORTED_VERSIONS = ("0.5.6", "0.5.15.post1", "0.5.20", "0.5.21", "0.5.23")
+# The versions whose behaviour docs/sglang-conformance.md records: the only ones the emulator accepts.
+RECORDED_VERSIONS = ("0.5.6", "0.5.10.post1", "0.5.15.post1", "0.5.20", "0.5.21", "0.5.23")
+# The recorded versions the version-parametrized tests run every row on. 0.5.10.post1, recorded for AReaL's
+# replay, has targeted tests instead (the last section of tests/agent/test_emulator_conformance.py).
+SUPPORTED_VERSIONS = tuple(v for v in RECORDED_VERSIONS if v != "0.5.10.post1")
 DEFAULT_VERSION = "0.5.23"
 
 # The three idle predicates of C-IDLE-FLUSH / C-IDLE-RELEASE.
@@ -24,6 +28,25 @@ def version_key(version: str) -> tuple[int, int, int]:
     if not m:
         raise ValueError(f"not an SGLang version: {version!r}")
     return int(m.group(1)), int(m.group(2)), int(m.group(3))
+
+
+def check_recorded(version: str) -> str | None:
+    """None for a recorded version, else the startup error naming the nearest recorded ones."""
+    if version in RECORDED_VERSIONS:
+        return None
+    recorded = ", ".join(RECORDED_VERSIONS)
+    try:
+        key = (*version_key(version), post_release(version))
+    except ValueError:
+        return f"--sglang-version {version!r} is not an SGLang version; recorded: {recorded}"
+    keyed = [((*version_key(v), post_release(v)), v) for v in RECORDED_VERSIONS]
+    below = [v for k, v in keyed if k < key]
+    above = [v for k, v in keyed if k > key]
+    nearest = " and ".join(x for x in (below[-1] if below else "", above[0] if above else "") if x)
+    return (
+        f"--sglang-version {version}: its behaviour is not recorded in docs/sglang-conformance.md "
+        f"(nearest recorded: {nearest}; recorded: {recorded})"
+    )
 
 
 def post_release(version: str) -> int:
@@ -48,30 +71,35 @@ class VersionProfile:
     @property
     def get_weight_version(self) -> str:
         """C-ROUTE-WV-READ: "ok" (0.5.6), "deprecated" (404 naming /model_info), "removed" (plain 404)."""
-        # …/entrypoints/http_server.py:497-527@0.5.6; http_server.py:685-692@0.5.15.post1;
-        # http_server.py:798-799@0.5.20; absent from http_server.py@0.5.21
-        if not self._at_least(15):
+        # …/entrypoints/http_server.py:497-527@0.5.6; http_server.py:581-588@0.5.10.post1;
+        # http_server.py:685-692@0.5.15.post1; http_server.py:798-799@0.5.20;
+        # absent from http_server.py@0.5.21
+        if not self._at_least(10):
             return "ok"
         return "deprecated" if not self._at_least(21) else "removed"
 
     @property
     def get_load(self) -> str:
         """C-METRIC-LOAD-ROUTE: "list" (0.5.6), "shim" over /v1/loads (0.5.15 to 0.5.20), "removed"."""
-        # http_server.py:560-562@0.5.6; http_server.py:730-755@0.5.15.post1; absent@0.5.21
+        # http_server.py:560-562@0.5.6; still the scheduler call: http_server.py:621-628,
+        # …/managers/tokenizer_communicator_mixin.py:889-892@0.5.10.post1;
+        # http_server.py:730-755@0.5.15.post1; absent@0.5.21
         if not self._at_least(15):
             return "list"
         return "shim" if not self._at_least(21) else "removed"
 
     @property
     def has_v1_loads(self) -> bool:
-        # …/entrypoints/v1_loads.py:72@0.5.15.post1; no such route in http_server.py@0.5.6
-        return self._at_least(15)
+        # …/entrypoints/v1_loads.py:130@0.5.8 (first read), v1_loads.py:130@0.5.10.post1,
+        # v1_loads.py:72@0.5.15.post1; no such route in http_server.py@0.5.6
+        return self._at_least(8)
 
     @property
     def loads_frozen_while_paused(self) -> bool:
         """C-DP-LOADS-PAUSED: the load route reads snapshots each scheduler publishes from its loop, and a
         paused (retract / in_place) scheduler skips the publish: its counts stay at their pre-pause values.
-        0.5.6's `/get_load` asks the schedulers (a watching call)."""
+        0.5.6's `/get_load` asks the schedulers (a watching call), and so do both routes of 0.5.10.post1."""
+        # tokenizer_communicator_mixin.py:889-920@0.5.10.post1 (communicator calls);
         # scheduler.py:1551@0.5.15.post1, scheduler.py:1914-1916@0.5.21, scheduler.py:2033-2036@0.5.23
         return self._at_least(15)
 
@@ -88,8 +116,9 @@ class VersionProfile:
 
     @property
     def has_admin_api_key(self) -> bool:
-        # C-ROUTE-AUTH: …/utils/auth.py:100@0.5.15.post1; utils/common.py:1189-1200@0.5.6 has one key
-        return self._at_least(15)
+        # C-ROUTE-AUTH: …/utils/auth.py:100@0.5.10.post1 (the same file@0.5.15.post1);
+        # utils/common.py:1189-1200@0.5.6 has one key
+        return self._at_least(10)
 
     @property
     def needs_weight_update_session(self) -> bool:
@@ -99,7 +128,8 @@ class VersionProfile:
     @property
     def checker_get_and_default_action(self) -> bool:
         """C-ROUTE-CHECKER: GET|POST and `action` defaulting to "checksum" (0.5.6: POST, action required)."""
-        # http_server.py:961@0.5.6, io_struct.py:1315-1316@0.5.6; http_server.py:1398@0.5.15.post1
+        # http_server.py:961@0.5.6, io_struct.py:1315-1316@0.5.6; still so at http_server.py:1193,
+        # io_struct.py:1453-1454@0.5.10.post1; http_server.py:1398@0.5.15.post1
         return self._at_least(15)
 
     @property
@@ -195,9 +225,11 @@ class VersionProfile:
     def tensor_bad_base64_is_fatal(self) -> bool:
         """C-REFIT-TENSOR-B64: 0.5.6 decodes each payload inside the scheduler with
         `b64decode(validate=True)` and no try: text that is not base64 raises binascii.Error and kills
-        it. 0.5.6.post2 was not read for this: treated as 0.5.6."""
-        # tp_worker.py:164-172@0.5.6, utils/common.py:2211-2215@0.5.6
-        return not self._at_least(7)
+        it. From 0.5.15 the HTTP body decodes it (`Base64Bytes`): a validation error, 400."""
+        # tp_worker.py:164-172@0.5.6, utils/common.py:2211-2215@0.5.6, io_struct.py:1288@0.5.10.post1
+        # (still List[Union[str, bytes]]); io_struct.py:1570@0.5.15.post1, utils/msgspec_utils.py:11-27
+        # @0.5.15.post1
+        return not self._at_least(15)
 
     @property
     def refit_paused_sets_weight_version(self) -> bool:
@@ -257,8 +289,9 @@ class VersionProfile:
 
     @property
     def cached_tokens_have_cache_source(self) -> bool:
+        # …/observability/metrics_collector.py:1170-1174,1331-1355@0.5.10.post1,
         # metrics_collector.py:1509-1511,1655-1661@0.5.15.post1; collector.py:807-810@0.5.6 (no such label)
-        return self._at_least(15)
+        return self._at_least(10)
 
     @property
     def request_counters_have_is_streaming(self) -> bool:

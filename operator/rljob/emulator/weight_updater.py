@@ -75,9 +75,8 @@ class WeightUpdater:
             try:
                 payloads = [base64.b64decode(s, validate=True) for s in body["serialized_named_tensors"]]
             except (binascii.Error, ValueError) as e:
-                if eng.profile.tensor_bad_base64_is_fatal:  # C-REFIT-TENSOR-B64
-                    fatal.scheduler_exception("binascii.Error", str(e))
-                return _fail(f"Failed to update weights: cannot deserialize named tensors: {e}")
+                # C-REFIT-TENSOR-B64: only 0.5.6 gets here; later versions refused the body (the route)
+                fatal.scheduler_exception("binascii.Error", str(e))
             failure = self.tensor_pushes.apply(
                 payloads, body.get("load_format"), final=body.get("weight_version") is not None
             )
@@ -220,7 +219,9 @@ class _WriterLock:
         self.taken = False
 
     async def __aenter__(self) -> None:
-        if not self.tok.is_pause:
+        async with self.tok.pause_cond:  # reads is_pause under is_pause_cond (C-DRAIN-TIMING)
+            paused = self.tok.is_pause
+        if not paused:
             await self.tok.writer_lock_acquire(self._abort_all if self.abort_all else None)
             self.taken = True
 

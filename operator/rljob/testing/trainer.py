@@ -3,9 +3,11 @@
 Loop: wait until the agent reports Serving; send rollout requests (a shared prompt prefix, several
 samples per prompt, `--concurrency` requests in flight) to SGLang and check every answer's
 meta_info.weight_version (and per-token spans) equals the served version and that the text is not
-garbage; report the samples to the agent (`handoff.report_rollout`); then take the GPU lease, write a real
-safetensors checkpoint for version int(served)+1, publish it, and for tensor/distributed refits push it
-through the agent's refit window. Exits 2 with a message when a check fails.
+garbage; compute a policy-gradient loss from the answers' output_token_logprobs (asked with
+`return_logprob`) and log it with the rollout; report the samples to the agent (`handoff.report_rollout`);
+then take the GPU lease, write a real safetensors checkpoint for version int(served)+1, publish it, and
+for tensor/distributed refits push it through the agent's refit window. Exits 2 with a message when a
+check fails, 4 when an answer has no usable logprobs.
 
     python -m rljob.testing.trainer [--iterations N] [--prompts P] [--samples-per-prompt K] ...
     env: RLJOB_AGENT_URL, RLJOB_SGLANG_URL, RLJOB_REFIT_SOURCE (disk|tensor|distributed), RLJOB_WEIGHTS_DIR
@@ -14,7 +16,7 @@ through the agent's refit window. Exits 2 with a message when a check fails.
 from __future__ import annotations
 
 import argparse
-import base64
+import hashlib
 import json
 import os
 import sys
@@ -26,21 +28,75 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors.numpy import save, save_file
+from safetensors.numpy import save_file
 
 from rljob.emulator.rendezvous import Rank0
 from rljob.emulator.tokens import GARBAGE_MARKER
 from rljob.testing.collective import BACKENDS, World, WorldError
 from rljob.testing.collective import join as join_world
-from rljob.trainer import Handoff
+from rljob.trainer import Handoff, packing
 
 
 class StaleServing(Exception):
     """SGLang answered with the wrong weights (version or garbage): the invariant this program checks."""
 
 
+class BadRollout(Exception):
+    """A rollout answer the loss cannot use: logprobs missing or not those of the returned tokens."""
+
+
+def reward(output_ids: list[int]) -> float:
+    """The task this trainer optimizes: the fraction of generated tokens with an even id."""
+    return sum(1 for t in output_ids if t % 2 == 0) / len(output_ids) if output_ids else 0.0
+
+
+def token_logprobs(response: dict[str, Any]) -> list[float]:
+    """meta_info.output_token_logprobs of one answer, checked against output_ids: one
+    [logprob, token_id, text] per generated token, each a log-probability (<= 0)."""
+    meta = response["meta_info"]
+    entries = meta.get("output_token_logprobs")
+    ids = response.get("output_ids") or []
+    if entries is None:
+        raise BadRollout(f"request {meta.get('id')}: no output_token_logprobs (asked with return_logprob)")
+    if len(entries) != len(ids) or [int(e[1]) for e in entries] != list(ids):
+        raise BadRollout(f"request {meta.get('id')}: output_token_logprobs do not match output_ids")
+    values = [e[0] for e in entries]
+    if any(v is None or not float(v) <= 0.0 for v in values):
+        raise BadRollout(f"request {meta.get('id')}: output logprob not a log-probability: {values}")
+    return [float(v) for v in values]
+
+
+def policy_gradient_loss(groups: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """REINFORCE with a per-prompt baseline (the group's mean reward): loss = -mean over samples of
+    advantage * mean token logprob. Its value at the rollout policy is what a trainer's first step sees.
+    Aborted samples (a drain) carry no full sequence and are left out."""
+    terms: list[float] = []
+    rewards: list[float] = []
+    lps: list[float] = []
+    for group in groups:
+        done = [r for r in group if (r["meta_info"].get("finish_reason") or {}).get("type") != "abort"]
+        scored = [(reward(r["output_ids"]), token_logprobs(r)) for r in done if r.get("output_ids")]
+        if not scored:
+            continue
+        baseline = sum(rw for rw, _ in scored) / len(scored)
+        for rw, lp in scored:
+            terms.append(-(rw - baseline) * sum(lp) / len(lp))
+            rewards.append(rw)
+            lps += lp
+    if not terms:
+        return {"loss": None, "reward": None, "logprob_mean": None, "scored": 0}
+    return {
+        "loss": sum(terms) / len(terms),
+        "reward": sum(rewards) / len(rewards),
+        "logprob_mean": sum(lps) / len(lps),
+        "scored": len(terms),
+    }
+
+
 def _log(event: str, **fields: Any) -> None:
-    print(json.dumps({"event": event, "ts": round(time.time(), 3), **fields}), flush=True)
+    # One write per line: the processes of a pod (torchrun) share the container's stdout.
+    sys.stdout.write(json.dumps({"event": event, "ts": round(time.time(), 3), **fields}) + "\n")
+    sys.stdout.flush()
 
 
 def next_version(served: str | None) -> str:
@@ -56,6 +112,22 @@ def make_tensors(version: str, total_bytes: int) -> dict[str, np.ndarray]:
     }
 
 
+def tensor_payload(name: str, array: np.ndarray) -> bytes:
+    """`array` as one flattened bucket in SGLang's push format (what the emulator reads as SGLang does).
+    Its CUDA IPC reduction is a stand-in (no torch or GPU here) whose handle is the data's sha256, so the
+    payload, and the checksum the emulator keeps over it, change with the data."""
+    digest = hashlib.sha256(array.tobytes()).digest()
+    nbytes = int(array.nbytes)
+    ipc = packing.Call(
+        packing.Global("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
+        (packing.Global("torch", "Tensor"), packing.Call(packing.TORCH_SIZE, ((nbytes,),)), (1,), 0,
+         packing.Global("torch.storage", "TypedStorage"), packing.Global("torch", "uint8"), "GPU-0",
+         digest * 2, nbytes, 0, False, b"/torch_1", 0, digest * 2, True),
+    )  # fmt: skip
+    entry = packing.metadata_entry(name, array.shape, str(array.dtype), 0, nbytes)
+    return packing.bucket_payload(ipc, [entry])
+
+
 def write_checkpoint(weights_dir: Path, version: str, tensors: dict[str, np.ndarray]) -> Path:
     weights_dir.mkdir(parents=True, exist_ok=True)
     # One file per pod: trainers of a gang may share a volume (a claim that outlives the pods).
@@ -63,7 +135,7 @@ def write_checkpoint(weights_dir: Path, version: str, tensors: dict[str, np.ndar
     path = weights_dir / (
         f"weights-v{version}-pod{pod}.safetensors" if pod else f"weights-v{version}.safetensors"
     )
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".tmp{os.getpid()}")  # the processes of one pod (torchrun) write the same file
     save_file(tensors, str(tmp), metadata={"weight_version": version})
     tmp.replace(path)  # a reader never sees a half-written file
     return path
@@ -73,7 +145,8 @@ class Rollout:
     def __init__(self, sglang_url: str, api_key: str | None, args: argparse.Namespace) -> None:
         self.url = sglang_url.rstrip("/")
         # A follower pod of a multi-node instance has no SGLang API (C-NODE): its instance's leader generates.
-        self.generates = os.environ.get("RLJOB_NODE_RANK", "0") == "0"
+        # Under torchrun (processesPerPod > 1) LOCAL_RANK 0 generates for the pod.
+        self.generates = all(os.environ.get(k, "0") == "0" for k in ("RLJOB_NODE_RANK", "LOCAL_RANK"))
         self.headers = {"Content-Type": "application/json"}
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
@@ -83,6 +156,7 @@ class Rollout:
         body = {
             "text": [prompt] * self.args.samples_per_prompt,
             "sampling_params": {"max_new_tokens": self.args.max_new_tokens, "temperature": 1.0},
+            "return_logprob": True,  # the loss is computed from the rollout's own logprobs
         }
         req = urllib.request.Request(
             self.url + "/generate", json.dumps(body).encode(), self.headers, method="POST"
@@ -93,11 +167,13 @@ class Rollout:
 
     def run(self, iteration: int, served: str) -> dict[str, Any]:
         if not self.generates:
-            return {"responses": 0, "completed": 0, "cached_tokens": 0, "prompt_tokens": 0}
+            empty = {"responses": 0, "completed": 0, "cached_tokens": 0, "prompt_tokens": 0}
+            return {**empty, **policy_gradient_loss([])}
         prefix = " ".join(f"sys{i}" for i in range(self.args.prefix_tokens))
         prompts = [f"{prefix} question-{iteration}-{i} please answer" for i in range(self.args.prompts)]
         with ThreadPoolExecutor(max_workers=max(1, min(self.args.concurrency, len(prompts)))) as pool:
-            results = [r for batch in pool.map(self._generate, prompts) for r in batch]
+            groups = list(pool.map(self._generate, prompts))
+        results = [r for batch in groups for r in batch]
         cached = prompt_tokens = completed = 0
         for r in results:
             meta = r["meta_info"]
@@ -110,6 +186,7 @@ class Rollout:
             "completed": completed,
             "cached_tokens": cached,
             "prompt_tokens": prompt_tokens,
+            **policy_gradient_loss(groups),
         }
 
     @staticmethod
@@ -143,7 +220,8 @@ def push_refit(
         names = sorted(tensors)
         if source == "tensor":
             for name in names:  # one bucket per tensor; one payload per TP rank (TP=1 here)
-                window.push_tensors([base64.b64encode(save({name: tensors[name]})).decode()])
+                payload = packing.to_wire(tensor_payload(name, tensors[name]))
+                window.push_tensors([payload], packing.LOAD_FORMAT)
         else:
             # The trainer is group rank 0 and hosts the group's store; SGLang's init_weights_update_group
             # answers only once its ranks joined it (C-REFIT-GROUP-BLOCK in docs/sglang-conformance.md),
@@ -261,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     except StaleServing as e:
         print(f"STALE SERVING: {e}", file=sys.stderr, flush=True)
         return 2
+    except BadRollout as e:
+        print(f"BAD ROLLOUT: {e}", file=sys.stderr, flush=True)
+        return 4
     except WorldError as e:
         print(f"WORLD: {e}", file=sys.stderr, flush=True)
         return 3
