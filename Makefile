@@ -18,8 +18,9 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-install: $(BIN)/python ## create .venv and install the package with the testing + dev extras
-	$(BIN)/pip install -q -e '.[testing,dev]'
+install: $(BIN)/python ## create .venv and install the package with the testing, train (torch) + dev extras, and SGLang's wheels
+	$(BIN)/pip install -q -e '.[testing,dev,train]'
+	bash hack/sglang-wheels.sh $(BIN)/python
 
 test: install binaries ## unit, agent, e2e (real control plane), images (buildah); GPU tier skipped without a GPU
 	$(BIN)/python -m pytest -q tests/unit tests/agent tests/e2e tests/images tests/gpu
@@ -33,9 +34,10 @@ test-agent: install ## agent against the SGLang emulator
 test-e2e: install binaries ## real kube-apiserver + etcd, helm, kubectl
 	$(BIN)/python -m pytest -q tests/e2e
 
-lint: install ## ruff + mypy (api/ and lifecycle/)
+lint: install ## ruff + mypy (api/ and lifecycle/) + lint-imports (the layers declared in .importlinter)
 	$(BIN)/ruff check operator tests
 	$(BIN)/mypy operator/rljob/api operator/rljob/lifecycle
+	$(BIN)/lint-imports
 
 crds: install ## regenerate crds/ (and the chart's copy) from the pydantic models
 	$(BIN)/python -m rljob.api.crd > crds/rljob.io_rljobs.yaml

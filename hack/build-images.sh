@@ -117,7 +117,8 @@ trust=()
 # image whose label matches is up to date and not rebuilt.
 inputs_of() {
   { echo "$BASE_IMAGE"
-    cat "$ROOT/images/$1/Dockerfile" "$ROOT/images/$1/Dockerfile.dockerignore" "$ROOT/pyproject.toml" "$ROOT/README.md"
+    cat "$ROOT/images/$1/Dockerfile" "$ROOT/images/$1/Dockerfile.dockerignore" "$ROOT/pyproject.toml" "$ROOT/README.md" \
+        "$ROOT/packaging/rljob-testing/pyproject.toml"
     (cd "$ROOT" && find operator -type f ! -path '*/__pycache__/*' ! -name '*.py[co]' ! -path '*.egg-info/*' \
        -print0 | LC_ALL=C sort -z | xargs -0 sha256sum)
   } | sha256sum | cut -c1-16

@@ -5,10 +5,9 @@ CUDA IPC reduction: no torch here), which the emulator's accounting backend read
 
 from __future__ import annotations
 
-import base64
 import hashlib
-import importlib.util
 import math
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -46,6 +45,11 @@ def bucket_payloads(
         ]
         out.append(packing.bucket_payload(_ipc_stand_in(plan.nbytes), entries))
     return out
+
+
+def _small_bucket(name: str) -> str:
+    """One float32 [2] tensor as a flattened bucket, on the wire."""
+    return packing.to_wire(bucket_payloads([(name, "float32", (2,))])[0])
 
 
 def _to_trained(c: AgentDriver, version: str) -> None:
@@ -111,7 +115,7 @@ def test_window_closed_with_error_fails_the_refit_and_ends_the_session(
     _refit_async(agent, c, version="1", source="tensor")
     handoff = Handoff(agent.trainer_url)
     with pytest.raises(RuntimeError, match="trainer exploded"), handoff.refit_window(timeout=10) as w:
-        w.push_tensors([base64.b64encode(b"x").decode()])
+        w.push_tensors([_small_bucket("x")], load_format="flattened_bucket")
         raise RuntimeError("trainer exploded")
     out = _outcome(agent)
     assert out["state"] == "Failed" and "trainer exploded" in out["error"]
@@ -120,7 +124,7 @@ def test_window_closed_with_error_fails_the_refit_and_ends_the_session(
     # a second attempt (new epoch) works: begin does not find a stale session
     _refit_async(agent, c, version="1", source="tensor")
     with handoff.refit_window(timeout=10) as w:
-        w.push_tensors([base64.b64encode(b"y").decode()])
+        w.push_tensors([_small_bucket("y")], load_format="flattened_bucket")
     assert _outcome(agent)["state"] == "Succeeded"
 
 
@@ -312,10 +316,12 @@ def test_a_bucket_sglang_cannot_view_kills_it_and_fails_the_refit(
     assert _outcome(agent)["state"] == "Failed"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch") is not None, reason="torch is installed")
 def test_push_named_tensors_without_torch_says_what_is_missing(
-    start_emulator: Callable[..., Emulator], start_agent: Callable[..., Agent]
+    start_emulator: Callable[..., Emulator],
+    start_agent: Callable[..., Agent],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setitem(sys.modules, "torch", None)  # a trainer without torch: `import torch` fails
     emu = start_emulator("0.5.23")
     agent = start_agent(emu)
     c = AgentDriver(agent)

@@ -7,13 +7,16 @@ file. Node 0 of each instance serves SGLang's API; its release and resume reach 
 which free and map their own emulated GPU memory; the follower's agent verifies its own GPUs. The four
 trainer containers form one world from the injected MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK and run a
 checked all_reduce each step (torch.distributed with gloo when torch is importable, else the same check
-over plain TCP, which the test reports as a warning; RLJOB_REQUIRE_TORCH=1 makes torch required)."""
+over plain TCP, which the test reports as a warning; RLJOB_REQUIRE_TORCH=1, set by .ci/run, makes torch
+required). With spec.trainer.processesPerPod 2 the trainer container is `torchrun`, which starts the
+world from the injected PET_* variables alone."""
 
 from __future__ import annotations
 
 import copy
 import json
 import os
+import sys
 import urllib.request
 import warnings
 from collections.abc import Iterator
@@ -27,8 +30,8 @@ import yaml
 from rljob.testing.collective import torch_available
 from rljob.testing.harness import ROOT, OperatorProcess, get_rljob, phase_is, wait_rljob
 from rljob.testing.kubeaccess import KubeApi, Kubectl
-from rljob.testing.kubelet import Kubelet
-from rljob.testing.pods import SIM_ARGS_ENV, rljob_mapping
+from rljob.testing.kubelet import ContainerContext, Kubelet, Launch, Mapping
+from rljob.testing.pods import SIM_ARGS_ENV, TRAINER_ENTRY, classify, pod_loopback, rljob_mapping
 
 pytestmark = pytest.mark.e2e
 
@@ -83,6 +86,21 @@ class Topo:
         return out
 
 
+def torchrun_mapping(base: Mapping) -> Mapping:
+    """A trainer container whose command is `torchrun ... -m rljob.testing.trainer ARGS` runs this
+    interpreter's torchrun (torch.distributed.run) with the same options; every other container as `base`."""
+
+    def mapping(ctx: ContainerContext) -> Launch | Any:
+        argv = ctx.argv()
+        c = classify(ctx)
+        if c.kind != "trainer" or not argv or argv[0] != "torchrun":
+            return base(ctx)
+        options = [pod_loopback(a, ctx.pod_ip) for a in argv[1 : argv.index(TRAINER_ENTRY) + 1]]
+        return Launch([sys.executable, "-u", "-m", "torch.distributed.run", *options, *c.args], env=c.env)
+
+    return mapping
+
+
 @pytest.fixture
 def topo(
     admin_kubeconfig: Path,
@@ -93,7 +111,7 @@ def topo(
     rljob_crd: None,
     tmp_path: Path,
 ) -> Iterator[Topo]:
-    kubelet = kubelet_factory(mapping=rljob_mapping())
+    kubelet = kubelet_factory(mapping=torchrun_mapping(rljob_mapping()))
     assert kubelet.pod_hosts, (
         "this tier resolves the gang's names through per-pod hosts files (root, unshare)"
     )
@@ -115,6 +133,7 @@ def two_node_job(
     sim_args: str = "",
     pod_sim_args: dict[int, str] | None = None,
     world: str = "auto",
+    processes_per_pod: int = 1,
     train_seconds: float = 0.3,
     backoff: int = 2,
     **spec: Any,
@@ -126,7 +145,7 @@ def two_node_job(
     body.update(replicas=replicas, iterations=iterations, backoffLimit=backoff, podsAfterFinished="Keep")
     body.update(spec)
     body["rollout"] = {"podsPerInstance": per}
-    body["trainer"] = {"masterPort": master_port}
+    body["trainer"] = {"masterPort": master_port, "processesPerPod": processes_per_pod}
     body["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] = f"{name}-weights"
     sglang, trainer = body["template"]["spec"]["containers"]
     nodes: tuple[str, ...] = ()
@@ -142,6 +161,8 @@ def two_node_job(
     ]
     trainer["args"] = ["--prompts", "2", "--samples-per-prompt", "2", "--train-seconds", str(train_seconds)]
     trainer["args"] += ["--world", world]
+    if processes_per_pod > 1:  # torchrun reads --nnodes, --nproc-per-node, ... from the injected PET_*
+        trainer["command"] = ["torchrun", "-m", "rljob.testing.trainer"]
     return manifest
 
 
@@ -155,24 +176,30 @@ def report_world_backend(backends: set[str]) -> None:
         )
 
 
-def check_world(topo: Topo, pods: list[str], steps: int) -> set[str]:
-    """Every trainer container ran `steps` checked collectives in one world of len(pods), each with its
-    own rank: the injected env formed it (a wrong rank or size fails the step, or the trainer exits 3)."""
-    ranks, backends = [], set()
+def check_world(topo: Topo, pods: list[str], steps: int, per_pod: int = 1) -> set[str]:
+    """Every trainer process ran `steps` checked collectives in one world of len(pods) x per_pod, each with
+    its own rank: the injected env formed it (a wrong rank or size fails the step, or the trainer exits 3).
+    Pod i's processes are ranks i*per_pod .. i*per_pod+per_pod-1 (RANK is the pod index with one process;
+    torchrun numbers node-major). Under torch, the group's backend is gloo."""
+    size = len(pods) * per_pod
+    ranks, backends, groups = [], set(), set()
     for name in pods:
+        index = int(name.rsplit("-", 1)[1])
         worlds = topo.events(name, "trainer", "world")
-        assert len(worlds) == 1, topo.log(name, "trainer")[-2000:]
+        assert len(worlds) == per_pod, topo.log(name, "trainer")[-2000:]
         collectives = topo.events(name, "trainer", "collective")
-        assert len(collectives) >= steps, topo.log(name, "trainer")[-2000:]
-        assert {c["world_size"] for c in collectives} == {len(pods)}
-        assert len({c["rank"] for c in collectives}) == 1
-        ranks.append(collectives[0]["rank"])
+        assert len(collectives) >= steps * per_pod, topo.log(name, "trainer")[-2000:]
+        assert {c["world_size"] for c in collectives} == {size}
+        own = sorted({c["rank"] for c in collectives})
+        assert own == [index * per_pod + i for i in range(per_pod)], own
+        ranks += own
         backends |= {c["backend"] for c in collectives}
-    assert sorted(ranks) == list(range(len(pods)))
-    assert ranks == [int(p.rsplit("-", 1)[1]) for p in pods]  # RANK is the pod index
+        groups |= {c.get("group_backend") for c in collectives}
+    assert sorted(ranks) == list(range(size))
     if os.environ.get("RLJOB_REQUIRE_TORCH") == "1":
         assert backends == {"torch"}
     assert backends == ({"torch"} if torch_available() else {"tcp"})
+    assert groups == ({"gloo"} if backends == {"torch"} else {None})
     return backends
 
 
@@ -256,6 +283,31 @@ def test_data_parallel_inside_a_multi_gpu_pod(topo: Topo) -> None:
         stats = topo.emulator(pod, "/_emulator/stats")
         assert [r["dp_rank"] for r in stats["ranks"]] == [0, 1] and len(stats["memory"]["gpus"]) == 2
     check_world(topo, ["dp-0", "dp-1"], steps=2)
+
+
+def test_two_trainer_processes_per_pod_form_one_torch_world_under_torchrun(topo: Topo) -> None:
+    """processesPerPod 2: the operator injects no WORLD_SIZE/RANK, only PET_*; the trainer container runs
+    `torchrun -m rljob.testing.trainer` with no rendezvous options, and its 2 x 2 processes form one world
+    (torch.distributed, gloo) whose all_reduce runs in every step; LOCAL_RANK 0 asks for and publishes the
+    pod's lease, LOCAL_RANK 1 waits for it (Handoff)."""
+    if not torch_available():
+        pytest.fail("processesPerPod > 1 runs torchrun: torch must be installed (make install)")
+    topo.apply(two_node_job("procs", replicas=2, per=1, iterations=2, master_port=29681, processes_per_pod=2))
+    obj = topo.wait("procs", "Succeeded", timeout=240)
+    status = obj["status"]
+    assert status["weightVersion"] == "2" and status["restarts"] == 0, status.get("message")
+    pods = topo.pods("procs")
+    assert sorted(pods) == ["procs-0", "procs-1"]
+    for name, pod in pods.items():
+        trainer = next(c for c in pod["spec"]["containers"] if c["name"] == "trainer")
+        env = {e["name"]: e.get("value") for e in trainer["env"]}
+        assert env["PET_NPROC_PER_NODE"] == "2" and env["PET_NNODES"] == "2"
+        assert env["PET_NODE_RANK"] == name.rsplit("-", 1)[1]
+        assert not {"WORLD_SIZE", "RANK", "LOCAL_RANK"} & set(env), env  # torchrun sets them
+        published = topo.events(name, "trainer", "published")
+        # both processes of the pod published each version (LOCAL_RANK 1's publish only records it)
+        assert sorted(p["version"] for p in published) == ["1", "1", "2", "2"], published
+    assert check_world(topo, ["procs-0", "procs-1"], steps=2, per_pod=2) == {"torch"}
 
 
 def test_replicas_that_are_not_a_multiple_of_pods_per_instance_are_refused(topo: Topo) -> None:

@@ -85,11 +85,18 @@ def dockerfile(image: str) -> Path:
 # --- the project's wheel ----------------------------------------------------------------------------------
 
 
-def build_wheel(tmp_path_factory: pytest.TempPathFactory, exclude: tuple[str, ...] = ()) -> Path:
-    """A wheel built from a copy of exactly what a Dockerfile COPYs (so the shared source tree gets no
-    build/ or egg-info, and a file the image lacks makes the build fail here too), less `exclude`."""
+TESTING_PROJECT = "packaging/rljob-testing"  # the test world's distribution, rljob-testing
+
+
+def build_wheel(
+    tmp_path_factory: pytest.TempPathFactory, exclude: tuple[str, ...] = (), project: str = "."
+) -> Path:
+    """The wheel of `project` (the product's, or TESTING_PROJECT's) built from a copy of exactly what a
+    Dockerfile COPYs (so the shared source tree gets no build/ or egg-info, and a file the image lacks
+    makes the build fail here too), less `exclude`."""
     src = tmp_path_factory.mktemp("src")
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", f"{TESTING_PROJECT}/pyproject.toml"):
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, src / name)
     shutil.copytree(
         ROOT / "operator", src / "operator", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info")
@@ -97,21 +104,27 @@ def build_wheel(tmp_path_factory: pytest.TempPathFactory, exclude: tuple[str, ..
     for path in exclude:
         shutil.rmtree(src / path)
     out = tmp_path_factory.mktemp("wheel")
-    build = [sys.executable, "-m", "build", "--wheel", "--outdir", str(out), str(src)]
+    build = [sys.executable, "-m", "build", "--wheel", "--outdir", str(out), str(src / project)]
     done = subprocess.run(build, capture_output=True, text=True, timeout=300)
     if done.returncode != 0:  # no index for an isolated build env: use the installed setuptools
         done = subprocess.run(
             [*build, "--no-isolation", "--skip-dependency-check"], capture_output=True, text=True, timeout=300
         )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    (whl,) = out.glob("rljob_operator-*.whl")
+    (whl,) = out.glob("*.whl")
     return whl
 
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The whole project's wheel (the testing image's)."""
+    """The product's wheel, built from the whole source tree (pyproject.toml leaves the test world out)."""
     return build_wheel(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def testing_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The test world's wheel (rljob-testing), which the testing image installs with the product's."""
+    return build_wheel(tmp_path_factory, project=TESTING_PROJECT)
 
 
 def wheel_names(whl: Path) -> set[str]:
@@ -239,12 +252,13 @@ def test_product_images_install_only_the_product(image: str, product_wheel: Path
     assert missing == [], f"console scripts whose module is not in the product wheel: {missing}"
 
 
-def test_testing_image_carries_the_simulated_trainer(wheel: Path) -> None:
+def test_testing_image_carries_the_simulated_trainer(testing_wheel: Path) -> None:
     """examples/ run `python3 -m rljob.testing.trainer` from the testing image: the module must be in the
-    wheel, and that image installs the `testing` extra its dependencies come from."""
+    test world's wheel, which that image installs (and with it rljob-operator[testing], its requirement)."""
     stages, _ = parse_dockerfile(dockerfile("testing"))
-    assert any("[testing]" in run for run in stages[-1].all("RUN")), (
-        "the testing image installs rljob-operator[testing]"
+    assert any(TESTING_PROJECT in run for run in stages[0].all("RUN")), "stage 1 builds rljob-testing"
+    assert any('"rljob-testing==' in run for run in stages[-1].all("RUN")), (
+        "the testing image installs rljob-testing"
     )
     testing_image = AgentOptions().image.rsplit("/", 1)[0] + "/rljob-testing"
     modules = set()
@@ -256,13 +270,14 @@ def test_testing_image_carries_the_simulated_trainer(wheel: Path) -> None:
                 if c.get("image", "").startswith(testing_image) and cmd[:2] == ["python3", "-m"]:
                     modules.add(cmd[2])
     assert modules, "no example runs a module from the testing image"
-    names = wheel_names(wheel)
+    names = wheel_names(testing_wheel)
     assert sorted(m for m in modules if not module_in_wheel(names, m)) == []
 
 
-def test_wheel_contains_every_source_module(wheel: Path) -> None:
-    """A subpackage without __init__.py would silently drop out of the wheel (and the images)."""
-    names = wheel_names(wheel)
+def test_wheel_contains_every_source_module(wheel: Path, testing_wheel: Path) -> None:
+    """A subpackage without __init__.py would silently drop out of the wheels (and the images): every
+    source module is in the product's wheel or the test world's."""
+    names = wheel_names(wheel) | wheel_names(testing_wheel)
     sources = {
         str(p.relative_to(ROOT / "operator"))
         for p in (ROOT / "operator" / "rljob").rglob("*.py")

@@ -10,7 +10,10 @@ wrong rank or world size fails the step (`WorldError`), or its rendezvous.
 - `tcp`: the same contract without torch, for machines where torch is not installed: rank 0 hosts a plain
   TCP rendezvous at MASTER_ADDR:MASTER_PORT, refuses a second rank of the same number or another world
   size, sums the vectors and answers every rank.
-- `auto`: torch if importable, else tcp; with RLJOB_REQUIRE_TORCH=1, torch or an error.
+- `auto`: torch if importable, else tcp; with RLJOB_REQUIRE_TORCH=1 (set by .ci/run), torch or an error.
+
+Each step's record names the backend (`torch` or `tcp`) and, for torch, the process group's own backend as
+torch.distributed reports it (`group_backend`: "gloo"), so a test can tell which collective ran.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ def world_env(env: Mapping[str, str]) -> tuple[str, int, int, int]:
 class World:
     def __init__(self, backend: str, size: int, rank: int) -> None:
         self.backend, self.size, self.rank = backend, size, rank
+        self.group_backend: str | None = None  # torch.distributed's own name of the group's backend
         self.steps = 0
 
     def all_reduce(self, vector: list[float]) -> list[float]:
@@ -69,13 +73,16 @@ class World:
                 f"all_reduce of one-hot rank vectors gave {total}, not {self.size} ones: a rank is missing, "
                 f"repeated, or a process disagrees on WORLD_SIZE"
             )
-        return {
+        record: dict[str, Any] = {
             "backend": self.backend,
             "world_size": self.size,
             "rank": self.rank,
             "step": self.steps,
             "seconds": round(time.perf_counter() - started, 6),
         }
+        if self.group_backend is not None:
+            record["group_backend"] = self.group_backend
+        return record
 
     def close(self) -> None:
         pass
@@ -91,6 +98,7 @@ class TorchWorld(World):
             raise WorldError(
                 f"torch formed world {dist.get_world_size()}/{dist.get_rank()}, not {size}/{rank}"
             )
+        self.group_backend = str(dist.get_backend())
 
     def all_reduce(self, vector: list[float]) -> list[float]:
         import torch
