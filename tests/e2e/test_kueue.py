@@ -7,6 +7,7 @@ import contextlib
 import copy
 import re
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +18,10 @@ import yaml
 
 from rljob.controller import queueing
 from rljob.testing import kueue as kq
+from rljob.testing.cluster import ControlPlaneError, ensure_binaries
 from rljob.testing.harness import ROOT, OperatorProcess, get_rljob, wait_rljob
-from rljob.testing.kubeaccess import ApiError, KubeApi, Kubectl, wait_for
+from rljob.testing.install import HelmError, install_chart, operator_kubeconfig, uninstall_chart
+from rljob.testing.kubeaccess import ApiError, KubeApi, Kubectl, delete_namespace, wait_for
 from rljob.testing.pods import SIM_ARGS_ENV, rljob_mapping
 
 REPO = Path(__file__).resolve().parents[2]
@@ -140,6 +143,28 @@ def rljob_crd(kubectl: Kubectl) -> None:
     kubectl("wait", "--for=condition=Established", "crd/rljobs.rljob.io", "--timeout=30s")
 
 
+@pytest.fixture
+def operator_identity(
+    admin_kubeconfig: Path, kube_api: KubeApi, namespace: str, rljob_crd: None, tmp_path: Path
+) -> Iterator[Path]:
+    """The chart installed with namespaced RBAC watching the test namespace, and a kubeconfig holding a
+    token of the chart's ServiceAccount: the operator under Kueue has exactly the chart's rights, the
+    Workload rules included (a missing verb is a 403 in the operator's log and a job that never runs)."""
+    try:
+        helm = ensure_binaries(build=True).helm
+    except ControlPlaneError as exc:
+        pytest.fail(f"the Kueue tests need helm: {exc}", pytrace=False)
+    suffix = uuid.uuid4().hex[:6]  # the chart's names (release + "-metrics" ...) stay under 63 characters
+    release, release_ns = f"rljob-{suffix}", f"rljob-system-{suffix}"
+    install_chart(helm, admin_kubeconfig, release, release_ns, [namespace])
+    try:
+        yield operator_kubeconfig(kube_api, None, release_ns, tmp_path / "sa.kubeconfig")
+    finally:
+        with contextlib.suppress(HelmError):
+            uninstall_chart(helm, admin_kubeconfig, release, release_ns)
+        delete_namespace(kube_api, release_ns)
+
+
 @dataclass
 class Queued:
     """The operator, a fake kubelet and Kueue, for one test namespace."""
@@ -184,16 +209,15 @@ class Queued:
 @pytest.fixture
 def queued(
     kueue: kq.LocalKueue,
-    admin_kubeconfig: Path,
+    operator_identity: Path,
     kube_api: KubeApi,
     kubectl: Kubectl,
     namespace: str,
     kubelet_factory: Any,
-    rljob_crd: None,
     tmp_path: Path,
 ) -> Iterator[Queued]:
     kubelet_factory(mapping=rljob_mapping(), scratch_root=tmp_path / "kubelet")
-    operator = OperatorProcess(admin_kubeconfig, [namespace], tmp_path / "operator.log").start()
+    operator = OperatorProcess(operator_identity, [namespace], tmp_path / "operator.log").start()
     try:
         yield Queued(kube_api, kubectl, namespace, operator, tmp_path / "kubelet")
     finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +18,6 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from rljob.controller import kubeconfig
 from rljob.controller.apiserver import ApiError, ApiServer
 from rljob.controller.kube import Kube
 from rljob.controller.kubeconfig import Credentials
@@ -90,11 +90,17 @@ def fake() -> Iterator[FakeApiServer]:
 
 
 def server_for(fake: FakeApiServer, token: str = "tok-1", token_path: Path | None = None) -> ApiServer:
-    return ApiServer(
-        Credentials(
-            server=fake.url, token=None if token_path else token, token_path=token_path and str(token_path)
-        )
-    )
+    """The operator's credentials from a kubeconfig naming `token`, or `tokenFile: token_path`."""
+    folder = Path(tempfile.mkdtemp(prefix="rljob-kubeconfig-"))
+    user = {"tokenFile": str(token_path)} if token_path else {"token": token}
+    doc = {
+        "current-context": "k",
+        "contexts": [{"name": "k", "context": {"cluster": "c", "user": "u"}}],
+        "clusters": [{"name": "c", "cluster": {"server": fake.url}}],
+        "users": [{"name": "u", "user": user}],
+    }
+    (folder / "config").write_text(json.dumps(doc))
+    return ApiServer(Credentials.from_kubeconfig(str(folder / "config")))
 
 
 def run(coro: Any) -> Any:
@@ -219,10 +225,10 @@ def test_a_dropped_connection_is_tried_once_more(fake: FakeApiServer) -> None:
 def test_a_401_reads_the_rotated_token_and_tries_once_more(
     fake: FakeApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The kubelet rotated the ServiceAccount token: the file is read again at once after a 401, not only
-    every TOKEN_SECONDS; a server that refuses the new one too is an error, not a loop."""
+    """The kubelet rotated the token: the configuration is loaded again at once after a 401 (the file read
+    again); a server that refuses the new one too is an error, not a loop."""
     token = tmp_path / "token"
-    token.write_text("tok-1\n")
+    token.write_text("tok-1")
     server = server_for(fake, token_path=token)
 
     async def patch() -> None:
@@ -232,7 +238,7 @@ def test_a_401_reads_the_rotated_token_and_tries_once_more(
             await server.close()
 
     run(patch())
-    token.write_text("tok-2\n")
+    token.write_text("tok-2")
     fake.valid_tokens = {"tok-2"}
     run(patch())
     sent = [r["headers"]["Authorization"] for r in fake.requests]
@@ -280,16 +286,3 @@ def test_the_sync_path_tries_a_dropped_connection_once_more(fake: FakeApiServer)
     fake.drop_next = 2
     with pytest.raises((OSError, ConnectionError)):
         server.call_sync("get_version", "GET", "/version")
-
-
-def test_token_file_is_read_again_only_after_token_seconds(tmp_path: Path) -> None:
-    now = [0.0]
-    token = tmp_path / "token"
-    token.write_text("a")
-    c = Credentials(server="https://x", token_path=str(token), clock=lambda: now[0])
-    assert c.headers() == {"Authorization": "Bearer a"}
-    token.write_text("b")
-    now[0] = kubeconfig.TOKEN_SECONDS - 1
-    assert c.bearer() == "a"
-    now[0] = kubeconfig.TOKEN_SECONDS
-    assert c.bearer() == "b"

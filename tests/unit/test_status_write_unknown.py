@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from kubernetes.client import Configuration
 from test_conductor_refusals import FakeKube, assert_invalid_spec, body, conduct
 
 from rljob.api.status import Phase, RLJobStatus
@@ -227,7 +228,12 @@ def server() -> Iterator[GatewayTimeoutServer]:
 
 
 def kube_of(server: GatewayTimeoutServer) -> Kube:
-    return Kube(ApiServer(Credentials(server=server.url, token="t")))
+    def configuration() -> Configuration:
+        loaded = Configuration(host=server.url)
+        loaded.api_key = {"BearerToken": "Bearer t"}
+        return loaded
+
+    return Kube(ApiServer(Credentials.from_configuration(configuration, None)))
 
 
 @pytest.mark.parametrize(("answer", "unanswered"), [(500, True), (503, True), (504, True), (409, False)])

@@ -31,24 +31,22 @@ LIST_CHUNK = 100  # objects per page of kopf's lists: the start, and after a wat
 @kopf.on.login()
 def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
     """kopf's watches use the credentials of the operator's own calls (controller/kubeconfig.py). kopf asks
-    again after the API server answered 401: the token file is read again, an exec plugin run again.
+    again after the API server answered 401: the configuration is loaded again (token file, exec plugin).
     (kopf has no tls-server-name: a kubeconfig that needs one serves the operator's calls only.)"""
     kube = memo.get("kube")
     c = kube.server.credentials if isinstance(kube, Kube) else Credentials.load()
     c.invalidate()
-    token = c.bearer()
+    scheme, _, token = (c.authorization() or "").partition(" ")
     return kopf.ConnectionInfo(
         server=c.server,
         ca_path=c.ca_path,
         insecure=c.insecure or None,
-        username=None if token else c.username,
-        password=None if token else c.password,
-        token=token,
+        scheme=scheme or None,
+        token=token or None,
         certificate_path=c.certificate_path,
         private_key_path=c.private_key_path,
         default_namespace=c.namespace,
         proxy_url=c.proxy_url,
-        expiration=c.expiration(),
     )
 
 

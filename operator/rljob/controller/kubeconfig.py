@@ -1,86 +1,47 @@
-"""Where the API server is and how the operator proves who it is, read as client-go reads it, without a
-Kubernetes client library (kopf imports the generated `kubernetes` client whenever it can, ~14 MiB of the
-operator's RSS for nothing it uses: docs/benchmarks.md; controller/main.py keeps it out).
+"""Where the API server is and how the operator proves who it is, read by the official `kubernetes`
+library's config loaders (`kubernetes.config`), the operator's calls going out over its own transport
+(controller/apiserver.py):
 
-- In a pod: its ServiceAccount, as rest.InClusterConfig (k8s.io/client-go/rest/config.go@v0.34.4):
-  https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT, the mounted CA, and the token file, which
-  the kubelet rotates: it is read again every TOKEN_SECONDS, as client-go's cachingTokenSource does.
-- Elsewhere: the current context (or `context`) of $KUBECONFIG's files merged, the first file to name an
-  entry winning (clientcmd's loading rules), else ~/.kube/config: server, CA, tls-server-name,
-  insecure-skip-tls-verify, proxy-url; a client certificate, a token or tokenFile, basic auth, or an exec
-  credential plugin (client.authentication.k8s.io ExecCredential), run again when what it gave expires
-  or the API server answers 401. Relative paths are relative to the file that names them.
+- In a pod: its ServiceAccount (`load_incluster_config`): the mounted CA, and the token file, which the
+  kubelet rotates; the library reads it again once a minute.
+- Elsewhere: the current context (or `context`) of $KUBECONFIG's files merged, else ~/.kube/config
+  (`load_kube_config`): server, CA, tls-server-name, insecure-skip-tls-verify, proxy-url; a client
+  certificate, a token or tokenFile, basic auth, an auth-provider's token, or an exec credential plugin,
+  run again by the library once what it gave expired.
 
-`Credentials` is the one source of both kopf's login (controller/handlers.py) and the operator's own
-calls (controller/apiserver.py)."""
+`Credentials` is the one source of both kopf's login (controller/handlers.py) and the operator's own calls;
+a 401 loads the configuration again (a rotated token file, an exec plugin run again)."""
 
 from __future__ import annotations
 
-import base64
-import json
+import logging
 import os
-import subprocess
-import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import yaml
+from kubernetes import client as k8s_client
+from kubernetes import config as k8s_config
+from kubernetes.config.config_exception import ConfigException
 
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
-TOKEN_SECONDS = 60.0  # client-go re-reads a token file at most every minute (transport/token_source.go)
-EXEC_MARGIN_SECONDS = 30.0  # an exec credential is renewed this long before it expires
-
-
-Entry = tuple[dict[str, Any], Path]  # a kubeconfig entry and the folder of the file that named it
+API_KEY = "BearerToken"  # where both loaders put the Authorization header's value
+ASK_SECONDS = 1.0  # how stale the header may be (a 401 asks at once)
 
 
 class ConfigError(Exception):
     """No usable configuration: not in a pod, and no kubeconfig (or one that names nothing usable)."""
 
 
-@dataclass(frozen=True)
-class ExecPlugin:
-    """A kubeconfig user's `exec`: a command that prints an ExecCredential."""
-
-    command: str
-    args: tuple[str, ...] = ()
-    env: tuple[tuple[str, str], ...] = ()
-    api_version: str = "client.authentication.k8s.io/v1"
-    base: Path = Path()  # a relative command is relative to its kubeconfig, as a path
-
-    def run(self) -> tuple[dict[str, Any], datetime | None]:
-        """The credential's status and when it expires (None: never)."""
-        command = self.command
-        if os.sep in command and not os.path.isabs(command):
-            command = str(self.base / command)
-        info = {"apiVersion": self.api_version, "kind": "ExecCredential", "spec": {"interactive": False}}
-        env = {**os.environ, **dict(self.env), "KUBERNETES_EXEC_INFO": json.dumps(info)}
-        try:
-            done = subprocess.run(
-                [command, *self.args], env=env, capture_output=True, timeout=60, check=False
-            )
-        except (OSError, subprocess.TimeoutExpired) as err:
-            raise ConfigError(f"exec credential plugin {self.command}: {err}") from None
-        if done.returncode != 0:
-            why = done.stderr.decode(errors="replace").strip()[-500:]
-            raise ConfigError(f"exec credential plugin {self.command} exited {done.returncode}: {why}")
-        try:
-            status = json.loads(done.stdout)["status"]
-        except (ValueError, KeyError, TypeError):
-            raise ConfigError(f"exec credential plugin {self.command}: no ExecCredential status") from None
-        expires = status.get("expirationTimestamp")
-        return status, datetime.fromisoformat(expires) if expires else None
-
-
 @dataclass
 class Credentials:
-    """The API server and the operator's identity to it. Files named here exist for the process's life
-    (data given inline is written to a private temporary directory: TLS needs files)."""
+    """The API server and the operator's identity to it, from a `kubernetes.client.Configuration` that
+    `loader` fills (and fills again after a 401). Files named here exist for the process's life (the library
+    writes inline data to temporary files: TLS needs files)."""
 
     server: str
     ca_path: str | None = None
@@ -89,61 +50,59 @@ class Credentials:
     proxy_url: str | None = None
     certificate_path: str | None = None
     private_key_path: str | None = None
-    username: str | None = None
-    password: str | None = None
-    token: str | None = None
-    token_path: str | None = None
-    exec_plugin: ExecPlugin | None = None
     namespace: str | None = None  # the context's namespace, or the pod's
-    clock: Any = field(default=time.monotonic, repr=False)
-    _read_at: float = field(default=float("-inf"), repr=False)
-    _expires: datetime | None = field(default=None, repr=False)
+    loader: Callable[[], Any] | None = field(default=None, repr=False)  # -> a loaded Configuration
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
+    _config: Any = field(default=None, repr=False)
+    _value: str | None = field(default=None, repr=False)
+    _asked_at: float = field(default=float("-inf"), repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def bearer(self) -> str | None:
-        """The token to send now: a token file re-read every TOKEN_SECONDS, an exec credential renewed
-        before it expires. Thread-safe (the leader election calls from a thread of its own)."""
+    @classmethod
+    def from_configuration(cls, loader: Callable[[], Any], namespace: str | None) -> Credentials:
+        config = loader()
+        return cls(
+            server=str(config.host).rstrip("/"),
+            ca_path=config.ssl_ca_cert,
+            insecure=not config.verify_ssl,
+            tls_server_name=getattr(config, "tls_server_name", None),
+            proxy_url=config.proxy,
+            certificate_path=config.cert_file,
+            private_key_path=config.key_file,
+            namespace=namespace,
+            loader=loader,
+            _config=config,
+        )
+
+    def authorization(self) -> str | None:
+        """The Authorization header's value ("Bearer …", "Basic …"), through the library's refresh hook (a
+        token file read again every minute, an expired exec credential renewed) at most every
+        ASK_SECONDS: the hook costs ~0.5 ms a call (it sets `host` again, which scans the environment for
+        proxies; docs/install.md). Thread-safe: the leader election calls from a thread of its own."""
         with self._lock:
+            if self._config is None:
+                return None
             now = self.clock()
-            if self.token_path and now - self._read_at >= TOKEN_SECONDS:
-                self.token = Path(self.token_path).read_text().strip() or None
-                self._read_at = now
-            elif self.exec_plugin is not None and (self.token is None or self._expiring()):
-                self._run_exec()
-            return self.token
+            if now - self._asked_at >= ASK_SECONDS:
+                self._value = self._config.get_api_key_with_prefix(API_KEY) or None
+                self._asked_at = now
+            return self._value
 
-    def expiration(self) -> datetime | None:
-        return self._expires
-
-    def invalidate(self) -> None:
-        """The API server answered 401: read the token file again, run the exec plugin again."""
-        with self._lock:
-            self._read_at = float("-inf")
-            if self.exec_plugin is not None:
-                self.token = None
+    def bearer(self) -> str | None:
+        scheme, _, value = (self.authorization() or "").partition(" ")
+        return value if scheme.lower() == "bearer" and value else None
 
     def headers(self) -> dict[str, str]:
-        token = self.bearer()
-        if token:
-            return {"Authorization": f"Bearer {token}"}
-        if self.username is not None:
-            pair = base64.b64encode(f"{self.username}:{self.password or ''}".encode()).decode()
-            return {"Authorization": f"Basic {pair}"}
-        return {}
+        value = self.authorization()
+        return {"Authorization": value} if value else {}
 
-    def _expiring(self) -> bool:
-        if self._expires is None:
-            return False
-        return (self._expires - datetime.now(UTC)).total_seconds() < EXEC_MARGIN_SECONDS
-
-    def _run_exec(self) -> None:
-        assert self.exec_plugin is not None
-        status, self._expires = self.exec_plugin.run()
-        self.token = status.get("token") or None
-        if status.get("clientCertificateData") and self.certificate_path is None:
-            # A client certificate is taken once, when the transport is first built (its TLS context).
-            self.certificate_path = _private_file("client.crt", status["clientCertificateData"].encode())
-            self.private_key_path = _private_file("client.key", status["clientKeyData"].encode())
+    def invalidate(self) -> None:
+        """The API server answered 401: load the configuration again (files re-read, plugins re-run)."""
+        if self.loader is None:
+            return
+        config = self.loader()
+        with self._lock:
+            self._config, self._asked_at = config, float("-inf")
 
     # --- loading -------------------------------------------------------------------------------
 
@@ -160,98 +119,63 @@ class Credentials:
     def in_cluster(
         cls, env: Mapping[str, str] = os.environ, root: Path = SERVICE_ACCOUNT
     ) -> Credentials | None:
-        host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT")
-        if not host or not port or not (root / "token").exists():
+        if not env.get("KUBERNETES_SERVICE_HOST") or not (root / "token").exists():
             return None
-        if ":" in host:  # IPv6
-            host = f"[{host}]"
+
+        def load() -> Any:
+            config = k8s_client.Configuration()
+            loader = k8s_config.incluster_config.InClusterConfigLoader(
+                token_filename=str(root / "token"), cert_filename=str(root / "ca.crt"), environ=env
+            )
+            with _config_errors("in-cluster configuration"):
+                loader.load_and_set(config)
+            return config
+
         namespace = root / "namespace"
-        return cls(
-            server=f"https://{host}:{port}",
-            ca_path=str(root / "ca.crt") if (root / "ca.crt").exists() else None,
-            token_path=str(root / "token"),
-            namespace=namespace.read_text().strip() if namespace.exists() else None,
-        )
+        return cls.from_configuration(load, namespace.read_text().strip() if namespace.exists() else None)
 
     @classmethod
     def from_kubeconfig(cls, paths: str | None = None, context: str | None = None) -> Credentials:
-        files = [
-            Path(p).expanduser() for p in (paths or os.environ.get("KUBECONFIG", "")).split(os.pathsep) if p
-        ]
-        if not files:
-            files = [Path("~/.kube/config").expanduser()]
-        current: str | None = None
-        contexts: dict[str, Entry] = {}
-        clusters: dict[str, Entry] = {}
-        users: dict[str, Entry] = {}
-        for path in files:
-            if not path.exists():
-                if paths:  # named explicitly: its absence is an error; in $KUBECONFIG it is skipped
-                    raise ConfigError(f"kubeconfig {path} does not exist")
-                continue
-            doc = yaml.safe_load(path.read_text()) or {}
-            current = current or doc.get("current-context")
-            for table, key in ((contexts, "contexts"), (clusters, "clusters"), (users, "users")):
-                for item in doc.get(key) or []:
-                    kind = key[:-1]
-                    table.setdefault(item["name"], ({**(item.get(kind) or {})}, path.parent))
-        name = context or current
-        if not name or name not in contexts:
-            raise ConfigError(
-                f"no usable kubeconfig context ({name or 'none set'}) in {os.pathsep.join(map(str, files))}"
-            )
-        ctx, _ = contexts[name]
-        if ctx.get("cluster") not in clusters:
-            raise ConfigError(f"kubeconfig context {name} names no known cluster")
-        cluster, cluster_dir = clusters[ctx["cluster"]]
-        user, user_dir = users.get(str(ctx.get("user")), ({}, Path()))
-        exec_spec = user.get("exec")
-        token_file = user.get("tokenFile")
-        token = user.get("token") or ((user.get("auth-provider") or {}).get("config") or {}).get(
-            "access-token"
-        )
-        return cls(
-            server=str(cluster["server"]).rstrip("/"),
-            ca_path=_file_or_data(cluster, "certificate-authority", cluster_dir, "ca.crt"),
-            insecure=bool(cluster.get("insecure-skip-tls-verify")),
-            tls_server_name=cluster.get("tls-server-name"),
-            proxy_url=cluster.get("proxy-url"),
-            certificate_path=_file_or_data(user, "client-certificate", user_dir, "client.crt"),
-            private_key_path=_file_or_data(user, "client-key", user_dir, "client.key"),
-            username=user.get("username"),
-            password=user.get("password"),
-            token=None if token_file else token,
-            token_path=str(user_dir / token_file) if token_file else None,
-            exec_plugin=ExecPlugin(
-                command=exec_spec["command"],
-                args=tuple(exec_spec.get("args") or ()),
-                env=tuple((e["name"], e["value"]) for e in exec_spec.get("env") or ()),
-                api_version=exec_spec.get("apiVersion", ExecPlugin.api_version),
-                base=user_dir,
-            )
-            if exec_spec
-            else None,
-            namespace=ctx.get("namespace"),
-        )
+        files = paths or os.environ.get("KUBECONFIG") or "~/.kube/config"
+        if paths:  # named explicitly: a missing file is an error (in $KUBECONFIG it is skipped)
+            for p in filter(None, paths.split(os.pathsep)):
+                if not Path(p).expanduser().exists():
+                    raise ConfigError(f"kubeconfig {p} does not exist")
+
+        def load() -> Any:
+            config = k8s_client.Configuration()
+            with _config_errors(f"kubeconfig {files}"):
+                k8s_config.load_kube_config(
+                    config_file=files, context=context, client_configuration=config, persist_config=False
+                )
+            return config
+
+        with _config_errors(f"kubeconfig {files}"):
+            contexts, current = k8s_config.list_kube_config_contexts(config_file=files)
+        chosen = next((c for c in contexts if c["name"] == context), None) if context else current
+        namespace = ((chosen or {}).get("context") or {}).get("namespace")
+        return cls.from_configuration(load, namespace)
 
 
-def _file_or_data(entry: Mapping[str, Any], key: str, base: Path, name: str) -> str | None:
-    """`key` (a path, relative to its kubeconfig) or `key-data` (base64), as a file's path."""
-    if entry.get(f"{key}-data"):
-        return _private_file(name, base64.b64decode(entry[f"{key}-data"]))
-    if entry.get(key):
-        return str(base / Path(entry[key]).expanduser())
-    return None
+@contextmanager
+def _config_errors(what: str) -> Iterator[None]:
+    """The library's ConfigException as ConfigError; and what it only logs (an exec plugin that failed:
+    kube_config.py logs it and goes on without a credential) raised with its words."""
+    logged: list[str] = []
 
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.ERROR:
+                logged.append(record.getMessage())
 
-_PRIVATE_DIR: str | None = None
-
-
-def _private_file(name: str, data: bytes) -> str:
-    global _PRIVATE_DIR
-    if _PRIVATE_DIR is None:
-        _PRIVATE_DIR = tempfile.mkdtemp(prefix="rljob-credentials-")  # mode 0700
-    fd, path = tempfile.mkstemp(prefix=name, dir=_PRIVATE_DIR)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    return path
+    handler = Collect()
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        yield
+    except (ConfigException, OSError, KeyError, TypeError, ValueError) as err:
+        raise ConfigError(f"{what}: {err}") from None
+    finally:
+        root.removeHandler(handler)
+    if logged:
+        raise ConfigError(f"{what}: {'; '.join(logged)}")

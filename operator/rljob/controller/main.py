@@ -1,9 +1,6 @@
-"""`rljob-operator`: runs kopf with our handlers and options.
-
-kopf is imported in `main`, after the generated `kubernetes` client is kept out of the process: kopf
-imports it whenever it is installed (kopf/_cogs/helpers/thirdparty.py:35@1.45.2), only to recognise its
-model classes, which the operator never hands to kopf; it would hold ~14 MiB of the operator's RSS
-(docs/benchmarks.md). The operator's own calls need no client (controller/apiserver.py)."""
+"""`rljob-operator`: runs kopf with our handlers and options. Credentials come from the `kubernetes`
+library's config loaders (controller/kubeconfig.py); the operator's own calls go over
+controller/apiserver.py."""
 
 from __future__ import annotations
 
@@ -11,7 +8,6 @@ import argparse
 import json
 import logging
 import os
-import sys
 
 from prometheus_client import start_http_server
 
@@ -94,12 +90,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def without_the_kubernetes_client() -> None:
-    """Make `import kubernetes` fail in this process (a None entry in sys.modules: the import system's
-    own 'not importable'), unless something loaded it already."""
-    sys.modules.setdefault("kubernetes", None)  # type: ignore[arg-type]
-
-
 def _native_sidecar(choice: str, server: ApiServer) -> bool:
     """`auto`: ask the API server's /version (a failure to ask is not fatal: a regular container works
     on every server, it only restarts the gang when the agent exits)."""
@@ -124,7 +114,6 @@ def _native_sidecar(choice: str, server: ApiServer) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    without_the_kubernetes_client()
     import kopf
 
     kopf.configure(
