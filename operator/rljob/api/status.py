@@ -198,7 +198,11 @@ class IterationReport(StatusModel):
     iteration: int = Field(ge=0)
     seconds: PhaseSeconds = Field(default_factory=PhaseSeconds)
     control_overhead_seconds: float = Field(
-        default=0.0, description="Lifecycle wall time not spent inside agents/SGLang: the operator's cost."
+        default=0.0,
+        description="The iteration's Draining, Releasing, Refitting and Resuming only, summed: each phase's "
+        "wall time minus the slowest pod's time inside its agent (SGLang calls included), at least 0. "
+        "Training and Rollout are left out: Training's control cost is its span's seconds minus "
+        "trainerSeconds (status.timeline).",
     )
     freed_bytes: int = Field(default=0, ge=0, description="Sum over pods.")
     cache_hit_rate: float | None = Field(

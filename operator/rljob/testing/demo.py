@@ -37,18 +37,47 @@ def _kubectl(kubeconfig: Path, *args: str) -> str:
     return out.stdout + out.stderr
 
 
+def _release_note(obj: dict, spans: list[dict], at: int) -> str:
+    """A Releasing span that ended: what the gang freed, and whether every GPU of every pod met the job's
+    `release.verify`. The operator enters Training only once every pod's agent verified its release
+    (lifecycle/machine.py, `_memory_verified`); a pod's `freedBytes` is the least any of its GPUs freed,
+    so one below `minFreedBytes` names the pod. Any other outcome is not reported as verified."""
+    st = obj.get("status", {})
+    freed = f"freed {(spans[at].get('freedBytes') or 0) / 2**30:.0f} GiB"
+    need = int(obj.get("spec", {}).get("release", {}).get("verify", {}).get("minFreedBytes") or 0)
+    pods = st.get("pods", [])
+    below = {p["name"] for p in pods if (p.get("freedBytes") or 0) < need}
+    then = spans[at + 1]["phase"] if at + 1 < len(spans) else st.get("phase")
+    if then == "Training" and not below:
+        return f"{freed}, verified on every GPU of every pod"
+    named = [
+        f"{p['name']} (its GPU that freed least: {(p.get('freedBytes') or 0) / 2**30:.1f} GiB"
+        + (f", minFreedBytes {need / 2**30:.1f} GiB" if p["name"] in below else "")
+        + (f"; {p['lastError']}" if p.get("lastError") else "")
+        + ")"
+        for p in pods
+        if p["name"] in below or p.get("lastError")
+    ]
+    if named:
+        return f"{freed}, not verified on: {', '.join(named)}"
+    return f"{freed}, not shown verified on every GPU: Releasing was followed by {then}"
+
+
 def _new_rows(obj: dict, printed: set[tuple[str, str]]) -> list[str]:
     """One line per phase as it ends (from status.timeline), so even 30 ms phases show up."""
     st = obj.get("status", {})
     rows = []
-    for span in st.get("timeline", []):
+    spans = st.get("timeline", [])
+    for at, span in enumerate(spans):
         key = (span["phase"], span["startTime"])
         if span.get("seconds") is None or key in printed:
             continue
+        if span["phase"] == "Releasing" and at + 1 == len(spans) and st.get("phase") == "Releasing":
+            continue  # the next phase tells whether it was verified: printed once it is in the timeline
         printed.add(key)
         extra = ""
-        if span.get("freedBytes"):
-            extra = f"freed {span['freedBytes'] / 2**30:.0f} GiB, verified on every GPU"
+        if span["phase"] == "Releasing":
+            extra = _release_note(obj, spans, at)
         if span.get("cacheHitRate") is not None:
             extra = (
                 f"prefix-cache hit {span['cacheHitRate']:.0%}, {span.get('tokensPerSecond') or 0:.0f} tok/s"
