@@ -22,8 +22,9 @@ from typing import Any
 import pytest
 from agent_procs import Emulator, write_weights
 
+from rljob.testing.ipc_stand_in import cuda_reduction
 from rljob.trainer import packing
-from rljob.trainer.packing import TORCH_SIZE, Call, Global, Instance
+from rljob.trainer.packing import Call, Global, Instance
 
 REPLAYS = Path(__file__).resolve().parents[1] / "replays"
 LOCAL_SERIALIZED_TENSOR = Global("sglang.srt.model_executor.model_runner", "LocalSerializedTensor")
@@ -47,37 +48,10 @@ def cases() -> Iterator[Any]:
 # --- payloads the clients build with torch + SGLang's MultiprocessingSerializer, written without torch ---
 
 
-def cuda_reduction(nbytes: int, dtype: str = "uint8", shape: tuple[int, ...] | None = None) -> Call:
-    """torch.multiprocessing.reductions.reduce_tensor of a CUDA tensor, with a made-up IPC handle: the
-    argument list of rebuild_cuda_tensor (tensor class, size, stride, offset, storage class, dtype, device,
-    handle, storage bytes, storage offset, requires_grad, ref-counter handle and offset, event handle,
-    event sync), the device as the UUID SGLang's patched reduction sends (patch_torch.py:85-86@0.5.23)."""
-    dims = shape if shape is not None else (nbytes // ITEMSIZE.get(dtype, 1),)
-    strides: list[int] = []
-    acc = 1
-    for d in reversed(dims):
-        strides.insert(0, acc)
-        acc *= d
-    return Call(
-        Global("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
-        (
-            Global("torch", "Tensor"),
-            Call(TORCH_SIZE, (dims,)),
-            tuple(strides),
-            0,
-            Global("torch.storage", "TypedStorage"),
-            Global("torch", dtype),
-            "GPU-00000000-0000-0000-0000-000000000000",
-            b"\x07" * 64,
-            nbytes,
-            0,
-            False,
-            b"/torch_1_2",
-            0,
-            b"\x01" * 64,
-            True,
-        ),
-    )
+def client_reduction(nbytes: int, dtype: str = "uint8", shape: tuple[int, ...] | None = None) -> Call:
+    """reduce_tensor of a CUDA tensor with a made-up IPC handle, the device as the UUID SGLang's patched
+    reduction sends (patch_torch.py:85-86@0.5.23)."""
+    return cuda_reduction(nbytes, dtype=dtype, shape=shape)
 
 
 def flattened_bucket_b64() -> str:
@@ -86,13 +60,13 @@ def flattened_bucket_b64() -> str:
         packing.metadata_entry("model.layers.0.mlp.weight", (4, 4), "bfloat16", 0, 32),
         packing.metadata_entry("model.layers.0.mlp.bias", (4,), "float32", 32, 48),
     ]
-    return packing.to_wire(packing.bucket_payload(cuda_reduction(48), entries))
+    return packing.to_wire(packing.bucket_payload(client_reduction(48), entries))
 
 
 def named_tensors() -> list[tuple[str, Call]]:
     return [
-        ("model.layers.0.mlp.weight", cuda_reduction(32, "bfloat16", (4, 4))),
-        ("model.layers.0.mlp.bias", cuda_reduction(16, "float32", (4,))),
+        ("model.layers.0.mlp.weight", client_reduction(32, "bfloat16", (4, 4))),
+        ("model.layers.0.mlp.bias", client_reduction(16, "float32", (4,))),
     ]
 
 

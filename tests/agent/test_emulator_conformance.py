@@ -24,8 +24,9 @@ from rljob.emulator.config import parse_config, startup_error
 from rljob.emulator.fatal import StartupError
 from rljob.emulator.rendezvous import Rank0
 from rljob.emulator.versions import SUPPORTED_VERSIONS as VERSIONS
+from rljob.testing.ipc_stand_in import cuda_reduction
 from rljob.trainer import packing
-from rljob.trainer.packing import TORCH_SIZE, Call, Global, Instance
+from rljob.trainer.packing import Call, Global, Instance
 
 SESSION_VERSIONS = ("0.5.21", "0.5.23")  # tensor refits only inside begin/end (C-ROUTE-SESSION)
 SHARED_FLAGS = ("--enable-metrics", "--health-check-timeout", "0.5", "--weight-update-group-timeout", "1")
@@ -408,12 +409,7 @@ def test_c_refit_lock(emu: Emulator, version: str, tmp_path: Path) -> None:
 
 def _cuda_reduction(nbytes: int) -> Call:
     """Shaped as torch's reduce_tensor of a 1-D uint8 CUDA tensor (its 15 rebuild arguments)."""
-    return Call(
-        Global("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
-        (Global("torch", "Tensor"), Call(TORCH_SIZE, ((nbytes,),)), (1,), 0,
-         Global("torch.storage", "TypedStorage"), Global("torch", "uint8"), "GPU-0", b"h" * 64, nbytes, 0,
-         False, b"/torch_1", 0, b"e" * 64, True),
-    )  # fmt: skip
+    return cuda_reduction(nbytes, device="GPU-0", handle=b"h" * 64, ref_counter=b"/torch_1", event=b"e" * 64)
 
 
 def local_serialized_push(version: str, names: tuple[str, ...] = ("w", "b")) -> str:

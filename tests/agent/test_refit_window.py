@@ -16,20 +16,16 @@ import pytest
 from agent_procs import Agent, AgentDriver, Emulator
 
 from rljob.emulator.rendezvous import Rank0
+from rljob.testing.ipc_stand_in import cuda_reduction
 from rljob.trainer import AgentError, Handoff, packing
-from rljob.trainer.packing import TORCH_SIZE, Call, Global, TensorSpec, plan_buckets
+from rljob.trainer.packing import Call, TensorSpec, plan_buckets
 
 ITEMSIZE = {"bfloat16": 2, "float32": 4}
 
 
 def _ipc_stand_in(nbytes: int) -> Call:
     """Shaped as reduced_tensor(<1-D uint8 CUDA tensor>) (checked against a real one in tests/unit)."""
-    return Call(
-        Global("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
-        (Global("torch", "Tensor"), Call(TORCH_SIZE, ((nbytes,),)), (1,), 0,
-         Global("torch.storage", "TypedStorage"), Global("torch", "uint8"), "GPU-0", b"h" * 64, nbytes, 0,
-         False, b"/torch_1", 0, b"e" * 64, True),
-    )  # fmt: skip
+    return cuda_reduction(nbytes, device="GPU-0", handle=b"h" * 64, ref_counter=b"/torch_1", event=b"e" * 64)
 
 
 def bucket_payloads(

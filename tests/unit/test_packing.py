@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from rljob.emulator import tensor_refit
 from rljob.emulator.tensor_refit import SchedulerError, TensorRef, read_push, stand_in, unpickle
+from rljob.testing.ipc_stand_in import cuda_reduction
 from rljob.trainer import packing
 from rljob.trainer.packing import (
     TORCH_SIZE,
@@ -47,26 +48,7 @@ def spec(name: str, dtype: str, *shape: int, device: str = "cuda:0") -> TensorSp
 def fake_cuda_reduction(nbytes: int, handle: bytes = b"\x07" * 64) -> Call:
     """What reduced_tensor(<1-D uint8 CUDA tensor of nbytes>) returns, with made-up handles (the argument
     types are checked against a real CUDA reduction in test_real_cuda_reduction_has_the_fakes_shape)."""
-    return Call(
-        Global("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
-        (
-            Global("torch", "Tensor"),
-            Call(TORCH_SIZE, ((nbytes,),)),
-            (1,),
-            0,
-            Global("torch.storage", "TypedStorage"),
-            Global("torch", "uint8"),
-            "GPU-00000000-0000-0000-0000-000000000000",
-            handle,
-            nbytes,
-            0,
-            False,
-            b"/torch_1_2",
-            0,
-            b"\x01" * 64,
-            True,
-        ),
-    )
+    return cuda_reduction(nbytes, handle=handle)
 
 
 def payload_for(specs: list[TensorSpec], plan: BucketPlan) -> bytes:

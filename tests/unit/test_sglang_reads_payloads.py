@@ -27,8 +27,8 @@ from aiohttp import web
 from rljob.agent.quirks import SGLangQuirks
 from rljob.agent.sglang_client import SGLangClient
 from rljob.api.agent import InitWeightsGroup
+from rljob.testing.ipc_stand_in import cuda_reduction
 from rljob.trainer.packing import (
-    TORCH_SIZE,
     BucketPlan,
     Call,
     Global,
@@ -84,29 +84,17 @@ TENSORS = [
 ]
 
 
-def cuda_reduction(nbytes: int, handle: bytes, storage_bytes: int, storage_offset: int) -> Call:
+def reused_buffer_reduction(nbytes: int, handle: bytes, storage_bytes: int, storage_offset: int) -> Call:
     """What packing.reduced_tensor writes for `buffer[:nbytes]` of a reused uint8 CUDA buffer: torch's
     rebuild_cuda_tensor and its 15 arguments (test_packing's GPU test checks the types against a real
     one), the device as its UUID."""
-    return Call(
-        Global("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
-        (
-            Global("torch", "Tensor"),
-            Call(TORCH_SIZE, ((nbytes,),)),
-            (1,),
-            0,
-            Global("torch.storage", "TypedStorage"),
-            Global("torch", "uint8"),
-            UUID,
-            handle,
-            storage_bytes,
-            storage_offset,
-            False,
-            b"/torch_1_" + handle[:4].hex().encode(),
-            0,
-            b"\x01" * 64,
-            True,
-        ),
+    return cuda_reduction(
+        nbytes,
+        device=UUID,
+        handle=handle,
+        storage_bytes=storage_bytes,
+        storage_offset=storage_offset,
+        ref_counter=b"/torch_1_" + handle[:4].hex().encode(),
     )
 
 
@@ -135,7 +123,7 @@ def pack(tensors: list[Named], seed: int = 5) -> Packed:
             metadata_entry(tensors[p.index].name, tensors[p.index].shape, plan.dtype, p.start, p.end)
             for p in plan.placements
         ]
-        wire = to_wire(bucket_payload(cuda_reduction(plan.nbytes, handle, storage, offset), entries))
+        wire = to_wire(bucket_payload(reused_buffer_reduction(plan.nbytes, handle, storage, offset), entries))
         buckets.append({"wire": wire, "buffers": {handle.hex(): base64.b64encode(bytes(block)).decode()}})
         expected.append(
             [

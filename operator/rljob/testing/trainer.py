@@ -34,6 +34,7 @@ from rljob.emulator.rendezvous import Rank0
 from rljob.emulator.tokens import GARBAGE_MARKER
 from rljob.testing.collective import BACKENDS, World, WorldError
 from rljob.testing.collective import join as join_world
+from rljob.testing.ipc_stand_in import cuda_reduction
 from rljob.trainer import Handoff, packing
 
 
@@ -118,12 +119,7 @@ def tensor_payload(name: str, array: np.ndarray) -> bytes:
     payload, and the checksum the emulator keeps over it, change with the data."""
     digest = hashlib.sha256(array.tobytes()).digest()
     nbytes = int(array.nbytes)
-    ipc = packing.Call(
-        packing.Global("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
-        (packing.Global("torch", "Tensor"), packing.Call(packing.TORCH_SIZE, ((nbytes,),)), (1,), 0,
-         packing.Global("torch.storage", "TypedStorage"), packing.Global("torch", "uint8"), "GPU-0",
-         digest * 2, nbytes, 0, False, b"/torch_1", 0, digest * 2, True),
-    )  # fmt: skip
+    ipc = cuda_reduction(nbytes, device="GPU-0", handle=digest * 2, ref_counter=b"/torch_1", event=digest * 2)
     entry = packing.metadata_entry(name, array.shape, str(array.dtype), 0, nbytes)
     return packing.bucket_payload(ipc, [entry])
 

@@ -1,0 +1,56 @@
+"""A stand-in for torch's CUDA IPC reduction of a tensor, written without torch or a GPU: what
+`torch.multiprocessing.reductions.reduce_tensor` returns for a CUDA tensor (`rebuild_cuda_tensor` and its 15
+arguments) with made-up handles. tests/unit/test_packing.py checks the argument types against a real CUDA
+reduction; SGLang's unpickler and the emulator read it as they read a real one (they open no handle here)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rljob.trainer.packing import TORCH_SIZE, Call, Global
+
+ITEMSIZE = {"uint8": 1, "int8": 1, "bfloat16": 2, "float16": 2, "float32": 4, "int64": 8}
+UUID = "GPU-00000000-0000-0000-0000-000000000000"
+
+
+def cuda_reduction(
+    nbytes: int,
+    *,
+    dtype: str = "uint8",
+    shape: Sequence[int] | None = None,
+    device: str = UUID,
+    handle: bytes = b"\x07" * 64,
+    storage_bytes: int | None = None,
+    storage_offset: int = 0,
+    ref_counter: bytes = b"/torch_1_2",
+    event: bytes = b"\x01" * 64,
+) -> Call:
+    """A contiguous CUDA tensor of `nbytes` (1-D of `dtype` unless `shape` is given) in a storage of
+    `storage_bytes` (default `nbytes`) at `storage_offset`, on `device` (an index's UUID, as SGLang's
+    patched reduction sends it, or "GPU-<index>")."""
+    dims = tuple(shape) if shape is not None else (nbytes // ITEMSIZE[dtype],)
+    strides: list[int] = []
+    step = 1
+    for d in reversed(dims):
+        strides.insert(0, step)
+        step *= d
+    return Call(
+        Global("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
+        (
+            Global("torch", "Tensor"),
+            Call(TORCH_SIZE, (dims,)),
+            tuple(strides),
+            0,
+            Global("torch.storage", "TypedStorage"),
+            Global("torch", dtype),
+            device,
+            handle,
+            nbytes if storage_bytes is None else storage_bytes,
+            storage_offset,
+            False,
+            ref_counter,
+            0,
+            event,
+            True,
+        ),
+    )
