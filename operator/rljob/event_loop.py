@@ -2,7 +2,7 @@
 kopf's own CLI (kopf/_kits/loops.py@1.45.2) and SGLang's HTTP server
 (sglang/srt/entrypoints/http_server.py:134@0.5.6) use it; else asyncio's. The operator and the agent each
 read and write a frame per command, reply and state report, a few loop callbacks each: uvloop runs them in
-C (docs/benchmarks.md)."""
+C (docs/benchmarks.md@cac2796)."""
 
 from __future__ import annotations
 

@@ -119,7 +119,7 @@ def build_operator_app(
     ) -> web.StreamResponse:
         """`watch=true`: every revision newer than the last one written, a line each, until `wait` passed
         (then the client asks again, as after a long-poll). At hundreds of pods a request per report was
-        most of the operator's CPU (docs/benchmarks.md); a line is a read and a parse."""
+        most of the operator's CPU (docs/benchmarks.md@cac2796); a line is a read and a parse."""
         resp = web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-store"})
         await resp.prepare(request)
         loop = asyncio.get_running_loop()

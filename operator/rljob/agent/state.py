@@ -183,7 +183,7 @@ class StateStore:
 
     async def wait_stage(self, since: int, stage: Stage, timeout: float) -> None:
         """Until a revision after `since` in `stage`, or Failed: a trainer waiting for Serving is answered
-        once, not on each of the refit's and the resume's revisions (docs/benchmarks.md)."""
+        once, not on each of the refit's and the resume's revisions (docs/benchmarks.md@cac2796)."""
         await self.wait_until(
             lambda: self.state.revision > since and self.state.stage in (stage, Stage.FAILED), timeout
         )

@@ -336,7 +336,7 @@ class ChannelFrame(WireModel):
     """`GET /v1/channel`, a WebSocket: every frame from the agent is one of these, exactly one field set.
     The operator sends Command frames (the POST /v1/commands body) on it and gets a CommandReply each; the
     agent sends the states the operator acts on (as `changes=operator`) as they commit. One connection per
-    pod instead of a request per command and a long-poll per report (docs/benchmarks.md)."""
+    pod instead of a request per command and a long-poll per report (docs/benchmarks.md@cac2796)."""
 
     state: AgentState | None = None
     reply: CommandReply | None = None

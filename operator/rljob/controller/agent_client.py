@@ -162,7 +162,7 @@ class AgentWatch:
     """Keeps one agent's latest state and calls `wake` on every change; sends it commands. One per pod.
     Both go over the agent's channel (`GET /v1/channel`, a WebSocket): at 64 pods a command's POST cost the
     operator ~3 times the CPU of a channel frame, and its fan-out ~3 times the wall time
-    (docs/benchmarks.md). While the channel is not open (it is connecting, or the agent closed it), a
+    (docs/benchmarks.md@cac2796). While the channel is not open (it is connecting, or the agent closed it), a
     command is POSTed; an agent without the channel (404: an older agent image) is followed over the
     state stream and POSTed to."""
 

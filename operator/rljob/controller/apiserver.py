@@ -5,8 +5,9 @@ rljob_api_calls_total by the caller's verb, raise ApiError for an answer >= 400,
 broke once more on a new one (a kept-alive connection the server closed fails the first write), and take
 credentials again once after a 401 (a rotated token, an expired exec credential).
 
-Why not the generated client: its sync call, `validate_call`, model building and the thread hop cost ~3 ms
-of the operator's CPU a call, this ~1.7 ms (docs/benchmarks.md), and its import ~14 MiB of RSS."""
+Why not the generated client's calls (its configuration loaders give the credentials: kubeconfig.py): its
+sync call, `validate_call`, model building and the thread hop cost ~3 ms of the operator's CPU a call, this
+~1.7 ms (docs/benchmarks.md@cac2796)."""
 
 from __future__ import annotations
 

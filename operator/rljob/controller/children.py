@@ -186,7 +186,7 @@ def agent_container(spec: RLJobSpec, options: AgentOptions) -> dict[str, Any]:
         # Readiness gates nothing here (the Service publishes not-ready addresses, the operator reaches
         # each agent by its pod IP): it tells `kubectl get` the agent answers. With the 1 s default a
         # loaded node flips it, and every flip is a pod event each watcher parses whole: 1956 an
-        # iteration at 512 pods of one test host (docs/benchmarks.md).
+        # iteration at 512 pods of one test host (docs/benchmarks.md@cac2796).
         "readinessProbe": {
             "httpGet": {"path": "/healthz", "port": port},
             "periodSeconds": 5,

@@ -40,12 +40,12 @@ log = logging.getLogger(__name__)
 # it (Decision.next_due: a deadline, a TTL). Besides: what did not go through (a command an agent did not
 # take, a status write held back) is tried again TICK_SECONDS later, and a decision is made at least every
 # QUIET_SECONDS whatever happens. A heartbeat of TICK_SECONDS alone was most decisions at 512 pods: 101.6
-# an iteration, each over every pod (docs/benchmarks.md).
+# an iteration, each over every pod (docs/benchmarks.md@cac2796).
 TICK_SECONDS = 2.0
 QUIET_SECONDS = 30.0
 # A full pod list now and then: a watch that reconnected reports no deletions it missed. At least this
 # often, and no more than a list's share of the CPU allows: at 512 pods one list is ~6 MB of JSON, and a list
-# a minute was a tenth of the operator's CPU (docs/benchmarks.md).
+# a minute was a tenth of the operator's CPU (docs/benchmarks.md@cac2796).
 RESYNC_SECONDS = 60.0
 RESYNC_SECONDS_PER_POD = 0.5
 # While reports stream in, decide at most this share of the time: a decision waits PACE times the
@@ -234,7 +234,7 @@ class Conductor:
         # From the status as stored, not kopf's body of the job: a conductor kopf started again (after a
         # status write the API server answered 504, which it may still have applied; now read back in
         # place, controller/status_writer.py) got a body five transitions behind under load, and wrote
-        # the job's epoch back (docs/benchmarks.md).
+        # the job's epoch back (docs/benchmarks.md@cac2796).
         stored = await self.kube.read_status(self.namespace, self.name)
         if stored is None:  # the RLJob is gone: kopf stops this daemon
             return

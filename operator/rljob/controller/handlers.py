@@ -63,12 +63,12 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     # kopf's worker for an object holds that object's last watch event until it idles out: for a pod
     # ~1,700 parsed JSON objects (~125 KB), which the pod cache has already reduced to a few fields. At
     # kopf's default of 5 s nearly every pod of a running job has a worker (tracemalloc at 64 pods: 8 MiB
-    # of parsed pods; docs/benchmarks.md); a worker made again for the next event costs a task.
+    # of parsed pods; docs/benchmarks.md@cac2796); a worker made again for the next event costs a task.
     settings.queueing.idle_timeout = WORKER_IDLE_SECONDS
     # Only our pods and Workloads, filtered by the API server (kopf's `labels=` below filter in the
     # operator, after every pod and Workload of the watched namespaces was sent and parsed); and lists in
     # pages, which kopf handles one at a time (kopf/_cogs/clients/fetching.py:43@1.45.2): a whole list of
-    # 800 pods parsed at once is ~100 MB of Python objects (~125 KB a pod, docs/benchmarks.md). Both
+    # 800 pods parsed at once is ~100 MB of Python objects (~125 KB a pod, docs/benchmarks.md@cac2796). Both
     # settings are kopf 1.45's (pyproject.toml).
     for resource in (("v1", "pods"), (queueing.GROUP, queueing.VERSION, queueing.PLURAL)):
         settings.watching.label_selectors[resource] = LABEL_JOB  # the label exists: any job's

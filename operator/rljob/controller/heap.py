@@ -6,8 +6,8 @@
 - `trim_every(seconds)`: glibc keeps the memory of freed objects (parsed watch events, HTTP bodies) in
   its heap, in pieces between objects that live on, so the RSS climbs to the high-water mark of every
   burst and stays there. `malloc_trim(0)` hands the free pages back: with it every 15 s the RSS with 30
-  jobs x 8 pods ended at 112.7 MiB (peak 116.6) instead of 120.8 (docs/benchmarks.md). Not glibc: nothing
-  to do."""
+  jobs x 8 pods ended at 112.7 MiB (peak 116.6) instead of 120.8 (docs/benchmarks.md@cac2796). Not glibc:
+  nothing to do."""
 
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ kube-apiserver hands out; one that is not an integer always counts as newer.
 A change of readiness alone is kept but wakes nobody: readiness decides nothing in the lifecycle (only
 status.ready and readyReplicas, which the status writer coalesces anyway), and probes that time out on a
 loaded node flip it all the time; at 512 pods of an overloaded test host they were about 70 % of the
-decisions (324 an iteration, 98-106 without them: docs/benchmarks.md). The next decision, at the latest
-the quiet one every 30 s (controller/conductor.py QUIET_SECONDS), counts them."""
+decisions (324 an iteration, 98-106 without them: docs/benchmarks.md@cac2796). The next decision, at the
+latest the quiet one every 30 s (controller/conductor.py QUIET_SECONDS), counts them."""
 
 from __future__ import annotations
 

@@ -169,7 +169,7 @@ class IpAllocator:
     `GetIter`@containernetworking/plugins 2a46e67): a freed IP comes back only after the whole range.
     Lowest-first reuse gave a new pod the IP of one deleted a moment before, while the old pod's
     in-process agent or trainer (shared_pods.py) still spoke on it: a trainer of a finished job published
-    into another job's gang (docs/benchmarks.md)."""
+    into another job's gang (docs/benchmarks.md@cac2796)."""
 
     def __init__(self, first: str = "127.0.0.2", last: str = "127.255.255.254") -> None:
         self._first = int(ipaddress.IPv4Address(first))
