@@ -135,9 +135,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Emulat
             emu.stop()
 
 
-@pytest.fixture
-def emu(fleet: dict[str, Emulator], version: str) -> Iterator[Emulator]:
-    e = fleet[version]
+def _shared(e: Emulator) -> Iterator[Emulator]:
+    """A shared emulator, checked alive before and after the test and left unpaused, idle, unreleased."""
     assert e.alive(), e.log_text()[-3000:]
     yield e
     assert e.alive(), "the shared emulator died:\n" + e.log_text()[-3000:]
@@ -145,6 +144,11 @@ def emu(fleet: dict[str, Emulator], version: str) -> Iterator[Emulator]:
     _idle(e)
     st = e.stats()
     assert st["offload_tags"] == [] and not st["paused"], f"test left the emulator {st}"
+
+
+@pytest.fixture
+def emu(fleet: dict[str, Emulator], version: str) -> Iterator[Emulator]:
+    yield from _shared(fleet[version])
 
 
 def _params(versions: tuple[str, ...] = VERSIONS) -> pytest.MarkDecorator:
@@ -1059,15 +1063,8 @@ def v10_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
 
 @pytest.fixture
 def v10(v10_server: Emulator) -> Iterator[Emulator]:
-    """The shared 0.5.10.post1 emulator, checked alive and left unpaused and idle, as `emu` does."""
-    e = v10_server
-    assert e.alive(), e.log_text()[-3000:]
-    yield e
-    assert e.alive(), "the shared emulator died:\n" + e.log_text()[-3000:]
-    e.call("POST", "/continue_generation", {})
-    _idle(e)
-    st = e.stats()
-    assert st["offload_tags"] == [] and not st["paused"], f"test left the emulator {st}"
+    """The shared 0.5.10.post1 emulator, checked as `emu` is."""
+    yield from _shared(v10_server)
 
 
 def test_v10_is_recorded() -> None:
