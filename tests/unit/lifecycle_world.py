@@ -11,7 +11,7 @@ import copy
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-from rljob.agent import follower, transitions
+from rljob.agent.actions import check_follower, check_leader
 from rljob.agent.errors import Refused
 from rljob.agent.state import ServerFacts
 from rljob.api.agent import (
@@ -135,9 +135,11 @@ class FakeAgent:
             return
         # The agent's own guards (legal stage, double release, weight cache, grant before verification,
         # ...): the world refuses exactly what the real agent refuses.
-        check = follower.check if self.node_rank > 0 else transitions.check
         try:
-            check(cmd, self.report(), self.facts())  # type: ignore[arg-type]
+            if self.node_rank > 0:
+                check_follower(cmd, self.report())  # type: ignore[arg-type]
+            else:
+                check_leader(cmd, self.report(), self.facts())  # type: ignore[arg-type]
         except Refused as refused:
             self._refuse(f"{refused.error}: {refused.reason}")
             return

@@ -1,23 +1,19 @@
-"""`GET /v1/state?changes=operator` answers on the revisions the operator acts on (agent/reports.py):
-a finished command, a stage reached outside a command, the trainer's report, a failure; not rollout
-samples, not a command's acceptance or its steps. Without `changes` every revision answers, as before;
-`boot` from another boot answers at once. The trainer's `GET /v1/trainer/state?stage=` answers in that stage
-(or Failed) only."""
+"""The states the channel sends the operator (agent/reports.py applies api/agent.py's NOT_SENT_ALONE and
+SENT_WHILE_RUNNING): a finished command, a stage reached outside a command, the trainer's report, a failure;
+not rollout samples, not a command's acceptance or its steps (tests/unit/test_agent_watch.py: on the
+channel). The trainer's `GET /v1/trainer/state?stage=` answers in that stage (or Failed) only."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp.test_utils import TestClient, TestServer
 
 from rljob.agent.lease import LeaseDesk
 from rljob.agent.metrics import AgentMetrics
-from rljob.agent.operator_api import build_operator_app
-from rljob.agent.reports import acted_on, operator_view
+from rljob.agent.reports import carried, operator_view
 from rljob.agent.state import StateStore
 from rljob.agent.trainer_api import build_trainer_app
 from rljob.api.agent import Action, AgentState, CommandState, CommandStatus, PublishRequest, Stage
@@ -34,7 +30,7 @@ def changed(state: AgentState, edit: Any) -> bool:
     before = operator_view(state)
     after = state.model_copy(deep=True)
     edit(after)
-    return acted_on(before, operator_view(after))
+    return carried(before, operator_view(after))
 
 
 def accept(s: AgentState) -> None:
@@ -63,17 +59,7 @@ def test_what_the_operator_acts_on() -> None:
         s.stage = Stage.DRAINED
 
     assert changed(running, finish)
-    assert acted_on(None, operator_view(st))  # the first report always counts
-
-
-@contextlib.asynccontextmanager
-async def _operator_api() -> AsyncIterator[tuple[StateStore, TestClient[Any, Any], dict[str, str]]]:
-    """The agent's operator API on a store at revision 1 (Starting), a client, its auth header."""
-    store = StateStore()
-    store.commit()
-    app = build_operator_app(store, None, AgentMetrics(), TOKEN)  # type: ignore[arg-type]
-    async with TestClient(TestServer(app)) as client:
-        yield store, client, {"Authorization": f"Bearer {TOKEN}"}
+    assert carried(None, operator_view(st))  # the first report always counts
 
 
 async def _answered(
@@ -83,77 +69,6 @@ async def _answered(
     resp = await client.get(path, params={k: str(v) for k, v in params.items()}, headers=headers)
     assert resp.status == 200, await resp.text()
     return dict(await resp.json())
-
-
-async def _long_poll_scenario() -> None:
-    async with _operator_api() as (store, client, auth):
-
-        async def poll(**params: Any) -> dict[str, Any]:
-            return await _answered(client, "/v1/state", params, auth)
-
-        since = store.state.revision
-        operator = asyncio.create_task(poll(since=since, wait=5, changes="operator"))
-        everyone = asyncio.create_task(poll(since=since, wait=5))
-        await asyncio.sleep(0.1)
-        with store.change() as s:
-            s.rollout.samples = 1  # not for the operator
-        got = await asyncio.wait_for(everyone, 2)
-        assert got["revision"] == since + 1
-        await asyncio.sleep(0.1)
-        assert not operator.done()
-        with store.change() as s:
-            s.stage = Stage.READY  # SGLang is up: the operator acts on that
-        got = await asyncio.wait_for(operator, 2)
-        assert got["revision"] == since + 2 and got["stage"] == "Ready"
-        # A `since` of another boot: answered at once, whatever the revision.
-        began = asyncio.get_running_loop().time()
-        got = await poll(since=10**6, wait=5, changes="operator", boot="an-earlier-boot")
-        assert asyncio.get_running_loop().time() - began < 1
-        assert got["bootId"] == store.state.boot_id
-        bad = await client.get("/v1/state", params={"changes": "some"}, headers=auth)
-        assert bad.status == 400
-
-
-def test_the_long_poll_with_changes_operator_skips_what_the_operator_does_not_act_on() -> None:
-    asyncio.run(_long_poll_scenario())
-
-
-async def _watch_scenario() -> None:
-    async with _operator_api() as (store, client, auth):
-        loop = asyncio.get_running_loop()
-        params = {"since": str(store.state.revision), "wait": "1.5", "changes": "operator", "watch": "true"}
-        began = loop.time()
-        resp = await client.get("/v1/state", params=params, headers=auth)
-        assert resp.status == 200 and resp.content_type == "application/x-ndjson"
-        lines: list[tuple[float, dict[str, Any]]] = []
-
-        async def read() -> None:
-            while line := await resp.content.readline():
-                lines.append((loop.time() - began, AgentState.model_validate_json(line).model_dump()))
-
-        reader = asyncio.create_task(read())
-        await asyncio.sleep(0.1)
-        with store.change() as s:
-            s.rollout.samples = 1  # not for the operator: no line
-        await asyncio.sleep(0.1)
-        with store.change() as s:
-            s.stage = Stage.READY  # a line
-        await asyncio.sleep(0.1)
-        with store.change() as s:
-            s.stage = Stage.SERVING  # another, in the same response
-        await asyncio.wait_for(reader, 5)
-        ended = loop.time() - began
-        assert [(st["revision"], st["stage"]) for _, st in lines] == [(3, Stage.READY), (4, Stage.SERVING)]
-        assert lines[0][0] < 1.0 and 1.4 < ended < 3.0  # each line as it happens; the stream ends at `wait`
-        # No `since`: the current state at once, then the stream waits for the next one.
-        resp = await client.get("/v1/state", params={"wait": "0", "watch": "true"}, headers=auth)
-        assert [AgentState.model_validate_json(x).revision for x in (await resp.read()).splitlines()] == [4]
-        bad = await client.get("/v1/state", params={"watch": "yes"}, headers=auth)
-        assert bad.status == 400
-
-
-def test_the_watch_streams_each_state_the_operator_acts_on_in_one_response() -> None:
-    asyncio.run(_watch_scenario())
 
 
 async def _trainer_stage_scenario() -> None:
@@ -190,18 +105,26 @@ def test_the_trainers_long_poll_with_a_stage_answers_in_that_stage_only() -> Non
     asyncio.run(_trainer_stage_scenario())
 
 
+def _grant(store: StateStore, lease: LeaseDesk, epoch: int) -> None:
+    """What a grant command does once its pod Released: the lease's record, with the move to Granted."""
+    store.state.stage = Stage.RELEASED
+    record = lease.grant(epoch)
+    with store.change(stage=Stage.GRANTED) as s:
+        record(s)
+
+
 def test_the_agent_times_the_trainers_lease_from_grant_to_publish_or_abandon() -> None:
     store = StateStore()
     lease = LeaseDesk(store)
     lease.request()
-    lease.grant(3)
+    _grant(store, lease, 3)
     assert store.state.trainer.lease_held and store.state.trainer.held_seconds is None
     time.sleep(0.05)
     lease.publish(PublishRequest(version="1", path="/w/1"))
     held = store.state.trainer.held_seconds
     assert held is not None and 0.05 <= held < 5
     lease.request()
-    lease.grant(8)
+    _grant(store, lease, 8)
     assert store.state.trainer.held_seconds is None  # this lease's time is not known yet
     lease.abandon("the step failed")
     assert store.state.trainer.held_seconds is not None and store.state.trainer.held_seconds < 0.05

@@ -1,5 +1,5 @@
-"""The conductor's AwaitedPods (controller/conductor.py) keeps, report by report as each comes, the answer
-of the pure lifecycle.machine.decides_nothing_new over all the reports since the decision (and decides at
+"""The pacer's AwaitedPods (controller/pacer.py) keeps, report by report as each comes, the answer
+of the pure lifecycle.awaiting.decides_nothing_new over all the reports since the decision (and decides at
 once after a command an agent did not take)."""
 
 from __future__ import annotations
@@ -11,9 +11,11 @@ from hypothesis import strategies as st
 from test_conductor_refusals import FakeKube, body
 
 from rljob.api.agent import Action, AgentState, CommandState, CommandStatus, Stage, TrainerReport
-from rljob.controller.conductor import AwaitedPods, Conductor, ConductorOptions
-from rljob.lifecycle.machine import decides_nothing_new
-from rljob.lifecycle.model import Awaited, Evidence
+from rljob.controller.conductor import Conductor, ConductorOptions
+from rljob.controller.pacer import AwaitedPods
+from rljob.lifecycle.awaiting import decides_nothing_new
+from rljob.lifecycle.evidence import Evidence
+from rljob.lifecycle.model import Awaited
 
 EPOCH = 7
 # What a pod's next report may say: it runs the command, it succeeded, it succeeded and shows the awaited
@@ -23,19 +25,19 @@ REPORTS = st.sampled_from(
     ["running", "running", "succeeded", "succeeded", "shown", "shown", "failed", "epoch", "boot", "fatal"]
 )
 ACTIONS = {
-    Evidence.COMMAND: Action.DRAIN,
+    Evidence.COMMAND_SUCCEEDED: Action.DRAIN,
     Evidence.PUBLISHED: Action.GRANT,
-    Evidence.REQUESTED: Action.RESUME,
+    Evidence.TRAINER_REQUESTED: Action.RESUME,
 }
 
 
-def report(kind: str, revision: int, evidence: Evidence = Evidence.COMMAND) -> AgentState:
+def report(kind: str, revision: int, evidence: Evidence = Evidence.COMMAND_SUCCEEDED) -> AgentState:
     state = {"running": CommandState.RUNNING, "failed": CommandState.FAILED}.get(kind, CommandState.SUCCEEDED)
     epoch = EPOCH + 1 if kind == "epoch" else EPOCH
     cmd = CommandStatus(epoch=epoch, action=ACTIONS[evidence], state=state)
     shown = kind == "shown"
     trainer = TrainerReport(
-        requested=shown and evidence == Evidence.REQUESTED,
+        requested=shown and evidence == Evidence.TRAINER_REQUESTED,
         published_epoch=epoch if shown and evidence == Evidence.PUBLISHED else None,
         published_version="2" if shown and evidence == Evidence.PUBLISHED else None,
     )
@@ -52,7 +54,7 @@ def report(kind: str, revision: int, evidence: Evidence = Evidence.COMMAND) -> A
 
 def before(evidence: Evidence) -> AgentState:
     """The report at the decision: the previous epoch's command; in rollout, the epoch's resume."""
-    epoch = EPOCH if evidence == Evidence.REQUESTED else EPOCH - 1
+    epoch = EPOCH if evidence == Evidence.TRAINER_REQUESTED else EPOCH - 1
     done = CommandStatus(epoch=epoch, action=Action.RESUME, state=CommandState.SUCCEEDED)
     return AgentState(revision=1, boot_id="b", stage=Stage.SERVING, epoch=epoch, last_command=done)
 
@@ -61,7 +63,7 @@ def before(evidence: Evidence) -> AgentState:
     pods=st.integers(min_value=1, max_value=5),
     not_awaited=st.booleans(),
     untaken=st.sets(st.integers(min_value=0, max_value=4), max_size=2),
-    evidence=st.sampled_from(list(Evidence)),
+    evidence=st.sampled_from(list(ACTIONS)),  # the kinds an awaited pod waits on (Evidence.per_report)
     batches=st.lists(
         st.lists(st.tuples(st.integers(min_value=0, max_value=5), REPORTS), max_size=3), max_size=6
     ),
@@ -107,11 +109,12 @@ def test_a_report_that_decides_nothing_new_does_not_wake_the_conductor() -> None
     conductor = Conductor(FakeKube(), body(), ConductorOptions())  # type: ignore[arg-type]
     names = ["p-0", "p-1"]
     watches = {
-        n: SimpleNamespace(latest=before(Evidence.COMMAND), endpoint=SimpleNamespace(uid=n)) for n in names
+        n: SimpleNamespace(latest=before(Evidence.COMMAND_SUCCEEDED), endpoint=SimpleNamespace(uid=n))
+        for n in names
     }
     conductor._watches = watches  # type: ignore[assignment]
     conductor._accepted = {(n, Action.DRAIN.value, EPOCH) for n in names}
-    conductor._awaited.decided(tuple(Awaited(n, "b", EPOCH, Action.DRAIN) for n in names))
+    conductor.pacer.awaited.decided(tuple(Awaited(n, "b", EPOCH, Action.DRAIN) for n in names))
 
     def reports(name: str, kind: str) -> bool:
         conductor.wake.clear()
@@ -122,6 +125,6 @@ def test_a_report_that_decides_nothing_new_does_not_wake_the_conductor() -> None
     assert not reports("p-0", "running")  # it still runs the command
     assert not reports("p-0", "succeeded")  # p-1 still runs it
     assert reports("p-1", "succeeded")  # the last one: the next phase
-    conductor._awaited.decided(tuple(Awaited(n, "b", EPOCH, Action.DRAIN) for n in names))
+    conductor.pacer.awaited.decided(tuple(Awaited(n, "b", EPOCH, Action.DRAIN) for n in names))
     assert not reports("p-0", "succeeded")
     assert reports("p-1", "failed")  # anything else is decided

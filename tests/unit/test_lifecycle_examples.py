@@ -412,8 +412,10 @@ def test_next_due_is_the_earliest_deadline_a_decision_checked() -> None:
     """Decision.next_due: the moment time alone would change the decision, from the checks it made."""
     world = World(make_spec(activeDeadlineSeconds=3600, phaseTimeoutSeconds={"draining": 300}))
     world.bring_up()
-    started = parse(world.status.start_time)
-    assert started is not None
+    started, opened = parse(world.status.start_time), parse(world.status.phase_start_time)
+    assert started is not None and opened is not None
+    assert world.step().next_due == opened + timedelta(seconds=30)  # then Rollout decides on each report
+    world.tick(31)
     assert world.step().next_due == started + timedelta(seconds=3600)  # Rollout has no timeout here
     world.trainers_request()
     world.step()  # Draining: its deadline comes before the job's
@@ -461,3 +463,24 @@ def test_status_pods_refresh_only_on_phase_changes() -> None:
     world.agents["job-0"].finish()
     world.step()
     assert world.status.pods == before
+
+
+def test_a_gang_waiting_on_some_trainers_names_them_once_rollout_is_30_s_old() -> None:
+    """Before then a trainer's ask is a report the conductor may skip (Decision.awaiting) and status keeps
+    its words; from then on each report is decided, so the names stay true."""
+    world = World(make_spec())
+    world.bring_up()
+    assert world.status.phase == Phase.ROLLOUT
+    opened = parse(world.status.phase_start_time)
+    assert opened is not None
+    world.agents["job-0"].trainer_request()
+    d = world.step()
+    assert world.status.phase == Phase.ROLLOUT and "waiting for" not in (world.status.message or "")
+    assert [a.pod for a in d.awaiting] == ["job-1"] and d.next_due == opened + timedelta(seconds=30)
+    world.tick(31)
+    d = world.step()
+    assert world.status.message == "1 of 2 trainers asked for the GPU; waiting for the trainers of job-1"
+    assert d.awaiting == ()  # every report is decided while the message names who is left
+    world.agents["job-1"].trainer_request()
+    world.step()
+    assert world.status.phase == Phase.DRAINING

@@ -17,7 +17,8 @@ from lifecycle_world import FakeAgent, World, make_spec
 
 from rljob.api.agent import CommandState, GrantCommand, RefitCommand, ReleaseCommand, ResumeCommand, Stage
 from rljob.api.status import Phase, RLJobStatus
-from rljob.lifecycle.machine import LOCK_STEPS, decides_nothing_new
+from rljob.lifecycle.awaiting import decides_nothing_new
+from rljob.lifecycle.lock_steps import LOCK_STEPS
 from rljob.lifecycle.model import Decision, Observation
 
 PODS = st.integers(min_value=0, max_value=2)

@@ -15,8 +15,9 @@ from rljob.api.agent import (
     ResumeCommand,
 )
 from rljob.api.status import Phase
-from rljob.lifecycle.machine import LOCK_STEPS, Role, role_of
+from rljob.lifecycle.lock_steps import LOCK_STEPS
 from rljob.lifecycle.model import Decision, EventReason
+from rljob.lifecycle.roles import Role, role_of
 
 LEADERS, FOLLOWERS = {"job-0", "job-2"}, {"job-1", "job-3"}
 
@@ -184,9 +185,9 @@ def test_a_follower_command_that_fails_before_its_leader_finished_is_never_sent(
 
 
 def test_the_follower_agent_guards_the_stage_order_and_its_own_bookkeeping() -> None:
-    """agent/follower.py's check: no SGLang guards (the leader's agent makes the calls), but the stage order,
-    a second release of a released tag and a grant before its GPUs were verified are refused."""
-    from rljob.agent import follower
+    """agent/actions.py's check_follower: no SGLang guards (the leader's agent makes the calls), but the
+    stage order, a second release of a released tag and a grant before its GPUs were verified are refused."""
+    from rljob.agent.actions import check_follower
     from rljob.agent.errors import Refused
     from rljob.api.agent import AgentState, MemoryReport, Stage
     from rljob.api.spec import ReleaseTag
@@ -194,7 +195,7 @@ def test_the_follower_agent_guards_the_stage_order_and_its_own_bookkeeping() -> 
     def refusal(cmd: object, **state: object) -> str | None:
         report = AgentState(revision=1, boot_id="b", node_rank=1, **state)  # type: ignore[arg-type]
         try:
-            follower.check(cmd, report, None)  # type: ignore[arg-type]
+            check_follower(cmd, report)  # type: ignore[arg-type]
         except Refused as r:
             return r.error
         return None

@@ -8,7 +8,8 @@ from lifecycle_world import World, make_spec
 from rljob.api.agent import Action
 from rljob.api.spec import PhaseTimeouts
 from rljob.api.status import Phase
-from rljob.lifecycle.machine import HANDLERS, LOCK_STEPS, decide
+from rljob.lifecycle.lock_steps import LOCK_STEPS
+from rljob.lifecycle.machine import HANDLERS, decide
 
 
 def test_every_phase_has_exactly_one_place() -> None:

@@ -293,7 +293,7 @@ class RecoveryReport(WireModel):
 
 
 class AgentState(WireModel):
-    """`GET /v1/state?since=<revision>&wait=<seconds>`: long-polls until revision > since."""
+    """`GET /v1/state`: the agent's current state; the operator gets it as ChannelFrame states."""
 
     revision: int = Field(ge=0)
     boot_id: str = Field(max_length=64, description="Changes when the agent process restarts.")
@@ -320,6 +320,14 @@ class AgentState(WireModel):
     recovery: RecoveryReport = Field(default_factory=RecoveryReport)
 
 
+# Which committed states the channel sends the operator (agent/reports.py applies it): facts, not conclusions.
+NOT_SENT_ALONE = frozenset({"revision", "rollout"})
+"""AgentState fields whose change alone is not sent (rollout samples: read once the drain finished)."""
+SENT_WHILE_RUNNING = frozenset({"boot_id", "fatal", "trainer", "recovery"})
+"""While `last_command` is Running, a state is sent only when one of these changed or the stage became
+Failed. Invariant: no evidence the operator checks reads another field of a report whose command runs."""
+
+
 class CommandReply(WireModel):
     """On the channel (`GET /v1/channel`): the agent's answer to one command frame, the one
     `POST /v1/commands` would give: 202 accepted, 200 the same epoch and action again (a no-op), else
@@ -335,8 +343,8 @@ class CommandReply(WireModel):
 class ChannelFrame(WireModel):
     """`GET /v1/channel`, a WebSocket: every frame from the agent is one of these, exactly one field set.
     The operator sends Command frames (the POST /v1/commands body) on it and gets a CommandReply each; the
-    agent sends the states the operator acts on (as `changes=operator`) as they commit. One connection per
-    pod instead of a request per command and a long-poll per report (docs/benchmarks.md@cac2796)."""
+    agent sends the states the operator acts on (agent/reports.py) as they commit: the agent's one report
+    transport, one connection per pod."""
 
     state: AgentState | None = None
     reply: CommandReply | None = None

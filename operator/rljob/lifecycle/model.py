@@ -9,6 +9,7 @@ from enum import StrEnum
 
 from rljob.api.agent import Action, AgentState, Command
 from rljob.api.status import RLJobStatus
+from rljob.lifecycle.evidence import Evidence
 
 
 @dataclass(frozen=True)
@@ -57,15 +58,12 @@ class Observation:
     pods: tuple[PodObservation, ...] = ()
     agents: Mapping[str, AgentState | None] = field(default_factory=dict)
     generation: int | None = None  # metadata.generation of the RLJob
-    # The spec the API server accepted but the models refuse, or a child object the API server refused:
-    # "field.path: message". decide() then fails the job (reason InvalidSpec); spec may be None.
+    # "field.path: message" of a spec the models refuse or a child the API server refused: the job fails.
     spec_error: str | None = None
-    # The queue's word on the job's quota, and what to tell the user about it (the Workload, its queue and
-    # the queue's own reason): status.message and the Queued condition carry it.
+    # The queue's word on the gang's quota; the message goes to status.message and the Queued condition.
     admission: Admission = Admission.NOT_QUEUED
     admission_message: str = ""
-    # Commands the agents refused since the last decision: each becomes one CommandRefused Warning event,
-    # so refusals reach people through the Decision like every other event; a permanent one fails the job.
+    # Refused since the last decision: one CommandRefused Warning each; a permanent one fails the job.
     refusals: tuple[AgentRefusal, ...] = ()
 
 
@@ -122,24 +120,16 @@ class PodCommand:
     command: Command
 
 
-class Evidence(StrEnum):
-    """What an awaited pod's report must show before the decision that waits on it moves on."""
-
-    COMMAND = "Command"  # its agent finished the epoch's command
-    PUBLISHED = "Published"  # its trainer published weights under the epoch's grant (Training)
-    REQUESTED = "Requested"  # its trainer asked for the GPU in the epoch's rollout (Rollout)
-
-
 @dataclass(frozen=True)
 class Awaited:
     """A pod a decision waits on for one thing only: its report showing `evidence` for `epoch` (the
-    epoch's command is `action`)."""
+    epoch's command is `action`); `evidence` is checkable per report (Evidence.awaited_as)."""
 
     pod: str
     boot_id: str
     epoch: int
     action: Action
-    evidence: Evidence = Evidence.COMMAND
+    evidence: Evidence = Evidence.COMMAND_SUCCEEDED
 
 
 @dataclass(frozen=True)
@@ -154,13 +144,9 @@ class Decision:
     delete_pods: tuple[str, ...] = ()
     events: tuple[Event, ...] = ()
     delete_job: bool = False  # ttlSecondsAfterFinished elapsed
-    # Set only when every pod the decision waits on waits for one piece of evidence (Awaited.evidence: its
-    # command finishing, its trainer publishing or asking for the GPU) and nothing else is pending: until
-    # the last of them shows it, a report of one that did decides nothing new
-    # (machine.decides_nothing_new), and the conductor need not decide on it.
+    # Set only when every pod the decision waits on waits for one piece of evidence (Awaited.evidence) and
+    # nothing else is pending: until the last shows it, a report of one that did decides nothing new
+    # (awaiting.decides_nothing_new).
     awaiting: tuple[Awaited, ...] = ()
-    # The earliest moment at which time alone would change this decision: a phase or job deadline, or the
-    # TTL of a finished job, that one of its checks found not yet passed. None: no check of it depends on
-    # the time. Given the same inputs, a decision before then is this one (test_lifecycle_properties.py),
-    # so the conductor decides again only when something is observed to change, or then.
+    # The first moment time alone changes this decision (a deadline or TTL not yet passed); None: never.
     next_due: datetime | None = None

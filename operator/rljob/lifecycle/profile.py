@@ -18,8 +18,7 @@ from rljob.api.status import (
 )
 from rljob.lifecycle import levers, signals
 
-# Phases in which the operator drives agents: their wall time minus the slowest agent's own time is
-# what the control plane costs (polling, fan-out, status writes).
+# Phases the operator drives agents in: wall time minus the slowest agent's own is the control plane's.
 COMMAND_PHASES = ("Draining", "Releasing", "Refitting", "Resuming")
 ROLLOUT_BOUND_SHARE = levers.THRESHOLDS.rollout_bound_share
 TRAIN_BOUND_SHARE = levers.THRESHOLDS.train_bound_share

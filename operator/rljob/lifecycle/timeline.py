@@ -4,7 +4,7 @@ status' lists; nothing here decides what the job does next."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 
 from rljob.api.agent import Action, AgentState, CommandState
@@ -12,6 +12,9 @@ from rljob.api.status import MAX_MESSAGE, MAX_PODS_IN_STATUS, MAX_TIMELINE, Phas
 from rljob.lifecycle import signals
 from rljob.lifecycle.clock import seconds_between
 from rljob.lifecycle.model import PodObservation
+
+SpanRecord = Callable[[list[PhaseSpan], PhaseSpan, int, Sequence[AgentState]], None]
+"""Numbers a phase's span keeps when it closes: (timeline, closed span, iteration, gang agents)."""
 
 
 def open_span(timeline: list[PhaseSpan], phase: Phase, iteration: int, now: str) -> None:
@@ -124,8 +127,7 @@ def pod_entries(gang: Iterable[tuple[PodObservation, AgentState | None]]) -> lis
     the number of pods."""
     entries = []
     for pod, agent in sorted(gang, key=lambda pa: pa[0].index)[:MAX_PODS_IN_STATUS]:
-        # One constructor call per entry: at 64 pods, setting the fields one by one made this half of a
-        # phase change's decision.
+        # One constructor call per entry, not field by field: this runs for every pod at every phase change.
         if agent is None:
             entries.append(PodStatus(name=pod.name, stage="Unreachable", last_error=pod.broken or None))
             continue

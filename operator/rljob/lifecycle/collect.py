@@ -1,0 +1,145 @@
+"""Running a lock-step row: send its command to every pod that has not taken the phase's epoch, collect the
+evidence of those that did, and move on once every pod showed it. A stale, duplicated or reordered report
+can only make this resend the same epoch (a no-op at the agent), never advance."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rljob.api.agent import AgentState, Command, CommandState, CommandStatus
+from rljob.lifecycle.endings import (
+    fail_or_recover_after_command_failure,
+    past,
+    recover,
+    restart_gang_if_timed_out,
+    stop_without_finishing,
+)
+from rljob.lifecycle.lock_steps import LockStep
+from rljob.lifecycle.model import Awaited, PodObservation
+from rljob.lifecycle.roles import Role
+from rljob.lifecycle.step import Step
+
+
+def run_lock_step(step: Step, row: LockStep) -> None:
+    """The handler of every lock-step phase."""
+    if row.already_done is not None and row.already_done(step):
+        row.then(step, [])
+        return
+    if _ended_early(step, row):
+        return
+    done = send_and_collect(step, row)
+    if done is not None:
+        row.then(step, done)
+
+
+def _ended_early(step: Step, row: LockStep) -> bool:
+    """A lost member or the deadline ended the phase: True when it did."""
+    lost = step.lost_member()
+    limit = row.deadline(step.spec.phase_timeout_seconds)
+    if step.status.stopping and not row.best_effort:
+        if lost is None and not past(step, limit):
+            return False
+        stop_without_finishing(step, lost or f"{step.status.phase.value} past its deadline")
+        return True
+    if row.best_effort:  # the pods go anyway
+        if lost is None and not past(step, limit):
+            return False
+        row.then(step, [])
+        return True
+    if lost is not None:
+        recover(step, lost)
+        return True
+    return restart_gang_if_timed_out(step, limit)
+
+
+def send_and_collect(step: Step, row: LockStep) -> list[AgentState] | None:
+    """The agents' states once every pod finished the epoch with the row's evidence; None while waiting
+    (Decision.awaiting says on what, when each pod waits on evidence one report can show) or when a pod's
+    report restarted the gang or failed the job."""
+    step.awaiting = []
+    gang = _Round(step, row, step.target_version())
+    for pod in sorted(step.gang().values(), key=lambda p: p.index):  # a leader before its followers
+        if not gang.take(pod):
+            return None
+    if gang.waiting and not gang.undecidable:
+        step.awaiting = gang.awaited
+    return None if gang.waiting else gang.finished
+
+
+@dataclass
+class _Round:
+    """One pass of a lock-step row over the gang."""
+
+    step: Step
+    row: LockStep
+    target: str | None
+    finished: list[AgentState] = field(default_factory=list)
+    awaited: list[Awaited] = field(default_factory=list)  # each waits on evidence one report can show
+    waiting: bool = False
+    undecidable: bool = False  # something else is awaited too: every report is decided
+    leaders_done: set[int] = field(default_factory=set)  # leaders that showed the row's evidence
+    built: dict[tuple[Role, str | None], Command] = field(default_factory=dict)  # by role, LockStep.varies
+
+    def wait(self, awaited: Awaited | None) -> None:
+        self.waiting = True
+        if awaited is None:
+            self.undecidable = True
+        else:
+            self.awaited.append(awaited)
+
+    def take(self, pod: PodObservation) -> bool:
+        """Send to or collect from `pod`; False when its report restarted the gang or failed the job."""
+        step, row, epoch = self.step, self.row, self.step.status.epoch
+        agent = step.agent(pod)
+        if agent is None or not pod.running:
+            self.wait(None)
+            return True
+        awaited = Awaited(pod.name, agent.boot_id, epoch, row.action, row.evidence.awaited_as)
+        cmd = agent.last_command
+        if agent.epoch < epoch or cmd is None or cmd.epoch < epoch:
+            self.send(pod, agent, awaited)
+            return True
+        if cmd.epoch > epoch or cmd.action != row.action:
+            # The agent is ahead of our status: our status was rolled back. Never guess: restart the gang.
+            recover(step, f"pod {pod.name} reports epoch {cmd.epoch} ({cmd.action.value}), job is at {epoch}")
+            return False
+        return self.collect(pod, agent, cmd, awaited)
+
+    def collect(self, pod: PodObservation, agent: AgentState, cmd: CommandStatus, awaited: Awaited) -> bool:
+        """`pod` reports this epoch's command: it runs, failed, or finished with or without the evidence."""
+        evidence = self.row.evidence
+        if cmd.state == CommandState.RUNNING:
+            self.wait(awaited)
+        elif cmd.state == CommandState.FAILED:
+            return self.failed(pod, agent, cmd)
+        elif not evidence.shown_by(agent, awaited.epoch, self.target):
+            self.wait(awaited if evidence.per_report else None)
+        else:
+            self.finished.append(agent)
+            if self.step.role(pod) == Role.LEADER:
+                self.leaders_done.add(pod.index)
+        return True
+
+    def send(self, pod: PodObservation, agent: AgentState, awaited: Awaited) -> None:
+        """The row's command, unless `pod` is a follower whose leader has yet to show the evidence."""
+        role = self.step.role(pod)
+        leader = pod.index - pod.index % self.step.spec.rollout.pods_per_instance
+        if role == Role.FOLLOWER and self.row.after_leader and leader not in self.leaders_done:
+            self.wait(None)
+            return
+        key = (role, self.row.varies(agent))
+        command = self.built.get(key)
+        if command is None:
+            command = self.built[key] = self.row.command(self.step, agent, role)
+        self.step.send(pod, command)
+        self.wait(awaited)  # once it is accepted
+
+    def failed(self, pod: PodObservation, agent: AgentState, cmd: CommandStatus) -> bool:
+        if self.row.best_effort:
+            self.finished.append(agent)
+            return True
+        if self.step.status.stopping:
+            stop_without_finishing(self.step, f"{cmd.action.value} failed on {pod.name}: {cmd.error}")
+        else:
+            fail_or_recover_after_command_failure(self.step, pod, cmd)
+        return False
