@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from enum import Enum
 from typing import Any
 
 from rljob.api import InvalidObject, parse_job, parse_status
@@ -19,7 +20,13 @@ from rljob.api.agent import AgentState
 from rljob.api.spec import RLJobSpec
 from rljob.api.status import Phase, RLJobStatus
 from rljob.controller import heap, metrics
-from rljob.controller.agent_client import AgentClient, AgentEndpoint, AgentWatch, command_frame
+from rljob.controller.agent_client import (
+    AgentClient,
+    AgentEndpoint,
+    AgentWatch,
+    CommandOutcome,
+    command_frame,
+)
 from rljob.controller.children import (
     AgentOptions,
     gang_pod,
@@ -29,30 +36,14 @@ from rljob.controller.children import (
     token_secret,
 )
 from rljob.controller.kube import ChildRefused, Kube, NamespaceTerminating, PodList
+from rljob.controller.pacer import QUIET_SECONDS, TICK_SECONDS, Pacer, Skip
 from rljob.controller.pod_cache import PodCache
 from rljob.controller.queueing import AdmissionView, JobQueue, Workloads, queue_name, workload_manifest
 from rljob.controller.status_writer import StatusNotStored, StatusWriter
-from rljob.lifecycle.machine import AwaitedReport, awaited_report, decide
+from rljob.lifecycle.machine import decide
 from rljob.lifecycle.model import Admission, AgentRefusal, Awaited, Decision, Observation
 
 log = logging.getLogger(__name__)
-# A decision is made when something it depends on is observed to change, or when time alone would change
-# it (Decision.next_due: a deadline, a TTL). Besides: what did not go through (a command an agent did not
-# take, a status write held back) is tried again TICK_SECONDS later, and a decision is made at least every
-# QUIET_SECONDS whatever happens. A heartbeat of TICK_SECONDS alone was most decisions at 512 pods: 101.6
-# an iteration, each over every pod (docs/benchmarks.md@cac2796).
-TICK_SECONDS = 2.0
-QUIET_SECONDS = 30.0
-# A full pod list now and then: a watch that reconnected reports no deletions it missed. At least this
-# often, and no more than a list's share of the CPU allows: at 512 pods one list is ~6 MB of JSON, and a list
-# a minute was a tenth of the operator's CPU (docs/benchmarks.md@cac2796).
-RESYNC_SECONDS = 60.0
-RESYNC_SECONDS_PER_POD = 0.5
-# While reports stream in, decide at most this share of the time: a decision waits PACE times the
-# last one's cost after it, and takes every report that came meanwhile (at 512 pods one decision costs
-# ~4 ms and each pod reports once per phase; deciding per report would cost ~2 s a phase).
-PACE = 3.0
-MAX_PAUSE = 0.05  # seconds
 MAX_SPEC_ERROR = 1000  # the status message is bounded (api/status.py)
 _POD_EVENT_LIFECYCLE = metrics.POD_EVENTS.labels(change="lifecycle")
 _POD_EVENT_READINESS = metrics.POD_EVENTS.labels(change="readiness")
@@ -80,43 +71,28 @@ class ConductorOptions:
     freeze_heap: bool = False  # heap.freeze() after the first round (the operator process; not in tests)
 
 
-def _same(now: tuple[Any, ...], then: tuple[Any, ...]) -> bool:
-    return all(a is b or a == b for a, b in zip(now, then, strict=True))
+class _Done(Enum):
+    """What a round carried out."""
+
+    NOTHING = "nothing"  # a round now would see what this one saw: wait for a wake
+    SOMETHING = "something"  # it sent or wrote something, which changes what is observed: look again
+    NOT_CARRIED_OUT = "not carried out"  # the decision was refused or not stored: decide again at once
+    STOP = "stop"  # the job is deleted or being deleted
 
 
-class AwaitedPods:
-    """The last decision's Decision.awaiting, kept report by report as each comes: whether the reports
-    since then would make the same decision (lifecycle.machine.decides_nothing_new), in the time of one
-    report rather than of a round over the whole gang, so a report that decides nothing wakes nothing.
-    Pods whose reports said they succeeded leave `running`; when none is left, or a report says anything
-    else, or a command was not accepted, the next round decides."""
+def _first_error(outcomes: list[Any]) -> BaseException | None:
+    """The first of the errors among `outcomes`, a ChildRefused before any other."""
+    errors = [e for e in outcomes if isinstance(e, BaseException)]
+    return next((e for e in errors if isinstance(e, ChildRefused)), errors[0] if errors else None)
 
-    def __init__(self) -> None:
-        self._awaited: dict[str, Awaited] = {}
-        self._running: set[str] = set()
-        self._void = True  # nothing to wait on: every round decides
 
-    def decided(self, awaiting: tuple[Awaited, ...]) -> None:
-        self._awaited = {a.pod: a for a in awaiting}
-        self._running = set(self._awaited)
-        self._void = not awaiting
+class _Stored(Enum):
+    """What became of a decision's status."""
 
-    def reported(self, pod: str, latest: AgentState | None, took: Callable[[Awaited], bool]) -> None:
-        """`pod`'s report `latest` came; `took`: whether its agent accepted the awaited command."""
-        if self._void:
-            return
-        awaited = self._awaited.get(pod)
-        seen = awaited_report(awaited, latest, took(awaited)) if awaited else AwaitedReport.DECIDE
-        if seen == AwaitedReport.DECIDE:
-            self._void = True
-        elif seen == AwaitedReport.SUCCEEDED:
-            self._running.discard(pod)
-
-    def not_taken(self) -> None:
-        self._void = True
-
-    def nothing_new(self) -> bool:
-        return not self._void and bool(self._running)
+    SAME = "same"  # the status the last round compared with: nothing offered
+    WRITTEN = "written"
+    NOT_WRITTEN = "not written"  # offered: the same on the wire, or ready counts alone held back
+    NOT_STORED = "not stored"  # StatusNotStored: the decision is made again when due
 
 
 class Conductor:
@@ -140,15 +116,8 @@ class Conductor:
         self._watches: dict[str, AgentWatch] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.pods = PodCache()  # from the pod watch (pod_seen), a list at the start and now and then
-        self._resync_at = 0.0  # loop time of the next full pod list
         self._watched: tuple[int, RLJobSpec | None] | None = None  # (pods.version, spec) watches follow
-        self._reports = 0  # agent reports received: with pods.version, what moves the observation
-        self._decided: tuple[Any, ...] | None = None  # the inputs of the last decision
-        self._awaited = AwaitedPods()  # what it waits on (Decision.awaiting), report by report
-        self._decided_at = 0.0  # loop time the last decision ended
-        self._due_at = 0.0  # loop time the next decision is due whatever is observed (see TICK_SECONDS)
-        self._untaken = False  # a command of the last decision was not taken: send it again
-        self._decide_seconds = 0.0  # what it cost
+        self.pacer = Pacer(options.tick_seconds, options.quiet_seconds)  # when to decide again
         self._parsed: _Parsed | None = None
         self._children_ready = False  # the token Secret and the Service exist
         self._accepted: set[tuple[str, str, int]] = set()  # (pod uid, action, epoch) an agent took
@@ -185,9 +154,7 @@ class Conductor:
             (_POD_EVENT_NONE if self.pods.readiness_changes == readiness else _POD_EVENT_READINESS).inc()
 
     def _reported(self, pod: str) -> None:
-        self._reports += 1
-        self._awaited.reported(pod, self._latest(pod), self._took)
-        if not self._awaited.nothing_new():
+        if self.pacer.reported(pod, self._latest(pod), self._took):
             self.poke()
 
     def _parse(self) -> _Parsed:
@@ -231,10 +198,8 @@ class Conductor:
         """Conduct until `stopped`, the RLJob is marked for deletion, or its namespace is being deleted
         (a create refused as NamespaceTerminating: the RLJob goes with the namespace); returns then, and
         after the job deleted itself (its TTL)."""
-        # From the status as stored, not kopf's body of the job: a conductor kopf started again (after a
-        # status write the API server answered 504, which it may still have applied; now read back in
-        # place, controller/status_writer.py) got a body five transitions behind under load, and wrote
-        # the job's epoch back (docs/benchmarks.md@cac2796).
+        # From the status as stored, not kopf's body: a conductor kopf started again may get a body
+        # transitions behind, and would write the job's epoch back.
         stored = await self.kube.read_status(self.namespace, self.name)
         if stored is None:  # the RLJob is gone: kopf stops this daemon
             return
@@ -252,102 +217,46 @@ class Conductor:
             try:
                 while not stopped() and not self.deleting():
                     self.wake.clear()
-                    options = self.options
-                    due = loop.time() >= self._due_at
+                    due = self.pacer.due(loop.time())
                     parsed = await self._checked_spec(agents, status)
-                    decision = await self._round(agents, parsed, status, due)
-                    progressed = False
-                    if decision is not None:
-                        # persist first, then act (see Decision)
-                        # Most decisions while reports come in change nothing: comparing the models is
-                        # cheaper than building the wire form the writer diffs.
-                        offered = decision.status != status
-                        try:
-                            written = offered and await writer.write(decision.status)
-                        except StatusNotStored as not_stored:
-                            # Nothing of a decision whose status is not stored is carried out: it is
-                            # made again when due, and the next round, finding nothing new, waits.
-                            self._awaited.not_taken()
-                            self._due_at = loop.time() + not_stored.retry_in
-                            continue
-                        self._observe_metrics(status, decision.status)
-                        if written:  # else the same status: keep the object the next round compares
-                            status = decision.status
-                        if self.deleting():  # seen while deciding: nothing of the decision is carried out
-                            return
-                        try:
-                            progressed = await self._act(parsed.spec, decision) or written
-                        except ChildRefused as refused:  # what a dry run could not foresee
-                            parsed.refused(refused)
-                            continue
-                        settled = await self._settle_workload(decision.status)
-                        if decision.delete_job:
-                            await self.kube.delete_job(self.namespace, self.name)
-                            return
-                        # a status held back (ready counts alone) is offered again when it would be
-                        # written; what else did not go through, a tick from now
-                        held_back = writer.held_back_for() if offered and not written else None
-                        self._due_at = self._next_due_at(decision, self._untaken or settled, held_back)
-                    if options.freeze_heap:
-                        heap.freeze()
-                    if progressed:
-                        continue  # what we sent or wrote changes what we observe: look again at once
-                    # Nothing sent, created, deleted or written: a round now would see what this one
-                    # saw, so wait to be woken (a report, a pod event, an edit), for the next decision
-                    # that is due, or a tick: a round that decides nothing costs little, and it reads
-                    # what is read now and then (the full pod list, the Workload: JobQueue.REREAD_SECONDS).
-                    now = loop.time()
-                    wait = max(0.0, min(self._due_at, self._resync_at, now + options.tick_seconds) - now)
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self.wake.wait(), wait)
+                    decision = await self._decide(agents, parsed, status, due)
+                    done = _Done.NOTHING
+                    if decision is not None:  # persist first, then act (see Decision)
+                        status, done = await self._write_and_act(writer, parsed, status, decision)
+                    if done is _Done.STOP:
+                        return
+                    if done is not _Done.NOT_CARRIED_OUT:
+                        await self._rest(done is _Done.SOMETHING)
             except NamespaceTerminating as terminating:
                 log.info("%s/%s: %s: conducting stops", self.namespace, self.name, terminating)
             finally:
-                for watch in self._watches.values():
-                    await watch.close()
-                self._watches.clear()
-                if self._tasks:
-                    await asyncio.wait(self._tasks, timeout=5)
+                await self._close()
 
-    async def _round(
+    async def _decide(
         self, agents: AgentClient, parsed: _Parsed, status: RLJobStatus, due: bool
     ) -> Decision | None:
-        """The next decision; None when nothing it depends on changed since the last one (a decision
-        that is `due` is made anyway: time is an input too)."""
+        """Observe, and the next decision; None when the pacer skips it (a decision that is `due` is made
+        anyway: time is an input too)."""
         loop = asyncio.get_running_loop()
-        if not self.pods.listed_once or loop.time() >= self._resync_at:
-            pods = await self.kube.list_pods(self.namespace, self.name)
-            self.pods.listed(pods, pods.resource_version if isinstance(pods, PodList) else None)
-            self._resync_at = loop.time() + max(RESYNC_SECONDS, RESYNC_SECONDS_PER_POD * len(pods))
-        self._sync_watches(agents, parsed.spec if parsed.error is None else None)
-        self._pods_left = len(self.pods)
-        queued = await self._admission(parsed, status)
+        queued = await self._observe(agents, parsed, status)
         generation = self.body.get("metadata", {}).get("generation")
         inputs = (
-            self.pods.version, self._reports, generation, parsed, parsed.error, queued.admission,
-            queued.message, status, len(self._refusals),
+            self.pods.version, generation, parsed, parsed.error, queued.admission, queued.message, status,
+            len(self._refusals),
         )  # fmt: skip
-        if not due and self._decided is not None and _same(inputs, self._decided):
+        skipped = self.pacer.skip(inputs, due)
+        if skipped is not None:
+            if skipped is Skip.AWAITED:
+                metrics.DECISIONS.labels(outcome="skipped").inc()
             return None
-        if (
-            not due
-            and self._decided is not None
-            and _same(inputs[:1] + inputs[2:], self._decided[:1] + self._decided[2:])  # only reports came
-            and self._awaited.nothing_new()
-        ):
-            self._decided = inputs  # the decision would wait on: skipped (Decision.awaiting)
-            metrics.DECISIONS.labels(outcome="skipped").inc()
-            return None
-        pause = min(MAX_PAUSE, PACE * self._decide_seconds) - (loop.time() - self._decided_at)
-        if not due and pause > 0:
+        pause = self.pacer.pause(loop.time(), due)
+        if pause > 0:
             await asyncio.sleep(pause)  # reports that come meanwhile go into this decision
-        states = self._agent_states()
-        self._decided = inputs
         obs = Observation(
             now=self.clock(),
             pods=self.pods.observations(),
-            agents=states,
-            generation=self.body.get("metadata", {}).get("generation"),
+            agents=self._agent_states(),
+            generation=generation,
             spec_error=parsed.error,
             admission=queued.admission,
             admission_message=queued.message,
@@ -356,21 +265,80 @@ class Conductor:
         self._refusals.clear()  # each refusal reaches exactly one decision, hence one event
         began = time.thread_time()  # CPU, not wall: a decision preempted on a busy machine cost no more
         decision = decide(parsed.spec, status, obs)
-        self._decide_seconds = time.thread_time() - began
+        self.pacer.decided(loop.time(), time.thread_time() - began, decision.awaiting)
         metrics.DECISIONS.labels(outcome="decided").inc()
-        self._decided_at = loop.time()
-        self._awaited.decided(decision.awaiting)
         return decision
 
-    def _next_due_at(self, decision: Decision, retry: bool, held_back: float | None) -> float:
-        """Loop time at which a decision is due though nothing was observed to change."""
-        options = self.options
-        after = options.tick_seconds if retry else options.quiet_seconds
-        if decision.next_due is not None:
-            after = min(after, max(0.0, (decision.next_due - self.clock()).total_seconds()))
-        if held_back is not None:
-            after = min(after, held_back)
-        return asyncio.get_running_loop().time() + after
+    async def _observe(self, agents: AgentClient, parsed: _Parsed, status: RLJobStatus) -> AdmissionView:
+        """The pods (listed when the pacer says), the agents' watches, and Kueue's word on the job."""
+        loop = asyncio.get_running_loop()
+        if not self.pods.listed_once or self.pacer.list_due(loop.time()):
+            pods = await self.kube.list_pods(self.namespace, self.name)
+            self.pods.listed(pods, pods.resource_version if isinstance(pods, PodList) else None)
+            self.pacer.listed(loop.time(), len(pods))
+        self._sync_watches(agents, parsed.spec if parsed.error is None else None)
+        self._pods_left = len(self.pods)
+        return await self._admission(parsed, status)
+
+    async def _write_and_act(
+        self, writer: StatusWriter, parsed: _Parsed, status: RLJobStatus, decision: Decision
+    ) -> tuple[RLJobStatus, _Done]:
+        """Store the decision's status, then carry it out; the status the next round compares with, and
+        what was done."""
+        stored = await self._write(writer, status, decision)
+        if stored is _Stored.NOT_STORED:  # nothing of the decision is carried out: made again when due
+            return status, _Done.NOT_CARRIED_OUT
+        self._observe_metrics(status, decision.status)
+        if stored is _Stored.WRITTEN:  # else the same status: keep the object the next round compares
+            status = decision.status
+        if self.deleting():  # seen while deciding: nothing of the decision is carried out
+            return status, _Done.STOP
+        try:
+            acted = await self._act(parsed.spec, decision)
+        except ChildRefused as refused:  # what a dry run could not foresee
+            parsed.refused(refused)
+            return status, _Done.NOT_CARRIED_OUT
+        settled = await self._settle_workload(decision.status)
+        if decision.delete_job:
+            await self.kube.delete_job(self.namespace, self.name)
+            return status, _Done.STOP
+        # a status held back (ready counts alone) is offered again when it would be written
+        held_back = writer.held_back_for() if stored is _Stored.NOT_WRITTEN else None
+        next_due = self._seconds_until(decision.next_due)
+        self.pacer.carried_out(asyncio.get_running_loop().time(), next_due, settled, held_back)
+        return status, _Done.SOMETHING if acted or stored is _Stored.WRITTEN else _Done.NOTHING
+
+    async def _write(self, writer: StatusWriter, status: RLJobStatus, decision: Decision) -> _Stored:
+        """Offer the decision's status to the writer; a status not stored is the pacer's to retry."""
+        if decision.status == status:  # comparing the models costs less than the wire form the writer diffs
+            return _Stored.SAME
+        try:
+            written = await writer.write(decision.status)
+        except StatusNotStored as not_stored:
+            self.pacer.not_stored(asyncio.get_running_loop().time(), not_stored.retry_in)
+            return _Stored.NOT_STORED
+        return _Stored.WRITTEN if written else _Stored.NOT_WRITTEN
+
+    def _seconds_until(self, when: datetime | None) -> float | None:
+        return (when - self.clock()).total_seconds() if when is not None else None
+
+    async def _rest(self, progressed: bool) -> None:
+        """After a round: look again at once when it sent or wrote something (what we observe changes),
+        else wait to be woken (a report, a pod event, an edit) or for what the pacer says is due."""
+        if self.options.freeze_heap:
+            heap.freeze()
+        if progressed:
+            return
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.wake.wait(), self.pacer.wait(loop.time()))
+
+    async def _close(self) -> None:
+        for watch in self._watches.values():
+            await watch.close()
+        self._watches.clear()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=5)
 
     def _agent_states(self) -> dict[str, AgentState | None]:
         states: dict[str, AgentState | None] = {}
@@ -437,13 +405,7 @@ class Conductor:
         if self._watched is not None and self._watched[0] == self.pods.version and self._watched[1] is spec:
             return
         self._watched = (self.pods.version, spec)
-        wanted: dict[str, AgentEndpoint] = {}
-        placed = self._placed_gangs(spec) if spec is not None else set()
-        for pod in self.pods.pods():
-            obs = pod.observation
-            alive = obs.phase in ("Pending", "Running") and not obs.deleting
-            if spec is not None and pod.ip and alive and obs.gang in placed:
-                wanted[pod.name] = AgentEndpoint(pod.name, pod.uid, pod.ip, spec.agent.port)
+        wanted = self._watched_agents(spec) if spec is not None else {}
         for name in list(self._watches):
             if name not in wanted or self._watches[name].endpoint != wanted[name]:
                 watch = self._watches.pop(name)
@@ -451,6 +413,17 @@ class Conductor:
         for name, endpoint in wanted.items():
             if name not in self._watches:
                 self._watches[name] = AgentWatch(agents, endpoint, functools.partial(self._reported, name))
+
+    def _watched_agents(self, spec: RLJobSpec) -> dict[str, AgentEndpoint]:
+        """The agents of live pods of placed gangs, by pod name."""
+        wanted: dict[str, AgentEndpoint] = {}
+        placed = self._placed_gangs(spec)
+        for pod in self.pods.pods():
+            obs = pod.observation
+            alive = obs.phase in ("Pending", "Running") and not obs.deleting
+            if pod.ip and alive and obs.gang in placed:
+                wanted[pod.name] = AgentEndpoint(pod.name, pod.uid, pod.ip, spec.agent.port)
+        return wanted
 
     def _pod(self, spec: RLJobSpec, index: int, gang: int) -> dict[str, Any]:
         manifest = gang_pod(self.name, self.uid, spec, index, gang, self.options.agent, spec.iterations)
@@ -466,24 +439,30 @@ class Conductor:
         await asyncio.gather(*(self.kube.delete_pod(ns, n, uid) for n, uid in doomed))
         for name, uid in doomed:
             self.pods.deleting(name, uid)
+        created = False
         if spec is not None and decision.create_pods:
-            manifests = [self._pod(spec, index, decision.status.restarts) for index in decision.create_pods]
-            outcomes = await asyncio.gather(
-                *(self.kube.create(ns, m) for m in manifests), return_exceptions=True
-            )
-            for outcome in outcomes:
-                if isinstance(outcome, dict):
-                    self.pods.seen(outcome)  # the watch's event for it may come after the next round
-                elif outcome is None:
-                    self._resync_at = 0.0  # it existed already: the cache missed it, list again
-            errors = [e for e in outcomes if isinstance(e, BaseException)]
-            refused = [e for e in errors if isinstance(e, ChildRefused)]
-            if refused or errors:
-                raise (refused or errors)[0]
+            await self._create_pods(spec, decision)
+            created = True
         sent = await self._send(decision)
         if decision.events:  # events are for people: never on the lifecycle's critical path
             self._background(self._post_events(decision))
-        return sent or bool(doomed) or bool(spec is not None and decision.create_pods)
+        return sent or bool(doomed) or created
+
+    async def _create_pods(self, spec: RLJobSpec, decision: Decision) -> None:
+        """Create the decision's pods concurrently; raises the first refusal (ChildRefused first) after
+        all are tried."""
+        manifests = [self._pod(spec, index, decision.status.restarts) for index in decision.create_pods]
+        outcomes = await asyncio.gather(
+            *(self.kube.create(self.namespace, m) for m in manifests), return_exceptions=True
+        )
+        for outcome in outcomes:
+            if isinstance(outcome, dict):
+                self.pods.seen(outcome)  # the watch's event for it may come after the next round
+            elif outcome is None:
+                self.pacer.list_again()  # it existed already: the cache missed it
+        error = _first_error(outcomes)
+        if error is not None:
+            raise error
 
     async def _post_events(self, decision: Decision) -> None:
         body = dict(self.body)
@@ -499,14 +478,27 @@ class Conductor:
 
     async def _send(self, decision: Decision) -> bool:
         """Fan out concurrently; True when an agent accepted a command or refused one for the first time.
-        A command an agent already accepted is not sent again while its state report catches up (a
-        repeat would be a harmless no-op, but at 64 pods it doubles the traffic, and the agent's reports
-        do not show an acceptance: agent/reports.py)."""
+        A command an agent accepted is not sent again while its state report catches up (the agent's
+        reports do not show an acceptance)."""
         epoch = decision.status.epoch
         self._accepted = {a for a in self._accepted if a[2] >= epoch}
-        self._untaken = False
         self._refused = {r for r in self._refused if r[2] >= epoch}
-        sends, keys = [], []
+        keys, sends = self._sends(decision)
+        progressed = False
+        for key, outcome in zip(keys, await asyncio.gather(*sends), strict=True):
+            if outcome.accepted:
+                self._accepted.add(key)
+                progressed = True
+                continue
+            self.pacer.not_taken()  # it is sent again by the next decision
+            progressed = self._keep_refusal(key, outcome) or progressed
+        return progressed
+
+    def _sends(
+        self, decision: Decision
+    ) -> tuple[list[tuple[str, str, int]], list[Coroutine[Any, Any, CommandOutcome]]]:
+        """The decision's commands not yet accepted, each with its (pod uid, action, epoch)."""
+        keys, sends = [], []
         frames: dict[int, str] = {}  # by id(): a decision builds one command per role (LockStep.varies)
         for pc in decision.commands:
             watch = self._watches.get(pc.pod)
@@ -520,25 +512,19 @@ class Conductor:
                 frame = frames[id(pc.command)] = command_frame(pc.command)
             sends.append(watch.send(pc.command, frame))
             keys.append(key)
-        progressed = False
-        for key, outcome in zip(keys, await asyncio.gather(*sends), strict=True):
-            if outcome.accepted:
-                self._accepted.add(key)
-                progressed = True
-                continue
-            self._awaited.not_taken()  # it is sent again by the next decision
-            self._untaken = True  # which is due a tick from now if nothing else comes first
-            if (
-                outcome.refusal
-                and not outcome.refusal.startswith("unreachable")
-                and (outcome.permanent or (*key, outcome.refusal) not in self._refused)
-            ):
-                # A permanent refusal reaches every decision until one is stored: it fails the job.
-                self._refused.add((*key, outcome.refusal))
-                refusal = AgentRefusal(outcome.pod, outcome.refusal, outcome.error, outcome.permanent)
-                self._refusals.append(refusal)  # an event via the next Decision
-                progressed = True
-        return progressed
+        return keys, sends
+
+    def _keep_refusal(self, key: tuple[str, str, int], outcome: CommandOutcome) -> bool:
+        """Keep a refusal for the next decision (an event) unless it was reported already; True when kept.
+        A permanent refusal reaches every decision until one is stored: it fails the job."""
+        refusal = outcome.refusal
+        if not refusal or refusal.startswith("unreachable"):
+            return False
+        if not outcome.permanent and (*key, refusal) in self._refused:
+            return False
+        self._refused.add((*key, refusal))
+        self._refusals.append(AgentRefusal(outcome.pod, refusal, outcome.error, outcome.permanent))
+        return True
 
     async def _ensure_token_and_service(self, spec: RLJobSpec) -> str:
         token = await self.kube.read_token(self.namespace, self.name)
@@ -556,22 +542,25 @@ class Conductor:
         if new.weight_version and new.weight_version.isdigit():
             metrics.WEIGHT_VERSION.labels(**labels).set(int(new.weight_version))
         if new.phase != old.phase:
-            metrics.TRANSITIONS.labels(phase=new.phase.value).inc()
-            closed = [s for s in new.timeline if s.phase == old.phase and s.seconds is not None]
-            if closed:
-                metrics.PHASE_SECONDS.labels(phase=old.phase.value).observe(closed[-1].seconds or 0.0)
-            if new.phase in (Phase.RECOVERING, Phase.FAILED):
-                metrics.FAILURES.labels(phase=old.phase.value, reason=new.reason or "").inc()
-            log.info(
-                "%s/%s: %s -> %s (iteration %d, epoch %d): %s",
-                self.namespace,
-                self.name,
-                old.phase.value,
-                new.phase.value,
-                new.iteration,
-                new.epoch,
-                new.message,
-            )
+            self._observe_transition(old, new)
         if new.last_iteration is not None and new.last_iteration != old.last_iteration:
             metrics.CONTROL_OVERHEAD.observe(new.last_iteration.control_overhead_seconds)
             metrics.observe_iteration(self.namespace, self.name, new)
+
+    def _observe_transition(self, old: RLJobStatus, new: RLJobStatus) -> None:
+        metrics.TRANSITIONS.labels(phase=new.phase.value).inc()
+        closed = [s for s in new.timeline if s.phase == old.phase and s.seconds is not None]
+        if closed:
+            metrics.PHASE_SECONDS.labels(phase=old.phase.value).observe(closed[-1].seconds or 0.0)
+        if new.phase in (Phase.RECOVERING, Phase.FAILED):
+            metrics.FAILURES.labels(phase=old.phase.value, reason=new.reason or "").inc()
+        log.info(
+            "%s/%s: %s -> %s (iteration %d, epoch %d): %s",
+            self.namespace,
+            self.name,
+            old.phase.value,
+            new.phase.value,
+            new.iteration,
+            new.epoch,
+            new.message,
+        )
