@@ -1,4 +1,4 @@
-"""The operator's HTTP to the API server (controller/apiserver.py) and the calls made over it
+"""The operator's HTTP to the API server (kubeclient/apiserver.py) and the calls made over it
 (controller/kube.py, the leader election's Lease in controller/leader.py): paths, queries, bodies and
 credentials as the API server expects them; a refusal raises ApiError with its status and answer; a
 connection the server dropped is tried once more, a 401 once more with credentials taken again. Against a
@@ -17,11 +17,12 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from prometheus_client import REGISTRY
 
-from rljob.controller.apiserver import ApiError, ApiServer
-from rljob.controller.kube import Kube
-from rljob.controller.kubeconfig import Credentials
+from rljob.controller.kube import Kube, api_server
 from rljob.controller.leader import ElectionOptions, LeaderElector
+from rljob.kubeclient.apiserver import MERGE_PATCH, ApiError, ApiServer
+from rljob.kubeclient.credentials import Credentials
 
 JOB = {"metadata": {"name": "job", "uid": "u-1", "resourceVersion": "7"}}
 
@@ -90,7 +91,8 @@ def fake() -> Iterator[FakeApiServer]:
 
 
 def server_for(fake: FakeApiServer, token: str = "tok-1", token_path: Path | None = None) -> ApiServer:
-    """The operator's credentials from a kubeconfig naming `token`, or `tokenFile: token_path`."""
+    """The operator's client (its call counter included) with credentials from a kubeconfig naming `token`,
+    or `tokenFile: token_path`."""
     folder = Path(tempfile.mkdtemp(prefix="rljob-kubeconfig-"))
     user = {"tokenFile": str(token_path)} if token_path else {"token": token}
     doc = {
@@ -100,7 +102,7 @@ def server_for(fake: FakeApiServer, token: str = "tok-1", token_path: Path | Non
         "users": [{"name": "u", "user": user}],
     }
     (folder / "config").write_text(json.dumps(doc))
-    return ApiServer(Credentials.from_kubeconfig(str(folder / "config")))
+    return api_server(Credentials.from_kubeconfig(str(folder / "config")))
 
 
 def run(coro: Any) -> Any:
@@ -286,3 +288,41 @@ def test_the_sync_path_tries_a_dropped_connection_once_more(fake: FakeApiServer)
     fake.drop_next = 2
     with pytest.raises((OSError, ConnectionError)):
         server.call_sync("get_version", "GET", "/version")
+
+
+def test_each_call_passes_its_verb_to_the_builders_hook_once(fake: FakeApiServer) -> None:
+    """The client counts nothing itself: every call, in the event loop or from a thread, passes its verb to
+    the `on_call` its builder gave, once however often it is tried."""
+    verbs: list[str] = []
+    server = ApiServer(server_for(fake).credentials, on_call=verbs.append)
+    path = "/apis/rljob.io/v1alpha1/namespaces/ns/rljobs/job/status"
+
+    async def patch() -> None:
+        try:
+            await server.call("patch_status", "PATCH", path, {"status": {}}, content_type=MERGE_PATCH)
+        finally:
+            await server.close()
+
+    fake.drop_next = 1  # tried twice, one call
+    run(patch())
+    server.call_sync("get_version", "GET", "/version")
+    assert verbs == ["patch_status", "get_version"]
+    assert [r["path"] for r in fake.requests] == [path, "/version"]
+
+
+def test_the_operators_client_counts_its_calls_by_verb(fake: FakeApiServer) -> None:
+    """controller/kube.py builds the client with the operator's counter: rljob_api_calls_total{verb}."""
+
+    def counted() -> float:
+        return REGISTRY.get_sample_value("rljob_api_calls_total", {"verb": "read_rljob"}) or 0.0
+
+    async def read() -> None:
+        kube = Kube(server_for(fake))
+        try:
+            await kube.read_status("ns", "job")
+        finally:
+            await kube.close()
+
+    before = counted()
+    run(read())
+    assert counted() == before + 1 and len(fake.requests) == 1

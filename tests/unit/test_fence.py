@@ -23,7 +23,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE_ROOT = ROOT / "operator"
-PRODUCT = ("api", "lifecycle", "controller", "agent", "trainer", "cli")
+PRODUCT = ("api", "lifecycle", "kubeclient", "controller", "agent", "trainer", "cli")
 TEST_WORLD = ("rljob.testing", "rljob.emulator")
 NAMES_THE_TEST_WORLD = re.compile(r"\brljob\.(testing|emulator)\b")
 DYNAMIC = "<dynamic import>"
@@ -302,7 +302,7 @@ def test_product_never_names_the_emulator() -> None:
 
 
 TEST_WORLD_LIBRARIES = ("requests",)  # the testing extra's (pyproject.toml)
-CREDENTIALS_MODULE = "operator/rljob/controller/kubeconfig.py"  # the one reader of `kubernetes`
+CREDENTIALS_MODULE = "operator/rljob/kubeclient/credentials.py"  # the one reader of `kubernetes`
 
 
 def imported_top_levels(path: Path) -> Iterator[str]:
@@ -311,8 +311,8 @@ def imported_top_levels(path: Path) -> Iterator[str]:
 
 
 def test_only_the_credentials_module_imports_the_kubernetes_library() -> None:
-    """The operator's credentials come from `kubernetes.config` (controller/kubeconfig.py); every call goes
-    over the operator's own transport (controller/apiserver.py), so no other product module imports the
+    """The operator's credentials come from `kubernetes.config` (kubeclient/credentials.py); every call goes
+    over the shared client's own transport (kubeclient/apiserver.py), so no other product module imports the
     library (the agent, which has no credentials at all, least of all), and requests is the test world's."""
     uses = {
         str(p.relative_to(ROOT)): sorted(

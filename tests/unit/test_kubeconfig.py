@@ -1,4 +1,4 @@
-"""Where the API server is and who the operator is to it (controller/kubeconfig.py), read by the
+"""Where the API server is and who the operator is to it (kubeclient/credentials.py), read by the
 `kubernetes` library's loaders: a pod's ServiceAccount; a kubeconfig's current context over several files,
 the first to name an entry winning, paths relative to their file, inline data as private files; an exec
 credential plugin run again when its credential expires or a 401 asks; and kopf's login from the same."""
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from rljob.controller.kubeconfig import ASK_SECONDS, ConfigError, Credentials
+from rljob.kubeclient.credentials import ASK_SECONDS, ConfigError, Credentials
 
 
 def write(path: Path, doc: dict[str, Any]) -> Path:
@@ -230,9 +230,9 @@ def test_a_failing_exec_plugin_is_a_config_error_with_its_words(tmp_path: Path) 
 def test_kopf_logs_in_with_the_operators_credentials(tmp_path: Path) -> None:
     import kopf
 
-    from rljob.controller.apiserver import ApiServer
     from rljob.controller.handlers import login
     from rljob.controller.kube import Kube
+    from rljob.kubeclient.apiserver import ApiServer
 
     token = tmp_path / "token"
     token.write_text("first")

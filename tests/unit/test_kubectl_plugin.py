@@ -1,9 +1,18 @@
-"""`kubectl rljob status` rendering, from a status the lifecycle machine produced."""
+"""`kubectl rljob status` rendering, from a status the lifecycle machine produced; and the plugin's one
+call, made through rljob.kubeclient without loading the operator."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
 from datetime import datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
+import pytest
 from lifecycle_world import World, make_spec
 
 from rljob.api.agent import AgentState, RolloutReport, Stage
@@ -80,3 +89,67 @@ def test_status_of_a_job_without_metrics_says_what_was_not_measured() -> None:
         in text
     )
     assert "--enable-metrics" in text and "hit rate 0%" not in text
+
+
+class StandInApiServer(BaseHTTPRequestHandler):
+    """Answers GET of one RLJob (`ANSWER`) and records each request's path and Authorization header."""
+
+    ANSWER = {"metadata": {"name": "job"}, "spec": {"iterations": 3}, "status": {"phase": "Rollout"}}
+    seen: list[tuple[str, str]] = []
+
+    def do_GET(self) -> None:
+        self.seen.append((self.path, self.headers.get("Authorization", "")))
+        found = self.path == "/apis/rljob.io/v1alpha1/namespaces/ops/rljobs/job"
+        body = json.dumps(self.ANSWER if found else {"kind": "Status", "code": 404}).encode()
+        self.send_response(200 if found else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+@pytest.fixture
+def api_server_url() -> Iterator[str]:
+    StandInApiServer.seen = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), StandInApiServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+PLUGIN_RUN = """if True:
+    import json, sys
+    from rljob.cli.kubectl_plugin import main
+    code = main(sys.argv[1:])
+    loaded = sorted(m for m in sys.modules if m.startswith(("prometheus_client", "rljob.")))
+    print(json.dumps({"code": code, "loaded": loaded}), file=sys.stderr)
+"""
+
+
+def test_the_plugin_reads_an_rljob_through_kubeclient_without_loading_the_operator(
+    api_server_url: str, tmp_path: Path
+) -> None:
+    """`kubectl rljob status` in a fresh interpreter against a stand-in API server: the RLJob read with the
+    kubeconfig's credentials and printed, and neither rljob.controller nor prometheus_client loaded."""
+    config = {
+        "current-context": "k",
+        "contexts": [{"name": "k", "context": {"cluster": "c", "user": "u", "namespace": "ops"}}],
+        "clusters": [{"name": "c", "cluster": {"server": api_server_url}}],
+        "users": [{"name": "u", "user": {"token": "tok-1"}}],
+    }
+    (tmp_path / "config").write_text(json.dumps(config))
+    argv = ["--kubeconfig", str(tmp_path / "config"), "status", "job"]
+    done = subprocess.run(
+        [sys.executable, "-c", PLUGIN_RUN, *argv], capture_output=True, text=True, timeout=120
+    )
+    result = json.loads(done.stderr.strip().splitlines()[-1])
+    assert result["code"] == 0, done.stderr
+    assert "RLJob ops/job" in done.stdout and "Iteration:  0 of 3" in done.stdout, done.stdout
+    assert StandInApiServer.seen == [("/apis/rljob.io/v1alpha1/namespaces/ops/rljobs/job", "Bearer tok-1")]
+    assert "rljob.kubeclient.apiserver" in result["loaded"]
+    operator = [m for m in result["loaded"] if m.startswith("rljob.controller") or m.startswith("prometheus")]
+    assert operator == []

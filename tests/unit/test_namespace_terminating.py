@@ -13,10 +13,10 @@ from kopf._cogs.structs.references import Insights
 from kopf._core.reactor import observation
 from test_conductor_refusals import INVALID_PULL_POLICY, FakeKube, body
 
-from rljob.controller.apiserver import ApiError
 from rljob.controller.conductor import Conductor, ConductorOptions
 from rljob.controller.kube import ChildRefused, Kube, NamespaceTerminating
 from rljob.controller.namespace_watch import keep_watching_terminating_namespaces
+from rljob.kubeclient.apiserver import ApiError
 
 NS = "ns"
 # What kube-apiserver v1.34.4 answered the operator in the e2e test (the NamespaceLifecycle plugin).
@@ -58,7 +58,7 @@ def api_error(status: int, answer: dict[str, Any] | str) -> ApiError:
 
 
 class RefusingServer:
-    """The API server's side of controller/apiserver.py, answering every call with `err`."""
+    """The API server's side of kubeclient/apiserver.py, answering every call with `err`."""
 
     def __init__(self, err: ApiError) -> None:
         self.err = err

@@ -18,9 +18,7 @@ from kubernetes.client import Configuration
 from test_conductor_refusals import FakeKube, assert_invalid_spec, body, conduct
 
 from rljob.api.status import Phase, RLJobStatus
-from rljob.controller.apiserver import ApiError, ApiServer
 from rljob.controller.kube import Kube, Unanswered
-from rljob.controller.kubeconfig import Credentials
 from rljob.controller.status_writer import (
     MAX_RETRY_SECONDS,
     RETRY_SECONDS,
@@ -28,6 +26,8 @@ from rljob.controller.status_writer import (
     StatusWriter,
     merge_patch,
 )
+from rljob.kubeclient.apiserver import ApiError, ApiServer
+from rljob.kubeclient.credentials import Credentials
 
 GATEWAY_TIMEOUT = Unanswered("patch_status", 504, "Gateway Timeout")
 

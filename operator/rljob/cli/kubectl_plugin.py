@@ -186,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     profile_cmd.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report here")
     args = parser.parse_args(argv)
 
-    from rljob.controller.apiserver import ApiError, ApiServer
-    from rljob.controller.kubeconfig import ConfigError, Credentials
+    from rljob.kubeclient.apiserver import ApiError, ApiServer
+    from rljob.kubeclient.credentials import ConfigError, Credentials
 
     try:
         credentials = Credentials.from_kubeconfig(args.kubeconfig, args.context)

@@ -1,5 +1,5 @@
 """The operator's Kubernetes calls: every API call the controller makes, and nothing else, as plain JSON
-over controller/apiserver.py (no client library: its models cost more to build than the whole call)."""
+over the shared client (kubeclient/apiserver.py), each counted in rljob_api_calls_total."""
 
 from __future__ import annotations
 
@@ -14,11 +14,18 @@ from typing import Any
 import aiohttp
 
 from rljob.api.crd import GROUP, PLURAL, VERSION
-from rljob.controller.apiserver import MERGE_PATCH, ApiError, ApiServer
 from rljob.controller.children import LABEL_JOB, TOKEN_KEY, Refusal, token_secret_name
-from rljob.controller.kubeconfig import Credentials
+from rljob.controller.metrics import count_api_call
+from rljob.kubeclient.apiserver import MERGE_PATCH, ApiError, ApiServer
+from rljob.kubeclient.credentials import Credentials
 
 log = logging.getLogger(__name__)
+
+
+def api_server(credentials: Credentials | None = None) -> ApiServer:
+    """The operator's client: the process's credentials (Credentials.load) unless given; every call
+    counted by its verb."""
+    return ApiServer(credentials or Credentials.load(), on_call=count_api_call)
 
 
 class ChildRefused(Exception):
@@ -95,10 +102,10 @@ def _slim(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 class Kube:
-    """`Kube()`: the credentials of the process (kubeconfig.Credentials.load)."""
+    """`Kube()`: the operator's client with the credentials of the process (`api_server()`)."""
 
     def __init__(self, server: ApiServer | None = None) -> None:
-        self.server = server or ApiServer(Credentials.load())
+        self.server = server or api_server()
 
     async def close(self) -> None:
         await self.server.close()
@@ -110,9 +117,9 @@ class Kube:
             "list_pods",
             "GET",
             f"/api/v1/namespaces/{namespace}/pods",
-            # From the watch cache: a quorum read waits ~100 ms for etcd progress on every round. A
-            # slightly stale list only delays a decision: a create that raced gets 409, deletes carry
-            # the uid (below), and agent state, not this list, gates every SGLang call.
+            # From the watch cache, not a quorum read (which waits for etcd progress). A slightly stale
+            # list only delays a decision: a create that raced gets 409, deletes carry the uid (below),
+            # and agent state, not this list, gates every SGLang call.
             query={"labelSelector": f"{LABEL_JOB}={job}", "resourceVersion": "0"},
         )
         body = json.loads(answer)

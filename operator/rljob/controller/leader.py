@@ -29,7 +29,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-from rljob.controller.apiserver import ApiError, ApiServer
+from rljob.kubeclient.apiserver import ApiError, ApiServer
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,5 @@
-"""`rljob-operator`: runs kopf with our handlers and options. Credentials come from the `kubernetes`
-library's config loaders (controller/kubeconfig.py); the operator's own calls go over
-controller/apiserver.py."""
+"""`rljob-operator`: runs kopf with our handlers and options. Credentials and the operator's own calls:
+the shared client (rljob.kubeclient), built with the operator's call counter (controller/kube.py)."""
 
 from __future__ import annotations
 
@@ -13,13 +12,12 @@ from prometheus_client import start_http_server
 
 from rljob import event_loop
 from rljob.controller import heap
-from rljob.controller.apiserver import ApiServer
 from rljob.controller.children import AgentOptions, native_sidecars_supported
 from rljob.controller.conductor import ConductorOptions
-from rljob.controller.kube import Kube
-from rljob.controller.kubeconfig import Credentials
+from rljob.controller.kube import Kube, api_server
 from rljob.controller.leader import ElectionOptions, LeaderElector
 from rljob.controller.namespace_watch import keep_watching_terminating_namespaces
+from rljob.kubeclient.apiserver import ApiServer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -123,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("rljob").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     if not args.verbose:  # "Handler 'x' succeeded" per watch event drowns the phase log
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    server = ApiServer(Credentials.load())
+    server = api_server()
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.metrics_address)
     from rljob.controller import handlers  # noqa: F401  (registers the handlers)

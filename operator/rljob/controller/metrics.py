@@ -109,6 +109,11 @@ _PROFILE_GAUGES: tuple[tuple[Gauge, str], ...] = (
 )
 
 
+def count_api_call(verb: str) -> None:
+    """The operator's `ApiServer.on_call` hook (controller/kube.py `api_server`)."""
+    API_CALLS.labels(verb=verb).inc()
+
+
 def observe_iteration(namespace: str, job: str, status: RLJobStatus) -> None:
     """A new last iteration: its profile into the per-job gauges (a signal not measured leaves its gauge
     absent for the job, not 0), the diagnosis into the lever gauges."""

@@ -37,8 +37,8 @@ from typing import Any
 from rljob.api.crd import GROUP as RLJOB_GROUP
 from rljob.api.crd import KIND as RLJOB_KIND
 from rljob.api.status import Phase
-from rljob.controller.apiserver import MERGE_PATCH, ApiError, ApiServer
 from rljob.controller.children import LABEL_JOB, owner_reference
+from rljob.kubeclient.apiserver import MERGE_PATCH, ApiError, ApiServer
 from rljob.lifecycle.model import Admission
 
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"

@@ -1,13 +1,13 @@
 """HTTP to the API server: JSON in, bytes out, nothing else. `ApiServer.call` in the event loop (aiohttp,
 one keep-alive session per loop), `ApiServer.call_sync` from threads and before the loop runs (the leader
-election, the start-up /version; http.client, one kept-alive connection). Both count every request in
-rljob_api_calls_total by the caller's verb, raise ApiError for an answer >= 400, try a connection that
-broke once more on a new one (a kept-alive connection the server closed fails the first write), and take
-credentials again once after a 401 (a rotated token, an expired exec credential).
+election, the start-up /version, the kubectl plugin; http.client, one kept-alive connection). Both pass
+every call's verb to the `on_call` hook its builder gave (the operator counts them), raise ApiError for an
+answer >= 400, try a connection that broke once more on a new one (a kept-alive connection the server
+closed fails the first write), and take credentials again once after a 401 (a rotated token, an expired
+exec credential).
 
-Why not the generated client's calls (its configuration loaders give the credentials: kubeconfig.py): its
-sync call, `validate_call`, model building and the thread hop cost ~3 ms of the operator's CPU a call, this
-~1.7 ms (docs/benchmarks.md@cac2796)."""
+Not the generated client's calls (its configuration loaders give the credentials: credentials.py): its
+validation and model building cost more of the operator's CPU than the call itself."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ import json
 import ssl
 import threading
 import urllib.parse
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 
-from rljob.controller.kubeconfig import Credentials
-from rljob.controller.metrics import API_CALLS
+from rljob.kubeclient.credentials import Credentials
 
 JSON = "application/json"
 MERGE_PATCH = "application/merge-patch+json"
@@ -50,10 +50,12 @@ def _url_path(path: str, query: dict[str, str] | None) -> str:
     return f"{path}?{urllib.parse.urlencode(query)}" if query else path
 
 
-def _encoded(verb: str, body: Any) -> bytes | None:
-    """The request's body; counted here, as every request is, by its caller's verb."""
-    API_CALLS.labels(verb=verb).inc()
+def _encoded(body: Any) -> bytes | None:
     return None if body is None else json.dumps(body, separators=(",", ":")).encode()
+
+
+def _uncounted(verb: str) -> None:
+    """The hook of a client whose builder counts nothing (the kubectl plugin, tests)."""
 
 
 class _Attempts:
@@ -94,11 +96,16 @@ class _TLSConnection(http.client.HTTPSConnection):
         self.sock = self._context.wrap_socket(self.sock, server_hostname=self._server_name)  # type: ignore[attr-defined]
 
 
+OnCall = Callable[[str], None]
+"""Called with the caller's verb once a call, before its first try (a retry is the same call)."""
+
+
 class ApiServer:
     TIMEOUT_SECONDS = 60.0  # the API server's own request timeout is 60 s
 
-    def __init__(self, credentials: Credentials) -> None:
+    def __init__(self, credentials: Credentials, on_call: OnCall = _uncounted) -> None:
         self.credentials = credentials
+        self.on_call = on_call
         self.url = urllib.parse.urlsplit(credentials.server)
         self._ssl: ssl.SSLContext | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -143,7 +150,8 @@ class ApiServer:
         query: dict[str, str] | None = None,
         content_type: str = JSON,
     ) -> bytes:
-        data = _encoded(verb, body)
+        self.on_call(verb)
+        data = _encoded(body)
         url = self.credentials.server + _url_path(path, query)
         attempts = _Attempts(self.credentials)
         while True:
@@ -198,7 +206,8 @@ class ApiServer:
         query: dict[str, str] | None = None,
         content_type: str = JSON,
     ) -> bytes:
-        data = _encoded(verb, body)
+        self.on_call(verb)
+        data = _encoded(body)
         target = (self.url.path.rstrip("/") + _url_path(path, query)) or "/"
         attempts = _Attempts(self.credentials)
         with self._sync_lock:

@@ -1,6 +1,6 @@
 """Where the API server is and how the operator proves who it is, read by the official `kubernetes`
-library's config loaders (`kubernetes.config`), the operator's calls going out over its own transport
-(controller/apiserver.py):
+library's config loaders (`kubernetes.config`), the calls going out over this package's own transport
+(apiserver.py):
 
 - In a pod: its ServiceAccount (`load_incluster_config`): the mounted CA, and the token file, which the
   kubelet rotates; the library reads it again once a minute.
@@ -9,8 +9,8 @@ library's config loaders (`kubernetes.config`), the operator's calls going out o
   certificate, a token or tokenFile, basic auth, an auth-provider's token, or an exec credential plugin,
   run again by the library once what it gave expired.
 
-`Credentials` is the one source of both kopf's login (controller/handlers.py) and the operator's own calls;
-a 401 loads the configuration again (a rotated token file, an exec plugin run again)."""
+`Credentials` is the one source of kopf's login (controller/handlers.py), the operator's own calls and the
+kubectl plugin's; a 401 loads the configuration again (a rotated token file, an exec plugin run again)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from kubernetes.config.config_exception import ConfigException
 
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 API_KEY = "BearerToken"  # where both loaders put the Authorization header's value
-ASK_SECONDS = 1.0  # how stale the header may be (a 401 asks at once)
+ASK_SECONDS = 1.0  # how stale the header may be (a 401 asks at once; the cost of asking: docs/install.md)
 
 
 class ConfigError(Exception):
@@ -77,8 +77,7 @@ class Credentials:
     def authorization(self) -> str | None:
         """The Authorization header's value ("Bearer …", "Basic …"), through the library's refresh hook (a
         token file read again every minute, an expired exec credential renewed) at most every
-        ASK_SECONDS: the hook costs ~0.5 ms a call (it sets `host` again, which scans the environment for
-        proxies; docs/install.md). Thread-safe: the leader election calls from a thread of its own."""
+        ASK_SECONDS. Thread-safe: the leader election calls from a thread of its own."""
         with self._lock:
             if self._config is None:
                 return None
@@ -138,9 +137,7 @@ class Credentials:
     def from_kubeconfig(cls, paths: str | None = None, context: str | None = None) -> Credentials:
         files = paths or os.environ.get("KUBECONFIG") or "~/.kube/config"
         if paths:  # named explicitly: a missing file is an error (in $KUBECONFIG it is skipped)
-            for p in filter(None, paths.split(os.pathsep)):
-                if not Path(p).expanduser().exists():
-                    raise ConfigError(f"kubeconfig {p} does not exist")
+            _require_files(paths)
 
         def load() -> Any:
             config = k8s_client.Configuration()
@@ -153,8 +150,18 @@ class Credentials:
         with _config_errors(f"kubeconfig {files}"):
             contexts, current = k8s_config.list_kube_config_contexts(config_file=files)
         chosen = next((c for c in contexts if c["name"] == context), None) if context else current
-        namespace = ((chosen or {}).get("context") or {}).get("namespace")
-        return cls.from_configuration(load, namespace)
+        return cls.from_configuration(load, _namespace_of(chosen))
+
+
+def _require_files(paths: str) -> None:
+    for p in filter(None, paths.split(os.pathsep)):
+        if not Path(p).expanduser().exists():
+            raise ConfigError(f"kubeconfig {p} does not exist")
+
+
+def _namespace_of(context: dict[str, Any] | None) -> str | None:
+    """The namespace a kubeconfig context names, None when it names none."""
+    return ((context or {}).get("context") or {}).get("namespace")
 
 
 @contextmanager
