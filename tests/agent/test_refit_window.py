@@ -176,6 +176,21 @@ def test_push_that_is_not_base64_is_refused_before_sglang(
     assert emu.alive() and agent.state()["sglang"]["servedVersion"] == "1"
 
 
+@pytest.mark.parametrize("version", ["0.5.6", "0.5.23"])
+def test_push_that_is_not_a_pickle_is_refused_before_sglang(
+    version: str, start_emulator: Callable[..., Emulator], start_agent: Callable[..., Agent]
+) -> None:
+    """C-REFIT-TENSOR-PICKLE: every version unpickles each entry outside any try and dies on bytes that are
+    no pickle (here b"A"); the agent answers 422 naming the entry, and SGLang stays alive and serving."""
+    emu, agent, _ = _open_window(version, "tensor", start_emulator, start_agent)
+    r = agent.trainer("POST", "/v1/trainer/refit/tensor", {"serializedNamedTensors": ["QQ=="]})
+    assert r.status == 422 and r.body["error"] == "InvalidPush", r.text
+    assert "serializedNamedTensors[0] is not a pickle" in r.body["reason"], r.text
+    assert "/update_weights_from_tensor" not in emu.stats()["calls"]
+    _push_one_bucket(agent)
+    assert emu.alive() and agent.state()["sglang"]["servedVersion"] == "1"
+
+
 def bucket_without_numel() -> bytes:
     """A hand-built bucket whose second metadata entry lacks `numel` (the SDK always writes it)."""
     good = packing.metadata_entry("a", (2,), "float32", 0, 8)

@@ -54,6 +54,8 @@ def test_defaults_live_in_the_models() -> None:
         ({"weights": {"initialVersion": "a b"}}, "spec.weights.initialVersion: String should match pattern"),
         ({"replicaz": 2}, "spec.replicaz: Extra inputs are not permitted"),
         ({"rollout": {"port": 8472}}, "rollout.port 8472 is the agent's trainer port"),
+        ({"rollout": {"port": 8473}}, "rollout.port 8473 is the agent's engine port"),
+        ({"trainer": {"masterPort": 8473}}, "trainer.masterPort must differ"),
     ],
 )
 def test_invalid_specs_name_the_field(body: dict, expected: str) -> None:

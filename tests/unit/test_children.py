@@ -53,11 +53,15 @@ def test_gang_pod_injects_agent_token_env_and_probe() -> None:
     assert "--token-file" in agent["args"]
     assert "$(POD_IP):8471" in agent["args"]  # the operator-facing port binds the pod IP only
     assert "127.0.0.1:8472" in agent["args"]  # the trainer-facing port is loopback only
+    engine = agent["args"].index("--engine-listen")  # the SGLang-compatible endpoint: loopback only
+    assert agent["args"][engine + 1] == "127.0.0.1:8473"
+    assert agent["args"][agent["args"].index("--refit-source") + 1] == "disk"
     # SGLang liveness goes through the agent to /ping (never /health, which fails while paused).
     probe = containers["sglang"]["livenessProbe"]["httpGet"]
     assert probe == {"path": "/probe/sglang", "port": 8471}
     trainer_env = {e["name"]: e.get("value") for e in containers["trainer"]["env"]}
     assert trainer_env["RLJOB_AGENT_URL"] == "http://127.0.0.1:8472"
+    assert trainer_env["RLJOB_ENGINE_URL"] == "http://127.0.0.1:8473"
     assert trainer_env["RLJOB_REFIT_SOURCE"] == "disk"
     assert trainer_env["RLJOB_WEIGHTS_DIR"] == "/weights"  # the user's own env is kept
     assert pod["spec"]["restartPolicy"] == "Never"
@@ -218,7 +222,7 @@ def test_child_fields_map_to_the_rljob_field_they_come_from(kind: str, field: st
 
 
 def test_quantities_reach_the_api_server_as_the_user_wrote_them() -> None:
-    """No client library sits between the operator and the API server (controller/apiserver.py): a number
+    """No client library sits between the operator and the API server (kubeclient/apiserver.py): a number
     is a valid quantity there (`nvidia.com/gpu: 1`), and the pod carries it unchanged."""
     doc = yaml.safe_load((ROOT / "examples/rljob.yaml").read_text())
     sglang = doc["spec"]["template"]["spec"]["containers"][0]

@@ -11,9 +11,11 @@ import signal
 
 from aiohttp import web
 
-from rljob.agent import follower, transitions
+from rljob.agent import follower
+from rljob.agent.actions import Actions
 from rljob.agent.commands import CommandDesk
 from rljob.agent.config import AgentConfig
+from rljob.agent.engine_api import EngineEndpoint, build_engine_app
 from rljob.agent.gpu_probe import make_probe
 from rljob.agent.lease import LeaseDesk
 from rljob.agent.metrics import AgentMetrics
@@ -65,14 +67,14 @@ class Agent:
             before_serving=self.sampler.begin,
         )
         self.store.state.node_rank = cfg.node_rank
-        check = transitions.check
+        actions = Actions.leader(ops)
         if cfg.node_rank > 0:  # a follower pod: no SGLang API, its own GPUs only (agent/follower.py)
             self.watch = follower.FollowerWatch(self.store, self.client)  # type: ignore[assignment]
             ops = follower.FollowerOperations(
                 self.store, self.client, ops.probe, self.windows, self.lease, self.metrics, cfg.call_timeout_s
             )
-            check = follower.check
-        self.desk = CommandDesk(self.store, ops, self.metrics, self.watch.confirm_death, check=check)
+            actions = Actions.follower(ops)
+        self.desk = CommandDesk(self.store, actions, self.metrics, self.watch.confirm_death)
         self.recovery = Recovery(self.store, self.client, ops.probe, self._continue_recorded)
         self.watch.on_recover = self.recovery.run
         self._runners: list[web.AppRunner] = []
@@ -90,6 +92,7 @@ class Agent:
                 self.cfg.listen,
             ),
             (build_trainer_app(self.store, self.lease, self.windows, self.metrics), self.cfg.trainer_listen),
+            *self._engine_app(),
         ):
             runner = web.AppRunner(app, access_log=None, handle_signals=False)
             await runner.setup()
@@ -110,6 +113,15 @@ class Agent:
                 else []
             ),
         ]
+
+    def _engine_app(self) -> list[tuple[web.Application, tuple[str, int]]]:
+        """The SGLang-compatible endpoint, where asked for and on a leader (a follower has no SGLang API)."""
+        if self.cfg.engine_listen is None or self.cfg.node_rank > 0:
+            return []
+        endpoint = EngineEndpoint(
+            self.store, self.lease, self.windows, self.cfg.sglang_url, self.cfg.refit_source
+        )
+        return [(build_engine_app(endpoint), self.cfg.engine_listen)]
 
     def _load_record(self) -> None:
         """The first start in a pod writes the record; a restart restores it (Recovering until the watch

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rljob.agent.gpu_probe import check_probe_name
+from rljob.api.spec import RefitSource
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,8 @@ class AgentConfig:
     scheduler_probe_timeout_s: float = 5.0  # bounded /get_load when /ping cannot tell (C-DEATH-HARD)
     liveness_s: float = 1.0  # how often the agent asks SGLang whether it lives (agent/watch.py)
     state_dir: str | None = None  # the pod-local record (agent/record.py); None: no recovery on restart
+    engine_listen: tuple[str, int] | None = None  # the SGLang-compatible endpoint (agent/engine_api.py)
+    refit_source: RefitSource | None = None  # the RLJob's spec.refit.source (the endpoint checks pushes)
 
 
 def parse_hostport(value: str) -> tuple[str, int]:
@@ -57,6 +60,19 @@ def _parser() -> argparse.ArgumentParser:
         type=parse_hostport,
         default=_env("RLJOB_TRAINER_LISTEN", "127.0.0.1:8472"),
         help="trainer-facing API, loopback only, no token (env RLJOB_TRAINER_LISTEN)",
+    )
+    p.add_argument(
+        "--engine-listen",
+        type=parse_hostport,
+        default=_env("RLJOB_ENGINE_LISTEN"),
+        help="SGLang-compatible endpoint for a framework (slime, verl, AReaL), loopback only, no token "
+        "(env RLJOB_ENGINE_LISTEN; agent/engine_api.py); unset: none",
+    )
+    p.add_argument(
+        "--refit-source",
+        choices=[s.value for s in RefitSource],
+        default=_env("RLJOB_REFIT_SOURCE"),
+        help="the RLJob's refit source (env RLJOB_REFIT_SOURCE): the endpoint refuses other pushes",
     )
     p.add_argument(
         "--sglang-url",
@@ -156,7 +172,7 @@ def _read_secret(path: str, what: str) -> str:
 def parse_config(argv: list[str] | None = None) -> AgentConfig:
     p = _parser()
     args = p.parse_args(argv)
-    for name in ("listen", "trainer_listen"):
+    for name in ("listen", "trainer_listen", "engine_listen"):
         if isinstance(getattr(args, name), str):  # env defaults are not run through `type`
             setattr(args, name, parse_hostport(getattr(args, name)))
     try:
@@ -188,4 +204,6 @@ def parse_config(argv: list[str] | None = None) -> AgentConfig:
         scheduler_probe_timeout_s=args.scheduler_probe_timeout,
         liveness_s=args.sglang_liveness_seconds,
         state_dir=args.state_dir or None,
+        engine_listen=args.engine_listen or None,
+        refit_source=RefitSource(args.refit_source) if args.refit_source else None,
     )

@@ -11,7 +11,7 @@ import binascii
 from dataclasses import dataclass, field
 from typing import Any
 
-from rljob.agent.bucket_check import missing_metadata
+from rljob.agent.bucket_check import missing_metadata, unreadable
 from rljob.agent.errors import Refused, conflict
 from rljob.agent.sglang_client import SGLangClient, SGLangError, SGLangUnreachable
 from rljob.agent.state import StateStore
@@ -33,6 +33,7 @@ class OpenWindow:
     deadline: float  # event-loop time
     pushes: int = 0
     final_pushed: bool = False
+    versioned_by_agent: bool = False  # closed without a final push: the agent sets the version itself
     error: str | None = None
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -44,8 +45,8 @@ class OpenWindow:
         return max(0.0, self.deadline - asyncio.get_running_loop().time())
 
 
-# torch's default_pg_timeout (30 min), which SGLang's rendezvous uses (utils/common.py:1752-1790@0.5.6),
-# plus a margin: the agent must hear SGLang's own answer, not give up first and lose track of the scheduler.
+# torch's default_pg_timeout (30 min), which SGLang's rendezvous uses (C-REFIT-GROUP-BLOCK), plus a
+# margin: the agent must hear SGLang's own answer, not give up first and lose track of the scheduler.
 GROUP_INIT_TIMEOUT_S = 1800.0 + 60.0
 
 
@@ -136,21 +137,9 @@ class RefitWindows:
 
     async def push_tensor(self, push: TensorPush) -> PushResult:
         w = self._usable(RefitSource.TENSOR)
-        for i, text in enumerate(push.serialized_named_tensors):  # C-REFIT-TENSOR-B64: fatal on 0.5.6
-            try:
-                payload = base64.b64decode(text, validate=True)
-            except (binascii.Error, ValueError) as e:
-                raise Refused(
-                    422, "InvalidPush", f"serializedNamedTensors[{i}] is not base64 ({e}); nothing was sent"
-                ) from e
-            missing = missing_metadata(payload) if push.load_format == "flattened_bucket" else None
-            if missing is not None:  # C-REFIT-TENSOR-META: fatal on every version
-                raise Refused(
-                    422,
-                    "InvalidPush",
-                    f"serializedNamedTensors[{i}].{missing} is missing: SGLang reads it and would die; "
-                    "nothing was sent",
-                )
+        payloads = [_decoded(i, text) for i, text in enumerate(push.serialized_named_tensors)]
+        for i, payload in enumerate(payloads):
+            _check_readable(i, payload, push.load_format)
 
         async def call(version: str | None, timeout: float) -> str:
             return await self._client.update_weights_from_tensor(
@@ -216,11 +205,42 @@ class RefitWindows:
                 with self._store.change() as s:
                     s.trainer.weights_group = w.group
 
-    def trainer_close(self, error: str | None) -> RefitWindow:
+    def trainer_close(self, error: str | None, versioned_by_agent: bool = False) -> RefitWindow:
+        """`versioned_by_agent`: the pushes carried no version (a framework's, agent/engine_api.py); the
+        refit sets it once the window is closed."""
         w = self.current
         if w is None or w.closed.is_set():
             raise conflict("NoRefitWindow", "no refit window is open")
         if error:
             w.error = f"trainer: {error}"
+        w.versioned_by_agent = versioned_by_agent and w.pushes > 0
         w.closed.set()
         return self.view()
+
+
+def _decoded(i: int, text: str) -> bytes:
+    try:  # C-REFIT-TENSOR-B64: fatal on 0.5.6
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise Refused(
+            422, "InvalidPush", f"serializedNamedTensors[{i}] is not base64 ({e}); nothing was sent"
+        ) from e
+
+
+def _check_readable(i: int, payload: bytes, load_format: str | None) -> None:
+    broken = unreadable(payload)
+    if broken is not None:  # C-REFIT-TENSOR-PICKLE: fatal on every version
+        raise Refused(
+            422,
+            "InvalidPush",
+            f"serializedNamedTensors[{i}] is not a pickle SGLang can read ({broken}): SGLang would die; "
+            "nothing was sent",
+        )
+    missing = missing_metadata(payload) if load_format == "flattened_bucket" else None
+    if missing is not None:  # C-REFIT-TENSOR-META: fatal on every version
+        raise Refused(
+            422,
+            "InvalidPush",
+            f"serializedNamedTensors[{i}].{missing} is missing: SGLang reads it and would die; "
+            "nothing was sent",
+        )

@@ -40,6 +40,7 @@ MAX_REPLICAS = 1024
 AGENT_CONTAINER = "rljob-agent"
 TOKEN_VOLUME = "rljob-agent-token"
 AGENT_TRAINER_PORT = 8472  # the agent's trainer-facing port on 127.0.0.1, beside SGLang's
+AGENT_ENGINE_PORT = 8473  # the agent's SGLang-compatible endpoint on 127.0.0.1, for a framework
 # Every child is named after the job (controller/children.py): the Service NAME (a DNS-1035 label), the
 # Secret NAME-agent-token labelled rljob.io/job=NAME (a label value, at most 63), and the pods
 # NAME-<index>, whose hostname is the pod name (a DNS-1123 label, at most 63). The longest pod name is
@@ -288,9 +289,10 @@ TENSOR_ACROSS_PODS_MESSAGE = (
     "node (use disk or distributed)"
 )
 MASTER_PORT_MESSAGE = (
-    f"trainer.masterPort must differ from agent.port, rollout.port and {AGENT_TRAINER_PORT} (the agent's "
-    "trainer port): they share the pod's network"
+    f"trainer.masterPort must differ from agent.port, rollout.port, {AGENT_TRAINER_PORT} and "
+    f"{AGENT_ENGINE_PORT} (the agent's trainer and engine ports): they share the pod's network"
 )
+ENGINE_PORT_MESSAGE = f"rollout.port {AGENT_ENGINE_PORT} is the agent's engine port in the same pod"
 SHARE_PROCESS_NAMESPACE_MESSAGE = (
     "template.spec.shareProcessNamespace must not be false with refit.source tensor: CUDA IPC handles "
     "cannot be opened from another PID namespace"
@@ -318,6 +320,7 @@ SPEC_RULES = [
         f"rollout.port {AGENT_TRAINER_PORT} is the agent's trainer port in the same pod",
         ".rollout.port",
     ),
+    cel(f"self.rollout.port != {AGENT_ENGINE_PORT}", ENGINE_PORT_MESSAGE, ".rollout.port"),
     cel(
         "self.replicas % self.rollout.podsPerInstance == 0",
         REPLICAS_MULTIPLE_MESSAGE,
@@ -329,7 +332,8 @@ SPEC_RULES = [
         ".refit.source",
     ),
     cel(
-        f"!(self.trainer.masterPort in [self.agent.port, self.rollout.port, {AGENT_TRAINER_PORT}])",
+        "!(self.trainer.masterPort in "
+        f"[self.agent.port, self.rollout.port, {AGENT_TRAINER_PORT}, {AGENT_ENGINE_PORT}])",
         MASTER_PORT_MESSAGE,
         ".trainer.masterPort",
     ),
@@ -381,13 +385,16 @@ class RLJobSpec(WireModel):
                 raise ValueError(f"{role}.container {name!r} is not a container of template.spec.containers")
         if self.rollout.port == AGENT_TRAINER_PORT:
             raise ValueError(f"rollout.port {AGENT_TRAINER_PORT} is the agent's trainer port in the same pod")
+        if self.rollout.port == AGENT_ENGINE_PORT:
+            raise ValueError(ENGINE_PORT_MESSAGE)
         # Each message names its field, as the CEL rule's fieldPath does.
         if self.replicas % self.rollout.pods_per_instance:
             raise ValueError(f"rollout.podsPerInstance: {REPLICAS_MULTIPLE_MESSAGE}")
         tensor = self.refit.source == RefitSource.TENSOR
         if tensor and self.rollout.pods_per_instance != 1:
             raise ValueError(f"refit.source: {TENSOR_ACROSS_PODS_MESSAGE}")
-        if self.trainer.master_port in (self.agent.port, self.rollout.port, AGENT_TRAINER_PORT):
+        agent_ports = (self.agent.port, AGENT_TRAINER_PORT, AGENT_ENGINE_PORT)
+        if self.trainer.master_port in (self.rollout.port, *agent_ports):
             raise ValueError(f"trainer.masterPort: {MASTER_PORT_MESSAGE}")
         if tensor and (self.template.spec.model_extra or {}).get("shareProcessNamespace") is False:
             raise ValueError(f"template.spec.shareProcessNamespace: {SHARE_PROCESS_NAMESPACE_MESSAGE}")

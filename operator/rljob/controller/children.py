@@ -14,7 +14,14 @@ from typing import Any
 from rljob.api.crd import GROUP, KIND, VERSION
 
 # The names injected into every pod are reserved in the spec (api/spec.py refuses them in a template).
-from rljob.api.spec import AGENT_CONTAINER, AGENT_TRAINER_PORT, TOKEN_VOLUME, RefitSource, RLJobSpec
+from rljob.api.spec import (
+    AGENT_CONTAINER,
+    AGENT_ENGINE_PORT,
+    AGENT_TRAINER_PORT,
+    TOKEN_VOLUME,
+    RefitSource,
+    RLJobSpec,
+)
 from rljob.controller.topology import Topology
 
 LABEL_JOB = "rljob.io/job"
@@ -22,9 +29,8 @@ LABEL_INDEX = "rljob.io/index"
 LABEL_GANG = "rljob.io/gang"
 TOKEN_DIR = "/var/run/rljob/agent"
 TOKEN_KEY = "token"
-# The agent's pod-local record (agent/record.py): an emptyDir lives as long as the pod, as SGLang's state
-# does, and survives the agent's own restarts. Memory-backed: a few KiB written before every
-# non-idempotent SGLang call, so the write (and its fsync) costs nothing.
+# The agent's record (agent/record.py): a memory-backed emptyDir, alive as long as the pod (as SGLang's
+# state is) and across the agent's restarts; its write before each non-idempotent SGLang call costs nothing.
 STATE_VOLUME = "rljob-agent-state"
 STATE_DIR = "/var/run/rljob/state"
 TRAINER_PORT = AGENT_TRAINER_PORT
@@ -162,6 +168,10 @@ def agent_container(spec: RLJobSpec, options: AgentOptions) -> dict[str, Any]:
             f"$(POD_IP):{port}",
             "--trainer-listen",
             f"127.0.0.1:{TRAINER_PORT}",
+            "--engine-listen",
+            f"127.0.0.1:{AGENT_ENGINE_PORT}",
+            "--refit-source",
+            spec.refit.source.value,
             "--sglang-url",
             f"http://127.0.0.1:{spec.rollout.port}",
             "--token-file",
@@ -183,10 +193,8 @@ def agent_container(spec: RLJobSpec, options: AgentOptions) -> dict[str, Any]:
             {"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True},
             {"name": STATE_VOLUME, "mountPath": STATE_DIR},
         ],
-        # Readiness gates nothing here (the Service publishes not-ready addresses, the operator reaches
-        # each agent by its pod IP): it tells `kubectl get` the agent answers. With the 1 s default a
-        # loaded node flips it, and every flip is a pod event each watcher parses whole: 1956 an
-        # iteration at 512 pods of one test host (docs/benchmarks.md@cac2796).
+        # Readiness only tells `kubectl get` the agent answers (the operator reaches it by pod IP); 5 s
+        # timeout: every flip on a loaded node is a pod event that each watcher parses whole.
         "readinessProbe": {
             "httpGet": {"path": "/healthz", "port": port},
             "periodSeconds": 5,
@@ -261,6 +269,7 @@ def gang_pod(
                     *common_env,
                     *_env_list(layout.trainer_env(index)),
                     _env("RLJOB_AGENT_URL", f"http://127.0.0.1:{TRAINER_PORT}"),
+                    _env("RLJOB_ENGINE_URL", f"http://127.0.0.1:{AGENT_ENGINE_PORT}"),
                     _env("RLJOB_SGLANG_URL", f"http://127.0.0.1:{spec.rollout.port}"),
                     _env("RLJOB_REFIT_SOURCE", spec.refit.source.value),
                     *([_env("RLJOB_ITERATIONS", str(iterations))] if iterations else []),

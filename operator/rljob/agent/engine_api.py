@@ -1,0 +1,330 @@
+"""The SGLang-compatible endpoint a framework (slime, verl, AReaL) is pointed at instead of SGLang, on
+loopback: its lifecycle calls become the RLJob handoff, generation and read routes pass through.
+
+- release (any tags): the trainer's lease request; answered, as SGLang answers a release, once the gang
+  drained, released, verified and the operator granted the lease.
+- a weight push: the first of a lease publishes (the push's `weight_version`, else the served version
+  plus one) and waits for the refit window; each push goes through the window's guards to SGLang.
+- a disk update: publishes `model_path`; answered once this pod's agent refitted that version.
+- a resume with `kv_cache` (or every tag): the end of the refit; answered once this pod serves the new
+  version. A resume of `weights` or `cuda_graph` alone is the agent's own (its refit resumes them).
+- pause, continue and, off rollout, flush are answered here: the agent's drain, refit and resume make
+  these calls themselves (the framework's would race them).
+Every reply has the shape SGLang gives that route (rows C-ROUTE-* of docs/sglang-conformance.md); a
+refusal carries "rljob:" and the reason in SGLang's error shape for the route."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from rljob.agent.errors import Refused
+from rljob.agent.lease import LeaseDesk
+from rljob.agent.refit_window import RefitWindows
+from rljob.agent.state import StateStore
+from rljob.api.agent import CommandState, PublishRequest, Stage, TensorPush
+from rljob.api.spec import RefitSource
+
+# C-ROUTE-PAUSE, C-ROUTE-CONTINUE, C-ROUTE-FLUSH: SGLang's success bodies.
+PAUSED = {"message": "Generation paused successfully.", "status": "ok"}
+CONTINUED = {"message": "Generation continued successfully.", "status": "ok"}
+FLUSHED = (
+    "Cache flushed.\nPlease check backend logs for more details. "
+    "(When there are running or waiting requests, the operation will not be performed.)\n"
+)
+WAIT_SLICE_S = 30.0  # a wait on the gang re-checks the agent's stage at least this often
+# Routes a framework must not reach SGLang with: each would bypass the gang's lock-step or the guards.
+NOT_THROUGH_ENDPOINT = {
+    "/update_weights_from_distributed": "distributed refits go through the agent's refit window "
+    "(rljob.trainer.Handoff); the endpoint takes tensor and disk refits",
+    "/init_weights_update_group": "weight-update groups are formed through the agent's refit window",
+    "/destroy_weights_update_group": "weight-update groups are formed through the agent's refit window",
+    "/update_weight_version": "the weight version is the one the refit publishes",
+    "/begin_weight_update": "the agent's refit opens the weight-update session",
+    "/end_weight_update": "the agent's refit closes the weight-update session",
+}
+HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive"})
+
+
+class MemoryTags(BaseModel):
+    """C-ROUTE-RELEASE / C-ROUTE-RESUME: `{tags: [str] | null}`; null or [] means every tag."""
+
+    model_config = ConfigDict(extra="ignore")
+    tags: list[str] | None = None
+
+    def every(self) -> bool:
+        return not self.tags
+
+
+class TensorUpdate(BaseModel):
+    """C-ROUTE-TENSOR: the fields the endpoint reads; others are SGLang's and not forwarded."""
+
+    model_config = ConfigDict(extra="ignore")
+    serialized_named_tensors: list[str] = Field(min_length=1, max_length=64)
+    load_format: str | None = Field(default=None, max_length=64)
+    weight_version: str | None = Field(default=None, max_length=128)
+
+
+class DiskUpdate(BaseModel):
+    """C-ROUTE-DISK: the fields the endpoint reads."""
+
+    model_config = ConfigDict(extra="ignore")
+    model_path: str = Field(min_length=1, max_length=1024)
+    weight_version: str | None = Field(default=None, max_length=128)
+
+
+class Refusal(Exception):
+    """A call the endpoint refuses: `body` in SGLang's error shape for the route."""
+
+    def __init__(self, status: int, body: Any) -> None:
+        super().__init__(str(body))
+        self.status, self.body = status, body
+
+
+def _update_error(message: str, status: int = 400) -> Refusal:
+    return Refusal(status, {"success": False, "message": f"rljob: {message}"})  # C-ROUTE-DISK/TENSOR
+
+
+def _memory_error(message: str) -> Refusal:
+    return Refusal(400, {"error": {"message": f"rljob: {message}"}})  # C-ROUTE-RELEASE / C-ROUTE-RESUME
+
+
+def _body(raw: bytes, model: type[BaseModel]) -> Any:
+    """C-ROUTE-VALIDATION: a body SGLang's model refuses is a 400 in its validation shape."""
+    try:
+        return model.model_validate_json(raw or b"{}")
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        message = f"{where}: {first['msg']}"
+        raise Refusal(
+            400, {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
+        ) from e
+
+
+def next_version(served: str | None) -> str:
+    """The version a push that names none publishes: the served one plus one."""
+    return str(int(served) + 1) if served is not None and served.isdigit() else "1"
+
+
+class EngineEndpoint:
+    """One pod's framework session: the version it published in the current lease, if any."""
+
+    def __init__(
+        self,
+        store: StateStore,
+        lease: LeaseDesk,
+        windows: RefitWindows,
+        sglang_url: str,
+        refit_source: RefitSource | None = None,
+    ) -> None:
+        self.store = store
+        self.lease = lease
+        self.windows = windows
+        self.sglang_url = sglang_url.rstrip("/")
+        self.refit_source = refit_source  # the RLJob's spec.refit.source, when the operator passed it
+        self.published: str | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    # --- waits ---------------------------------------------------------------------------------------
+
+    async def _until(self, done: Callable[[], bool], failed: Callable[[], str | None]) -> str | None:
+        """Wait until `done()`; the reason when `failed()` says one first (never a hopeless wait: the
+        agent's Failed stage ends every wait, and the operator's phase deadlines end the gang's)."""
+        while True:
+            why = self._failed() or failed()
+            if why is not None:
+                return why
+            if done():
+                return None
+            await self.store.wait_until(lambda: done() or bool(self._failed() or failed()), WAIT_SLICE_S)
+
+    def _failed(self) -> str | None:
+        st = self.store.state
+        if st.stage == Stage.FAILED:
+            return f"the pod's agent failed ({st.fatal or 'Failed'}): the pod must be replaced"
+        return None
+
+    def _command_failed(self, action: str) -> Callable[[], str | None]:
+        def failed() -> str | None:
+            cmd = self.store.state.last_command
+            if cmd is not None and cmd.action.value == action and cmd.state == CommandState.FAILED:
+                return f"the {action} failed: {cmd.error}"
+            return None
+
+        return failed
+
+    # --- the handoff ---------------------------------------------------------------------------------
+
+    async def release(self, request: web.Request) -> web.Response:
+        _body(await request.read(), MemoryTags)
+        if not self.store.state.trainer.lease_held:
+            try:
+                self.lease.request()
+            except Refused as e:
+                raise _memory_error(e.reason) from e
+            why = await self._until(lambda: self.store.state.trainer.lease_held, lambda: None)
+            if why is not None:
+                raise _memory_error(why)
+        self.published = None
+        return web.json_response(None)
+
+    async def resume(self, request: web.Request) -> web.Response:
+        tags = _body(await request.read(), MemoryTags)
+        if not tags.every() and "kv_cache" not in (tags.tags or []):
+            return web.json_response(None)  # weights, cuda_graph: the agent's refit resumes them
+        version = self.published
+        if version is None:
+            if self.store.state.stage == Stage.SERVING and not self.store.state.trainer.lease_held:
+                raise _memory_error("nothing is released: SGLang dies on a resume of a tag it holds")
+            raise _memory_error("no new weights since the release: push or load weights before resuming")
+        window = self.windows.view()
+        if window.open and window.version == version:
+            self.windows.trainer_close(None, versioned_by_agent=True)
+        why = await self._until(
+            lambda: (
+                self.store.state.stage == Stage.SERVING and self.store.state.sglang.served_version == version
+            ),
+            lambda: self._command_failed("refit")() or self._command_failed("resume")(),
+        )
+        if why is not None:
+            raise _memory_error(why)
+        self.published = None
+        return web.json_response(None)
+
+    def _publish(self, version: str | None, path: str | None, source: RefitSource) -> str:
+        """The first weights of a lease publish; later ones must name the same version."""
+        if self.refit_source is not None and self.refit_source != source:
+            raise _update_error(
+                f"this RLJob refits from {self.refit_source.value} (spec.refit.source), not {source.value}"
+            )
+        if self.published is not None:
+            if version not in (None, self.published):
+                raise _update_error(f"weight_version {version} differs from {self.published}, published")
+            return self.published
+        st = self.store.state
+        if not st.trainer.lease_held:
+            raise _update_error("the trainer holds no GPU lease: call /release_memory_occupation first")
+        chosen = version or next_version(st.sglang.served_version)
+        try:
+            self.lease.publish(PublishRequest(version=chosen, path=path))
+        except (Refused, ValidationError) as e:
+            raise _update_error(e.reason if isinstance(e, Refused) else str(e)) from e
+        self.published = chosen
+        return chosen
+
+    async def update_from_tensor(self, request: web.Request) -> web.Response:
+        body: TensorUpdate = _body(await request.read(), TensorUpdate)
+        version = self._publish(body.weight_version, None, RefitSource.TENSOR)
+        why = await self._until(
+            lambda: (w := self.windows.view()).open and w.version == version, self._command_failed("refit")
+        )
+        if why is not None:
+            raise _update_error(why)
+        push = TensorPush(
+            serialized_named_tensors=body.serialized_named_tensors, load_format=body.load_format
+        )
+        try:
+            result = await self.windows.push_tensor(push)
+        except Refused as e:
+            raise _update_error(f"{e.error}: {e.reason}") from e
+        return web.json_response({"success": True, "message": result.message})
+
+    async def update_from_disk(self, request: web.Request) -> web.Response:
+        body: DiskUpdate = _body(await request.read(), DiskUpdate)
+        version = self._publish(body.weight_version, body.model_path, RefitSource.DISK)
+        why = await self._until(
+            lambda: (
+                self.store.state.sglang.served_version == version
+                and self.store.state.stage in (Stage.REFITTED, Stage.SERVING)
+            ),
+            self._command_failed("refit"),
+        )
+        if why is not None:
+            raise _update_error(why)
+        return web.json_response(
+            {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+        )
+
+    async def pause(self, request: web.Request) -> web.Response:
+        return web.json_response(PAUSED)
+
+    async def resume_generation(self, request: web.Request) -> web.Response:
+        return web.json_response(CONTINUED)
+
+    async def flush_cache(self, request: web.Request) -> web.StreamResponse:
+        if self.store.state.stage == Stage.SERVING and not self.store.state.trainer.lease_held:
+            return await self.pass_through(request)
+        return web.Response(text=FLUSHED, content_type="text/plain")  # the agent's refit flushes itself
+
+    # --- everything else: SGLang's -------------------------------------------------------------------
+
+    async def pass_through(self, request: web.Request) -> web.StreamResponse:
+        refused = NOT_THROUGH_ENDPOINT.get(request.path)
+        if refused is not None:
+            raise _update_error(f"{request.path} is not taken through the RLJob endpoint: {refused}")
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
+            )
+        if self.store.state.stage in (Stage.STARTING, Stage.READY):
+            # Not yet serving what the operator verified: held, as a launching SGLang holds its clients.
+            why = await self._until(lambda: self.store.state.stage == Stage.SERVING, lambda: None)
+            if why is not None:
+                raise _update_error(why, status=503)
+        try:
+            return await self._forward(request)
+        except aiohttp.ClientError as e:
+            raise _update_error(f"SGLang did not answer: {e}", status=502) from e
+
+    async def _forward(self, request: web.Request) -> web.StreamResponse:
+        assert self._session is not None
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        url = f"{self.sglang_url}{request.rel_url}"
+        async with self._session.request(
+            request.method, url, headers=headers, data=await request.read()
+        ) as upstream:
+            reply = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            for key, value in upstream.headers.items():
+                if key.lower() not in HOP_HEADERS:
+                    reply.headers[key] = value
+            await reply.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await reply.write(chunk)
+            await reply.write_eof()
+            return reply
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+def build_engine_app(endpoint: EngineEndpoint) -> web.Application:
+    @web.middleware
+    async def refusals(request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            return await handler(request)  # type: ignore[no-any-return]
+        except Refusal as e:
+            return web.Response(status=e.status, text=json.dumps(e.body), content_type="application/json")
+
+    app = web.Application(middlewares=[refusals], client_max_size=256 << 20)
+    r = app.router
+    for path, handler in (
+        ("/release_memory_occupation", endpoint.release),
+        ("/resume_memory_occupation", endpoint.resume),
+        ("/flush_cache", endpoint.flush_cache),
+    ):
+        r.add_route("GET", path, handler)
+        r.add_route("POST", path, handler)
+    r.add_post("/update_weights_from_tensor", endpoint.update_from_tensor)
+    r.add_post("/update_weights_from_disk", endpoint.update_from_disk)
+    r.add_post("/pause_generation", endpoint.pause)
+    r.add_post("/continue_generation", endpoint.resume_generation)
+    r.add_route("*", "/{tail:.*}", endpoint.pass_through)
+    app.on_cleanup.append(lambda _: endpoint.close())
+    return app

@@ -1,0 +1,168 @@
+"""The agent's SGLang-compatible endpoint (agent/engine_api.py) against the emulator, with this test as the
+operator: a framework's release waits for the lease, its pushes go through the refit window once the
+refit opens it, its resume returns once the pod serves the new version; refusals come back in SGLang's
+error shape for the route and reach SGLang with nothing."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from agent_procs import ALL_TAGS, Agent, AgentDriver, Emulator, Reply, free_port, http, write_weights
+
+from rljob.testing.ipc_stand_in import cuda_reduction
+from rljob.trainer import packing
+
+
+def _bucket(name: str = "w") -> str:
+    """One float32 [2] tensor as a flattened bucket on the wire (the stand-in CUDA IPC reduction)."""
+    entry = packing.metadata_entry(name, (2,), "float32", 0, 8)
+    return packing.to_wire(packing.bucket_payload(cuda_reduction(8), [entry]))
+
+
+class Framework:
+    """A framework's HTTP calls to the endpoint, each in its own thread (they block on the gang)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.replies: dict[str, Reply] = {}
+        self._threads: dict[str, threading.Thread] = {}
+
+    def call(self, method: str, path: str, body: Any = None, timeout: float = 60) -> Reply:
+        return http(method, self.url + path, body, timeout=timeout)
+
+    def start(self, key: str, method: str, path: str, body: Any = None) -> None:
+        def run() -> None:
+            self.replies[key] = self.call(method, path, body)
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        self._threads[key] = t
+
+    def reply(self, key: str, timeout: float = 30) -> Reply:
+        self._threads[key].join(timeout)
+        assert key in self.replies, f"{key}: no answer within {timeout}s"
+        return self.replies.pop(key)
+
+    def waiting(self, key: str) -> bool:
+        return self._threads[key].is_alive()
+
+
+@pytest.fixture
+def pod(
+    start_emulator: Callable[..., Emulator], start_agent: Callable[..., Agent]
+) -> tuple[Emulator, Agent, Framework]:
+    emu = start_emulator("0.5.23", "--enable-memory-saver")
+    port = free_port()
+    agent = start_agent(emu, "--engine-listen", f"127.0.0.1:{port}")
+    return emu, agent, Framework(f"http://127.0.0.1:{port}")
+
+
+def _to_granted(agent: Agent, c: AgentDriver, fw: Framework) -> None:
+    """The framework's release is its lease request: it waits until drained, released and granted."""
+    fw.start("release", "POST", "/release_memory_occupation", {})
+    agent.wait_state(lambda s: s["trainer"]["requested"], 10, "the trainer's request")
+    assert fw.waiting("release")
+    c.ok("drain")
+    c.ok("release", tags=ALL_TAGS)
+    assert fw.waiting("release"), "the release answered before the lease was granted"
+    c.ok("grant")
+    r = fw.reply("release")
+    assert (r.status, r.text) == (200, "null"), r.text  # C-ROUTE-RELEASE
+
+
+def _lifecycle_calls(emu: Emulator) -> dict[str, Any]:
+    return dict(http("GET", emu.url + "/_emulator/calls").body)
+
+
+def test_tensor_iteration_through_the_endpoint(pod: tuple[Emulator, Agent, Framework]) -> None:
+    emu, agent, fw = pod
+    c = AgentDriver(agent)
+    r = fw.call("POST", "/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
+    served = agent.state()["sglang"]["servedVersion"]
+    assert r.status == 200 and r.body["meta_info"]["weight_version"] == served, r.text  # passed through
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3}, "stream": True}
+    r = fw.call("POST", "/generate", body)  # streamed: SGLang's server-sent events, chunk by chunk
+    events = [line for line in r.text.splitlines() if line.startswith("data: ")]
+    assert r.status == 200 and events[-1] == "data: [DONE]" and len(events) >= 2, r.text
+    _to_granted(agent, c, fw)
+    assert fw.call("POST", "/resume_memory_occupation", {"tags": ["weights"]}).text == "null"
+    assert fw.call("POST", "/pause_generation", {}).body["status"] == "ok"
+    push = {"serialized_named_tensors": [_bucket()], "load_format": "flattened_bucket", "flush_cache": False}
+    fw.start("push", "POST", "/update_weights_from_tensor", {**push, "weight_version": "1"})
+    agent.wait_state(lambda s: s["trainer"].get("publishedVersion") == "1", 10, "the push to publish 1")
+    assert fw.waiting("push"), "the push went on before the refit window opened"
+    c.epoch += 1
+    assert agent.command("refit", c.epoch, wait=0, version="1", source="tensor").status == 202
+    r = fw.reply("push")
+    assert r.status == 200 and r.body["success"] is True, r.text
+    assert fw.call("GET", "/flush_cache").status == 200  # answered here: the refit flushes
+    assert fw.call("POST", "/continue_generation", {}).body["status"] == "ok"
+    fw.start("resume", "POST", "/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]})
+    agent.wait_stage("Refitted", 15)
+    assert fw.waiting("resume"), "the resume answered before the pod served the new weights"
+    c.ok("resume")
+    r = fw.reply("resume")
+    assert (r.status, r.text) == (200, "null"), r.text
+    served = agent.state()["sglang"]["servedVersion"]
+    assert served == "1"
+    calls = _lifecycle_calls(emu)
+    assert calls["repeats"] == [], calls  # nothing non-idempotent twice
+    # The framework's pause and continue were answered by the endpoint: SGLang saw the agent's only.
+    assert calls["routes"].get("/pause_generation") == 1, calls["routes"]
+
+
+def test_disk_iteration_through_the_endpoint(pod: tuple[Emulator, Agent, Framework], tmp_path: Path) -> None:
+    emu, agent, fw = pod
+    c = AgentDriver(agent)
+    _to_granted(agent, c, fw)
+    path = str(write_weights(tmp_path / "w", "1"))
+    fw.start("load", "POST", "/update_weights_from_disk", {"model_path": path, "abort_all_requests": True})
+    agent.wait_state(lambda s: s["trainer"].get("publishedPath") == path, 10, "the load to publish its path")
+    c.ok("refit", version="1", path=path)
+    r = fw.reply("load")
+    assert r.status == 200 and r.body["success"] is True, r.text  # C-ROUTE-DISK
+    fw.start("resume", "POST", "/resume_memory_occupation", {})
+    c.ok("resume")
+    assert fw.reply("resume").text == "null"
+    assert agent.state()["sglang"]["servedVersion"] == "1"
+    assert _lifecycle_calls(emu)["repeats"] == []
+
+
+def test_refusals_come_back_in_sglang_shapes(pod: tuple[Emulator, Agent, Framework]) -> None:
+    emu, agent, fw = pod
+    c = AgentDriver(agent)
+    before = sum(_lifecycle_calls(emu)["routes"].values())
+    push = {"serialized_named_tensors": [_bucket()], "load_format": "flattened_bucket"}
+    r = fw.call("POST", "/update_weights_from_tensor", push)
+    assert r.status == 400 and r.body["success"] is False and "no GPU lease" in r.body["message"], r.text
+    r = fw.call("POST", "/resume_memory_occupation", {"tags": ["kv_cache"]})
+    assert r.status == 400 and "nothing is released" in r.body["error"]["message"], r.text
+    r = fw.call(
+        "POST", "/update_weights_from_distributed", {"names": ["w"], "dtypes": ["float32"], "shapes": [[2]]}
+    )
+    assert r.status == 400 and r.body["success"] is False, r.text
+    r = fw.call("POST", "/update_weights_from_tensor", {"serialized_named_tensors": []})
+    assert r.status == 400 and r.body["object"] == "error" and r.body["code"] == 400, r.text
+    assert sum(_lifecycle_calls(emu)["routes"].values()) == before, "a refused call reached SGLang"
+    # A push the guards refuse (a bucket whose metadata lacks a field SGLang reads) reaches the framework
+    # as SGLang's update error, and SGLang gets nothing of it.
+    _to_granted(agent, c, fw)
+    full = packing.metadata_entry("w", (2,), "float32", 0, 8)
+    entry = packing.Instance(full.cls, {k: v for k, v in full.state.items() if k != "numel"})
+    bad = packing.to_wire(packing.bucket_payload(cuda_reduction(8), [entry]))
+    fw.start(
+        "push",
+        "POST",
+        "/update_weights_from_tensor",
+        {"serialized_named_tensors": [bad], "load_format": "flattened_bucket", "weight_version": "1"},
+    )
+    agent.wait_state(lambda s: s["trainer"].get("publishedVersion") == "1", 10, "the push to publish 1")
+    c.epoch += 1
+    assert agent.command("refit", c.epoch, wait=0, version="1", source="tensor").status == 202
+    r = fw.reply("push")
+    assert r.status == 400 and r.body["success"] is False and "InvalidPush" in r.body["message"], r.text
+    assert emu.alive()

@@ -1,0 +1,144 @@
+"""slime, verl and AReaL under an RLJob, unchanged: each framework's own call sequence (tests/replays/*.json,
+replayed byte for byte by rljob.testing.framework_trainer) is the trainer of a 2-pod job, pointed at the
+agent's SGLang-compatible endpoint ($RLJOB_ENGINE_URL) instead of SGLang. Real API server, real operator,
+real agents, the SGLang emulator at the version each framework pins."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import test_operator
+from test_operator import EXAMPLE, RL, versions
+
+from rljob.emulator.call_log import CALL_LOG_ENV
+from rljob.testing.harness import ROOT, wait_rljob
+from rljob.testing.pods import SIM_ARGS_ENV
+
+pytestmark = pytest.mark.e2e
+rl = test_operator.rl  # the operator tier's fixtures, under their names
+crd = test_operator.crd
+
+REPLAYS = ROOT / "tests" / "replays"
+# The refit each framework's colocated mode uses (docs/frameworks.md).
+SOURCE = {"slime": "tensor", "verl": "tensor", "areal": "disk"}
+BASE_ARGS = [
+    "--model-path",
+    "/weights/base",
+    "--host",
+    "127.0.0.1",
+    "--port",
+    "30000",
+    "--weight-version",
+    "0",
+]
+
+
+def framework_job(
+    name: str, framework: str, calls: Path, *, command: list[str] | None = None
+) -> dict[str, Any]:
+    replay = json.loads((REPLAYS / f"{framework}.json").read_text())
+    manifest = copy.deepcopy(EXAMPLE)
+    manifest["metadata"] = {"name": name}
+    spec = manifest["spec"]
+    spec.update(replicas=2, iterations=3, backoffLimit=0, podsAfterFinished="Keep")
+    spec["refit"] = {"source": SOURCE[framework]}
+    spec["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] = f"{name}-weights"
+    sglang, trainer = spec["template"]["spec"]["containers"]
+    flags = [f for f in replay["emulator_args"]]
+    if "--enable-memory-saver" not in flags:  # the release must free memory the agent can verify
+        flags.append("--enable-memory-saver")
+    sglang["args"] = [*BASE_ARGS, *flags]
+    sglang["env"] = [
+        {"name": SIM_ARGS_ENV, "value": f"--tokens-per-second 0 --sglang-version {replay['sglang_version']}"},
+        {"name": CALL_LOG_ENV, "value": str(calls)},
+    ]
+    trainer["command"] = command or [
+        sys.executable,
+        "-u",
+        "-m",
+        "rljob.testing.framework_trainer",
+        "--replay",
+        str(REPLAYS / f"{framework}.json"),
+    ]
+    trainer.pop("args", None)
+    return manifest
+
+
+def _call_lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("framework", ["slime", "verl", "areal"])
+def test_framework_sequence_runs_three_iterations_in_lock_step(
+    rl: RL, framework: str, tmp_path: Path
+) -> None:
+    name = f"fw-{framework}"
+    calls = tmp_path / "calls.jsonl"
+    rl.apply(framework_job(name, framework, calls))
+    obj = rl.wait(name, "Succeeded", "Failed", timeout=240)
+    status = obj["status"]
+    assert status["phase"] == "Succeeded", (status.get("reason"), status.get("message"))
+    assert versions(obj) == ["0", "1", "2", "3"], status.get("weightHistory")
+    assert status["restarts"] == 0
+    pods = rl.pods(name)
+    assert len(pods) == 2
+    for pod in pods:
+        assert rl.emulator(pod, "/model_info")["weight_version"] == "3"
+    lines = _call_lines(calls)
+    assert [c for c in lines if c.get("repeat")] == [], "a non-idempotent SGLang call was repeated"
+    releases = sorted(c["at"] for c in lines if c.get("route") == "/release_memory_occupation")
+    assert len(releases) == 2 * 3, releases  # one per pod and iteration: the agent's, never the framework's
+    # Lock-step: in each iteration no pod's SGLang is released before every pod's framework asked.
+    asked = _asked(tmp_path)
+    assert sorted(asked) == [1, 2, 3] and all(len(t) == 2 for t in asked.values()), asked
+    for i in (1, 2, 3):
+        first_release = releases[2 * (i - 1)]
+        assert first_release > max(asked[i]), (i, first_release, asked[i])
+
+
+def _asked(tmp_path: Path) -> dict[int, list[float]]:
+    """When each pod's framework sent its release, per iteration, from the trainers' step logs."""
+    asked: dict[int, list[float]] = {}
+    for log in tmp_path.glob("kubelet-*/*/*/logs/trainer.log"):
+        for line in log.read_text().splitlines():
+            if not line.startswith("{"):
+                continue
+            step = json.loads(line)
+            if step.get("part") == "handoff" and step["name"].startswith("release_memory_occupation"):
+                asked.setdefault(step["iteration"], []).append(step["ts"] - step["seconds"])
+    return asked
+
+
+def test_a_framework_that_releases_on_one_pod_only_waits_and_status_names_the_other(
+    rl: RL, tmp_path: Path
+) -> None:
+    name = "fw-one-pod"
+    calls = tmp_path / "calls.jsonl"
+    replay = str(REPLAYS / "verl.json")
+    run = f"{sys.executable} -u -m rljob.testing.framework_trainer --replay {replay}"
+    # Pod 1's trainer never gets to its release (its framework is still rolling out, say).
+    command = ["sh", "-c", f'if [ "$RLJOB_POD_INDEX" = 1 ]; then exec sleep 3600; else exec {run}; fi']
+    rl.apply(framework_job(name, "verl", calls, command=command))
+    obj = wait_rljob(
+        rl.api,
+        rl.namespace,
+        name,
+        lambda o: "waiting for the trainers of" in (o.get("status", {}).get("message") or ""),
+        90,
+        "status to name the pods it waits for",
+        on_timeout=rl.operator.log_tail,
+    )
+    status = obj["status"]
+    assert status["phase"] == "Rollout", status
+    assert status["message"].startswith("1 of 2 trainers asked for the GPU"), status["message"]
+    assert status["message"].endswith(f"{name}-1"), status["message"]
+    time.sleep(2)
+    releases = [c for c in _call_lines(calls) if c.get("route") == "/release_memory_occupation"]
+    assert releases == [], "a pod released before every trainer asked"
+    assert rl.get(name)["status"]["phase"] == "Rollout"
