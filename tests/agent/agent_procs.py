@@ -235,11 +235,16 @@ class Agent(Proc):
         )
 
     def state(self, since: int | None = None, wait: float | None = None) -> dict[str, Any]:
-        q = [f"since={since}"] if since is not None else []
-        q += [f"wait={wait}"] if wait is not None else []
-        r = self.get("/v1/state" + ("?" + "&".join(q) if q else ""))
-        assert r.status == 200, r.text
-        return dict(r.body)
+        """The agent's state; with `since` and `wait`, the first one past revision `since` read within
+        `wait` seconds (GET /v1/state is a plain read: the operator's reports travel on the channel)."""
+        deadline = time.monotonic() + (wait or 0)
+        while True:
+            r = self.get("/v1/state")
+            assert r.status == 200, r.text
+            st = dict(r.body)
+            if since is None or st["revision"] > since or time.monotonic() >= deadline:
+                return st
+            time.sleep(0.01)
 
     def command(self, action: str, epoch: int, *, wait: float = 20, **fields: Any) -> Reply:
         body = {"action": action, "epoch": epoch, **fields}

@@ -25,10 +25,10 @@ from agent_procs import (
     write_weights,
 )
 
+from rljob.agent.actions import check_leader as check
 from rljob.agent.errors import Refused
 from rljob.agent.quirks import SGLangQuirks
 from rljob.agent.state import ServerFacts
-from rljob.agent.transitions import check
 from rljob.api.agent import AgentState, DrainCommand, RefitCommand, ResumeCommand, Stage
 from rljob.api.spec import DrainMode, RefitSource
 from rljob.emulator.rendezvous import Rank0

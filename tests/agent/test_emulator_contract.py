@@ -99,10 +99,12 @@ def test_flush_cache_timeout_from_0_5_10(start_emulator: Callable[..., Emulator]
     """C-ROUTE-FLUSH: `?timeout=` defers the flush until idle from 0.5.10; 0.5.6 ignores the parameter."""
     new, old = start_emulator("0.5.15.post1", tps=100), start_emulator("0.5.6", tps=100)
     for emu in (new, old):
-        threading.Thread(target=_gen, args=(emu, "a b", 30), daemon=True).start()
+        # 150 tokens at 100/s: still running when the flushes come, even on a loaded machine
+        threading.Thread(target=_gen, args=(emu, "a b", 150), daemon=True).start()
         wait_until(lambda emu=emu: emu.stats()["running"] == 1, 5, "request running")
     r = old.call("POST", "/flush_cache?timeout=5")
     assert r.status == 400 and r.text.startswith("Cache flushed.")  # 0.5.6: refused with the success text
+    assert new.stats()["running"] == 1  # the flush below has a request to wait for
     started = time.monotonic()
     r = new.call("POST", "/flush_cache?timeout=5")
     assert r.status == 200 and r.text.startswith("Cache flushed.") and 0.05 < time.monotonic() - started < 5

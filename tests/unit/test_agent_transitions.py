@@ -1,15 +1,23 @@
-"""transitions.check, the agent's guards, as a pure function: which command it refuses in which state,
-and why (each refusal stands for an SGLang call that would kill the server or free nothing)."""
+"""The agent's guards through its action table (agent/actions.py check_leader, check_follower), as pure
+functions: which command they refuse in which state, and why (each refusal stands for an SGLang call that
+would kill the server or free nothing); and the stage moves the state store allows (agent/stages.py)."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 
 import pytest
 
+from rljob.agent.actions import ACTIONS, Actions, check_follower
+from rljob.agent.actions import check_leader as check
 from rljob.agent.errors import Refused
-from rljob.agent.state import ServerFacts
-from rljob.agent.transitions import ALLOWED_FROM, check, refit_path
+from rljob.agent.lease import LeaseDesk
+from rljob.agent.metrics import AgentMetrics
+from rljob.agent.operations import Operations
+from rljob.agent.stages import BY_ACTION, IllegalMove, allowed
+from rljob.agent.state import ServerFacts, StateStore
+from rljob.agent.transitions import refit_path
 from rljob.api.agent import (
     Action,
     AgentState,
@@ -60,7 +68,7 @@ LIVE_STAGES = [s for s in Stage if s not in (Stage.STARTING, Stage.FAILED)]
 @pytest.mark.parametrize("stage", LIVE_STAGES)
 def test_each_action_starts_only_from_its_stages(action: Action, stage: Stage) -> None:
     st = state(stage, memory=MemoryReport(verified=True))
-    if stage in ALLOWED_FROM[action]:
+    if stage in BY_ACTION[action].sources:
         check(command(action), st, FACTS)
     else:
         assert refused(command(action), st) == "IllegalTransition"
@@ -73,7 +81,57 @@ def test_the_stage_table() -> None:
         Action.GRANT: {Stage.RELEASED},
         Action.REFIT: {Stage.TRAINED, Stage.READY, Stage.SERVING, Stage.DRAINED},
         Action.RESUME: {Stage.REFITTED, Stage.DRAINED, Stage.READY},
-    } == ALLOWED_FROM
+    } == {action: move.sources for action, move in BY_ACTION.items()}
+    assert {action: row.move.to for action, row in ACTIONS.items()} == {
+        Action.DRAIN: Stage.DRAINED,
+        Action.RELEASE: Stage.RELEASED,
+        Action.GRANT: Stage.GRANTED,
+        Action.REFIT: Stage.REFITTED,
+        Action.RESUME: Stage.SERVING,
+    }
+
+
+def test_the_store_moves_the_stage_only_by_a_declared_move() -> None:
+    assert allowed(Stage.STARTING, Stage.READY) and allowed(Stage.GRANTED, Stage.TRAINED)
+    assert allowed(Stage.SERVING, Stage.FAILED) and not allowed(Stage.FAILED, Stage.READY)
+    assert not allowed(Stage.STARTING, Stage.SERVING) and not allowed(Stage.RELEASED, Stage.SERVING)
+    store = StateStore()
+    with store.change(stage=Stage.READY):
+        pass
+    revision = store.state.revision
+    with pytest.raises(IllegalMove), store.change(stage=Stage.GRANTED):
+        pass
+    assert store.state.stage == Stage.READY and store.state.revision == revision  # nothing committed
+    store.fail("SGLang exited")
+    with pytest.raises(IllegalMove), store.change(stage=Stage.READY):
+        pass
+    assert store.state.stage == Stage.FAILED
+
+
+@pytest.mark.parametrize("action", list(Action))
+@pytest.mark.parametrize("stage", LIVE_STAGES)
+def test_a_follower_checks_the_stage_order_and_its_own_record_only(action: Action, stage: Stage) -> None:
+    st = state(stage, memory=MemoryReport(verified=True))
+    if stage in BY_ACTION[action].sources:
+        check_follower(command(action), st)  # no launch facts: the leader's guards are not a follower's
+    else:
+        with pytest.raises(Refused) as err:
+            check_follower(command(action), st)
+        assert err.value.error == "IllegalTransition"
+
+
+def test_a_follower_refuses_a_second_release_and_an_unverified_grant() -> None:
+    drained = state(Stage.DRAINED, releasedTags=["kv_cache"])
+    for cmd, st, error in (
+        (ReleaseCommand(epoch=1, tags=[ReleaseTag.KV_CACHE]), drained, "AlreadyReleased"),
+        (ReleaseCommand(epoch=1, tags=[ReleaseTag.WEIGHTS, ReleaseTag.WEIGHTS]), drained, "DuplicateTag"),
+        (GrantCommand(epoch=1), state(Stage.RELEASED), "NotVerified"),
+        (DrainCommand(epoch=1), state(Stage.FAILED, fatal="gone"), "AgentFailed"),
+        (DrainCommand(epoch=1), state(Stage.STARTING), "NotReady"),
+    ):
+        with pytest.raises(Refused) as err:
+            check_follower(cmd, st)
+        assert err.value.error == error, cmd
 
 
 @pytest.mark.parametrize("action", list(Action))
@@ -134,3 +192,27 @@ def test_resume_of_released_weights_without_a_cpu_backup_is_refused() -> None:
     check(ResumeCommand(epoch=1), released, backup)
     check(ResumeCommand(epoch=1), state(Stage.DRAINED, releasedTags=["kv_cache"]), FACTS)
     check(ResumeCommand(epoch=1), state(Stage.REFITTED), FACTS)
+
+
+class _NoGpus:
+    async def sample(self) -> list[object]:
+        return []
+
+
+def test_a_command_commits_its_record_and_its_move_in_one_revision() -> None:
+    """Actions.execute: the row's record (the grant's lease) and its move (to Granted) in one revision."""
+
+    async def grant() -> list[tuple[int, Stage, bool]]:
+        seen: list[tuple[int, Stage, bool]] = []
+        store = StateStore(
+            on_commit=lambda r: seen.append((r, store.state.stage, store.state.trainer.lease_held))
+        )
+        store.state = state(Stage.RELEASED, memory=MemoryReport(verified=True))
+        ops = Operations(store, None, _NoGpus(), None, LeaseDesk(store), AgentMetrics(), 1.0)  # type: ignore[arg-type]
+        actions = Actions.leader(ops)
+        actions.check(GrantCommand(epoch=2), store.state, FACTS)
+        await actions.execute(GrantCommand(epoch=2))
+        return seen
+
+    seen = asyncio.run(grant())
+    assert seen[0] == (2, Stage.GRANTED, True), seen

@@ -1,8 +1,7 @@
 """The operator's AgentWatch (controller/agent_client.py) over a real agent operator app: it follows the
 agent's channel (`GET /v1/channel`, a WebSocket) state by state and sends commands on it, answered as
-POST /v1/commands answers them; it starts over on another boot. An agent without the channel is followed
-over its stream (`watch=true`), asked again when a stream ends, and one that answers one state per request
-(one that does not stream) also works; commands to those are POSTed."""
+POST /v1/commands answers them; it starts over on another boot. While the channel is not open commands
+are POSTed; the channel is the only report transport (no state stream, no long-poll)."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ from aiohttp.test_utils import TestServer
 from rljob.agent.commands import CommandDesk
 from rljob.agent.metrics import AgentMetrics
 from rljob.agent.operator_api import build_operator_app
-from rljob.agent.state import StateStore
+from rljob.agent.state import ServerFacts, StateStore
 from rljob.api.agent import (
     AgentState,
     ChannelFrame,
@@ -40,7 +39,7 @@ async def until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def _follows(app: web.Application, store: StateStore, streams: bool) -> None:
+async def _follows(app: web.Application, store: StateStore) -> None:
     async with TestServer(app) as server, AgentClient(TOKEN) as client:
         wakes = []
         endpoint = AgentEndpoint("p-0", "uid", str(server.host), int(server.port or 0))
@@ -53,10 +52,9 @@ async def _follows(app: web.Application, store: StateStore, streams: bool) -> No
                 await until(lambda: watch.latest is not None and watch.latest.stage == stage)  # noqa: B023
             with store.change() as s:
                 s.rollout.samples = 3  # not for the operator: no report
-            await asyncio.sleep(1.2)  # past a stream's end (wait is 0.5 s here): it asks again
-            if streams:  # (a long-poll that times out answers the current state, sample and all)
-                assert watch.latest is not None and watch.latest.revision == store.state.revision - 1
-                assert len(wakes) == 3  # Starting, Ready, Serving
+            await asyncio.sleep(0.5)
+            assert watch.latest is not None and watch.latest.revision == store.state.revision - 1
+            assert len(wakes) == 3  # Starting, Ready, Serving
             # A restarted agent: revisions start again under a new boot id, and count again.
             store.state = AgentState(revision=1, boot_id="another-boot", stage=Stage.STARTING)
             store.commit()
@@ -67,10 +65,14 @@ async def _follows(app: web.Application, store: StateStore, streams: bool) -> No
 
 
 class _Operations:
-    """A command that runs until `finish` is set (agent/operations.py does the real work)."""
+    """Every command allowed, and it runs until `finish` is set: the guards and the work are
+    agent/actions.py's, tested in test_agent_transitions.py and tests/agent."""
 
     def __init__(self) -> None:
         self.finish = asyncio.Event()
+
+    def check(self, cmd: Command, state: AgentState, facts: ServerFacts | None) -> None:
+        return None
 
     async def execute(self, cmd: Command) -> None:
         await self.finish.wait()
@@ -81,25 +83,17 @@ async def _no_death(cause: str) -> None:
 
 
 def _desk(store: StateStore, operations: _Operations) -> CommandDesk:
-    # Every transition allowed: the guards are agent/transitions.py's, tested in test_agent_transitions.py.
-    return CommandDesk(store, operations, AgentMetrics(), _no_death, check=lambda cmd, st, facts: None)  # type: ignore[arg-type]
+    return CommandDesk(store, operations, AgentMetrics(), _no_death)
 
 
-def _app(
-    store: StateStore, requests: list[str], streams: bool = True, channel: bool = True, desk: Any = None
-) -> web.Application:
+def _app(store: StateStore, requests: list[str], channel: bool = True, desk: Any = None) -> web.Application:
     app = build_operator_app(store, desk, AgentMetrics(), TOKEN)
 
     @web.middleware
     async def count(request: web.Request, handler: web.RequestHandler) -> web.StreamResponse:
         requests.append(f"{request.method} {request.path} {request.query_string}")
-        if request.path == "/v1/channel" and not channel:  # an agent from before the channel
-            raise web.HTTPNotFound()
-        if request.path == "/v1/state" and not streams:
-            # an agent from before the stream: the query parameter is unknown to it
-            query = request.rel_url.query.copy()
-            query.pop("watch", None)
-            request = request.clone(rel_url=request.rel_url.with_query(query))
+        if request.path == "/v1/channel" and not channel:  # the channel does not open
+            raise web.HTTPServiceUnavailable()
         return await handler(request)
 
     app.middlewares.insert(0, count)
@@ -109,32 +103,24 @@ def _app(
 def test_the_watch_follows_the_channel() -> None:
     store, requests = StateStore(), []
     store.commit()
-    asyncio.run(_follows(_app(store, requests), store, streams=True))
+    asyncio.run(_follows(_app(store, requests), store))
     assert requests and all(r.startswith("GET /v1/channel") for r in requests)  # no long-poll, no stream
 
 
-def test_the_watch_follows_an_agent_without_the_channel_over_its_stream() -> None:
-    agent_client.LONG_POLL_SECONDS = 0.5  # streams end quickly: the watch must ask again
-    try:
-        store, requests = StateStore(), []
+def test_the_agents_state_read_is_the_current_state_at_once() -> None:
+    async def run() -> tuple[int, dict[str, Any], float]:
+        store = StateStore()
         store.commit()
-        asyncio.run(_follows(_app(store, requests, channel=False), store, streams=True))
-        states = [r for r in requests if r.startswith("GET /v1/state")]
-        assert requests[0].startswith("GET /v1/channel") and len(states) >= 3  # asked again after its end
-        assert all("watch=true" in r for r in states)
-        assert sum(r.startswith("GET /v1/channel") for r in requests) == 1  # a 404 is not asked again
-    finally:
-        agent_client.LONG_POLL_SECONDS = 10.0
+        app = build_operator_app(store, None, AgentMetrics(), TOKEN)  # type: ignore[arg-type]
+        async with TestServer(app) as server, aiohttp.ClientSession() as session:
+            url = f"http://{server.host}:{server.port}/v1/state"
+            began = asyncio.get_running_loop().time()
+            params = {"since": str(store.state.revision), "wait": "5", "watch": "true"}  # no longer read
+            async with session.get(url, params=params, headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+                return r.status, await r.json(), asyncio.get_running_loop().time() - began
 
-
-def test_the_watch_works_with_an_agent_that_answers_one_state_a_request() -> None:
-    agent_client.LONG_POLL_SECONDS = 0.5
-    try:
-        store, requests = StateStore(), []
-        store.commit()
-        asyncio.run(_follows(_app(store, requests, streams=False, channel=False), store, streams=False))
-    finally:
-        agent_client.LONG_POLL_SECONDS = 10.0
+    status, body, seconds = asyncio.run(run())
+    assert status == 200 and body["revision"] == 1 and seconds < 2
 
 
 async def _commands(channel: bool) -> tuple[list[str], list[agent_client.CommandOutcome]]:
@@ -145,19 +131,20 @@ async def _commands(channel: bool) -> tuple[list[str], list[agent_client.Command
         endpoint = AgentEndpoint("p-0", "uid", str(server.host), int(server.port or 0))
         watch = AgentWatch(client, endpoint, lambda: None)
         try:
-            await until(lambda: watch.latest is not None)
+            seen = store if not channel else None  # without the channel the watch sees no state
+            await until(lambda: watch.latest is not None or seen is not None)
             outcomes = [await watch.send(DrainCommand(epoch=3))]
             outcomes.append(await watch.send(DrainCommand(epoch=3)))  # the same again: a no-op
             outcomes.append(await watch.send(GrantCommand(epoch=3)))  # another action, the same epoch
             outcomes.append(await watch.send(GrantCommand(epoch=4)))  # while the drain runs
             operations.finish.set()
-            await until(
-                lambda: (
-                    watch.latest is not None
-                    and watch.latest.last_command is not None
-                    and watch.latest.last_command.state == CommandState.SUCCEEDED
-                )
-            )
+
+            def succeeded() -> bool:
+                latest = watch.latest if seen is None else seen.state
+                last = latest.last_command if latest is not None else None
+                return last is not None and last.state == CommandState.SUCCEEDED
+
+            await until(succeeded)
             outcomes.append(await watch.send(DrainCommand(epoch=2)))  # older than the last accepted
         finally:
             await watch.close()
@@ -178,7 +165,7 @@ def test_commands_go_over_the_channel_and_are_answered_as_a_post_is() -> None:
     assert not [r for r in requests if r.startswith("POST")]
 
 
-def test_commands_to_an_agent_without_the_channel_are_posted() -> None:
+def test_commands_while_the_channel_does_not_open_are_posted() -> None:
     requests, outcomes = asyncio.run(_commands(channel=False))
     _check_outcomes(outcomes)
     assert len([r for r in requests if r.startswith("POST /v1/commands")]) == 5

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import pickle
 
-from rljob.agent.bucket_check import missing_metadata
+from rljob.agent.bucket_check import missing_metadata, unreadable
 from rljob.trainer import packing
 
 IPC = packing.Call(packing.Global("torch.multiprocessing.reductions", "rebuild_cuda_tensor"), (1, 2))
@@ -41,3 +41,13 @@ def test_nothing_in_the_pickle_runs(tmp_path: object) -> None:
 def test_what_is_not_a_bucket_is_left_to_sglang() -> None:
     assert missing_metadata(b"opaque bytes") is None
     assert missing_metadata(pickle.dumps([("w", 1)])) is None  # the "direct" format
+
+
+def test_bytes_sglang_cannot_unpickle_are_named_and_sdk_payloads_are_not() -> None:
+    """C-REFIT-TENSOR-PICKLE: empty bytes (EOFError) and bytes that are no pickle kill SGLang's scheduler."""
+    assert unreadable(b"") is not None and unreadable(b"").startswith("EOFError")
+    assert unreadable(b"\xde\xad\xbe\xef") is not None
+    assert unreadable(pickle.dumps({"metadata": []})[:-3]) is not None  # cut short
+    entries = [packing.metadata_entry("a", (2,), "float32", 0, 8)]
+    assert unreadable(packing.bucket_payload(IPC, entries)) is None
+    assert unreadable(pickle.dumps([("w", {"any": 1})])) is None

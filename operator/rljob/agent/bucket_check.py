@@ -1,6 +1,7 @@
 """Reads a flattened-bucket push the way SGLang will, without running it: every global the pickle names
 is a stand-in, so nothing in it executes. SGLang's scheduler reads six attributes of each metadata entry
-outside any try (C-REFIT-TENSOR-META): one missing kills the server, so the agent refuses the push."""
+outside any try (C-REFIT-TENSOR-META): one missing kills the server, so the agent refuses the push; so are
+bytes that are not a pickle at all (C-REFIT-TENSOR-PICKLE)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,16 @@ class _Reader(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         return _StandIn()
+
+
+def unreadable(payload: bytes) -> str | None:
+    """Why SGLang's unpickler cannot read one decoded entry (C-REFIT-TENSOR-PICKLE: fatal on every
+    version), else None."""
+    try:
+        _Reader(io.BytesIO(payload)).load()
+    except Exception as e:  # any failure here is one SGLang's scheduler would raise
+        return f"{type(e).__name__}: {e}"[:200] or type(e).__name__
+    return None
 
 
 def missing_metadata(payload: bytes) -> str | None:

@@ -8,11 +8,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
-from rljob.agent import transitions
 from rljob.agent.errors import CommandFailed, PermanentFailure, StateLost, conflict
 from rljob.agent.metrics import AgentMetrics
-from rljob.agent.operations import Operations
 from rljob.agent.sglang_client import SGLangError, SGLangUnreachable
 from rljob.agent.state import ServerFacts, StateStore
 from rljob.agent.timing import measure_external
@@ -21,18 +20,24 @@ from rljob.api.agent import AgentState, Command, CommandState, CommandStatus
 log = logging.getLogger("rljob.agent")
 
 
+class CommandActions(Protocol):
+    """What the desk runs a command with (agent/actions.py Actions)."""
+
+    def check(self, cmd: Command, state: AgentState, facts: ServerFacts | None) -> None: ...
+
+    async def execute(self, cmd: Command) -> None: ...
+
+
 class CommandDesk:
     def __init__(
         self,
         store: StateStore,
-        operations: Operations,
+        actions: CommandActions,
         metrics: AgentMetrics,
         confirm_death: Callable[[str], Awaitable[None]],
-        check: Callable[[Command, AgentState, ServerFacts | None], None] = transitions.check,
     ) -> None:
-        self._check = check  # a follower's agent has its own guards (agent/follower.py)
         self._store = store
-        self._ops = operations
+        self._actions = actions
         self._metrics = metrics
         self._confirm_death = confirm_death  # pings SGLang; marks the agent Failed if it is gone
         self._running: asyncio.Task[None] | None = None
@@ -54,7 +59,7 @@ class CommandDesk:
             raise conflict("Busy", "the agent restarted and is checking its record against SGLang (recovery)")
         if last is not None and last.state == CommandState.RUNNING:
             raise conflict("Busy", f"{last.action.value} (epoch {last.epoch}) is still running")
-        self._check(cmd, st, self._store.facts)
+        self._actions.check(cmd, st, self._store.facts)
         status = CommandStatus(
             epoch=cmd.epoch, action=cmd.action, state=CommandState.RUNNING, started_at=time.time()
         )
@@ -90,7 +95,7 @@ class CommandDesk:
         permanent: PermanentFailure | None = None
         with measure_external() as external:
             try:
-                await self._ops.execute(cmd)
+                await self._actions.execute(cmd)
             except PermanentFailure as e:
                 error, permanent = str(e), e
             except CommandFailed as e:

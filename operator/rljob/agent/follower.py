@@ -2,7 +2,7 @@
 
 Only node rank 0 runs SGLang's HTTP server; the other nodes run schedulers and a dummy server that answers
 /ping, /health and /health_generate only, and get release, resume and refit from node 0 over the TP-group
-broadcast (C-NODE, C-TP-REPLY in docs/sglang-conformance.md; utils/common.py:3635-3647@0.5.23). So the
+broadcast (C-NODE, C-TP-REPLY in docs/sglang-conformance.md). So the
 operator sends SGLang's lifecycle calls to the instance's leader agent, and a follower's agent never calls
 SGLang's lifecycle routes. It does what the leader's agent cannot see from its own pod, on its own GPUs:
 
@@ -15,7 +15,8 @@ SGLang's lifecycle routes. It does what the leader's agent cannot see from its o
   (the trainer shares the GPU, so its allocator may hold or drop some memory in between; a follower whose
   ranks did not resume regains nothing), then Serving at the leader's version.
 
-SGLang's liveness is `/ping`, which the dummy server serves.
+SGLang's liveness is `/ping`, which the dummy server serves. Each of these is its action's `follow` in
+agent/actions.py, which also holds the follower's guards.
 """
 
 from __future__ import annotations
@@ -23,18 +24,14 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from rljob.agent.errors import CommandFailed, conflict
+from rljob.agent.errors import CommandFailed
 from rljob.agent.gpu_probe import GpuMemory
-from rljob.agent.operations import VERIFY_MAX_POLL_S, Deadline, Operations
+from rljob.agent.operations import VERIFY_MAX_POLL_S, Deadline, Operations, Record
 from rljob.agent.sglang_client import SGLangClient, SGLangUnreachable
-from rljob.agent.state import ServerFacts, StateStore
-from rljob.agent.transitions import ALLOWED_FROM
+from rljob.agent.state import StateStore
 from rljob.api.agent import (
-    Action,
     AgentState,
-    Command,
     DrainCommand,
-    GrantCommand,
     MemoryReport,
     RefitCommand,
     ReleaseCommand,
@@ -50,30 +47,6 @@ log = logging.getLogger("rljob.agent")
 REGAINED_FRACTION = 0.5  # of what each GPU freed at release, back after the resume
 
 
-def check(cmd: Command, state: AgentState, facts: ServerFacts | None) -> None:
-    """The follower's guards: the stage order and its own bookkeeping. SGLang's guards (idleness, the
-    memory saver, a weight cache, the version's quirks) are the leader agent's, which makes the calls."""
-    if state.stage == Stage.FAILED:
-        raise conflict("AgentFailed", f"the pod must be replaced: {state.fatal}")
-    if state.stage == Stage.STARTING:
-        raise conflict("NotReady", "SGLang's /ping has not answered yet")
-    allowed = ALLOWED_FROM[cmd.action]
-    if state.stage not in allowed:
-        raise conflict(
-            "IllegalTransition",
-            f"{cmd.action.value} is not allowed in stage {state.stage.value} "
-            f"(only from {', '.join(sorted(s.value for s in allowed))})",
-        )
-    if isinstance(cmd, ReleaseCommand):
-        if len(set(cmd.tags)) != len(cmd.tags):
-            raise conflict("DuplicateTag", "a tag appears twice in one release")
-        again = [t.value for t in cmd.tags if t in state.released_tags]
-        if again:
-            raise conflict("AlreadyReleased", f"already released: {', '.join(again)}")
-    elif cmd.action == Action.GRANT and not state.memory.verified:
-        raise conflict("NotVerified", "freed GPU memory was not verified on every GPU")
-
-
 class FollowerWatch:
     """SGLang's presence on a follower: Starting until the dummy server's /ping answers, then Ready; a
     refused connection after that is death (the node's schedulers are gone)."""
@@ -85,6 +58,8 @@ class FollowerWatch:
         self.on_recover = None  # the leader's watch hands a restarted agent's record to recovery; not here
 
     async def run(self) -> None:
+        if self._failed():  # a restarted follower: Failed, and that stays
+            return
         while True:
             try:
                 await self._client.ping(timeout=5)
@@ -92,13 +67,15 @@ class FollowerWatch:
             except (SGLangUnreachable, TimeoutError) as e:
                 log.debug("SGLang (follower) not up yet: %s", e)
                 await asyncio.sleep(0.1)
-        with self._store.change() as s:
-            s.stage = Stage.READY
+        with self._store.change(stage=Stage.READY) as s:
             s.sglang = SGLangInfo(reachable=True, paused=False)
         log.info("SGLang follower (node rank %d) answers /ping", self._store.state.node_rank)
-        while self._store.state.stage != Stage.FAILED:
+        while not self._failed():
             await asyncio.sleep(self._interval)
             await self.confirm_death("liveness check")
+
+    def _failed(self) -> bool:
+        return self._store.state.stage == Stage.FAILED
 
     async def confirm_death(self, cause: str) -> None:
         try:
@@ -116,28 +93,17 @@ class FollowerOperations(Operations):
     before: list[GpuMemory] | None = None  # the drain's sample
     after_release: list[GpuMemory] | None = None  # once the release was verified
 
-    async def execute(self, cmd: Command) -> None:
-        self._warm_probe()
-        if isinstance(cmd, DrainCommand):
-            await self._follower_drain()
-        elif isinstance(cmd, ReleaseCommand):
-            await self._follower_release(cmd)
-        elif isinstance(cmd, GrantCommand):
-            self.lease.grant(cmd.epoch)
-        elif isinstance(cmd, RefitCommand):
-            self._follower_refit(cmd)
-        elif isinstance(cmd, ResumeCommand):
-            await self._follower_resume(cmd)
-
-    async def _follower_drain(self) -> None:
+    async def follow_drain(self, cmd: DrainCommand) -> Record:
         before = await self._sample()
         self.before, self.after_release = before, None
-        with self.store.change() as s:
+
+        def record(s: AgentState) -> None:
             s.memory = MemoryReport(used_before_bytes=sum(g.used_bytes for g in before), gpus=len(before))
             s.sglang.paused = True  # the leader pauses the instance in the same phase
-            s.stage = Stage.DRAINED
 
-    async def _follower_release(self, cmd: ReleaseCommand) -> None:
+        return record
+
+    async def follow_release(self, cmd: ReleaseCommand) -> Record:
         if self.before is None:  # the agent restarted after the drain: the memory before is unknown
             raise CommandFailed("no GPU sample from before the release (the agent restarted since the drain)")
         unique = list(dict.fromkeys(cmd.tags))
@@ -145,30 +111,32 @@ class FollowerOperations(Operations):
             s.released_tags = [*s.released_tags, *unique]
         await self._verify_freed(self.before, cmd.verify, [t.value for t in unique])
         self.after_release = await self._sample()
-        with self.store.change() as s:
-            s.stage = Stage.RELEASED
+        return None
 
-    def _follower_refit(self, cmd: RefitCommand) -> None:
-        with self.store.change() as s:
+    async def follow_refit(self, cmd: RefitCommand) -> Record:
+        def record(s: AgentState) -> None:
             s.released_tags = [
                 t for t in s.released_tags if t not in (ReleaseTag.WEIGHTS, ReleaseTag.CUDA_GRAPH)
             ]
             s.sglang.served_version = cmd.version
             s.sglang.paused = True
-            s.stage = Stage.REFITTED
 
-    async def _follower_resume(self, cmd: ResumeCommand) -> None:
+        return record
+
+    async def follow_resume(self, cmd: ResumeCommand) -> Record:
         if self.before is not None and self.after_release is not None:
             await self._verify_regained(self.before, self.after_release, Deadline(cmd.timeout_seconds))
         self.before = self.after_release = None
-        with self.store.change() as s:
+
+        def record(s: AgentState) -> None:
             s.released_tags = []
             s.sglang.paused = False
             if cmd.version is not None:
                 s.sglang.served_version = cmd.version
             s.memory.verified = False
-            s.stage = Stage.SERVING
             s.rollout = RolloutReport()
+
+        return record
 
     async def _verify_regained(
         self, before: list[GpuMemory], released: list[GpuMemory], dl: Deadline
@@ -177,15 +145,21 @@ class FollowerOperations(Operations):
         low = {g.index: g.used_bytes for g in released}
         need = {i: int(REGAINED_FRACTION * max(0, freed[i] - low.get(i, freed[i]))) for i in freed}
         pause = 0.002
-        while True:
-            now = {g.index: g.used_bytes for g in await self._sample()}
-            short = [i for i in need if now.get(i, 0) - low.get(i, 0) < need[i]]
-            if not short or dl.remaining() <= 0:
-                break
+        regained = await self._regained(low, need)
+        while _short(regained, need) and dl.remaining() > 0:
             await asyncio.sleep(min(pause, dl.remaining()))
             pause = min(pause * 2, VERIFY_MAX_POLL_S)
+            regained = await self._regained(low, need)
+        short = _short(regained, need)
         if short:
-            detail = ", ".join(
-                f"GPU {i} regained {max(0, now.get(i, 0) - low.get(i, 0))} of {need[i]} bytes" for i in short
-            )
+            detail = ", ".join(f"GPU {i} regained {max(0, regained[i])} of {need[i]} bytes" for i in short)
             raise CommandFailed(f"resume not verified within {dl.seconds:g}s on this follower: {detail}")
+
+    async def _regained(self, low: dict[int, int], need: dict[int, int]) -> dict[int, int]:
+        """Per GPU of `need`: the used bytes now above the sample taken after the release."""
+        now = {g.index: g.used_bytes for g in await self._sample()}
+        return {i: now.get(i, 0) - low.get(i, 0) for i in need}
+
+
+def _short(regained: dict[int, int], need: dict[int, int]) -> list[int]:
+    return [i for i in need if regained[i] < need[i]]

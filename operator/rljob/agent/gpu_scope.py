@@ -67,19 +67,26 @@ def pod_gpu_lists(proc_root: Path = Path("/proc"), own_pid: int | None = None) -
     for entry in proc_root.iterdir():
         if not entry.name.isdigit() or int(entry.name) == own:
             continue
-        try:
-            value = parse_environ((entry / "environ").read_bytes()).get(VISIBLE)
-        except OSError:  # another user's process without CAP_SYS_PTRACE, or gone
-            continue
-        if value is None or value.strip().lower() in (*NO_DEVICES, "all"):
-            continue
-        if value.startswith(DEVICE_LIST_DIR):
-            try:
-                names = sorted(p.name for p in (entry / "root" / value.lstrip("/")).iterdir())
-            except OSError:
-                continue
-            value = ",".join(names)
-        yield int(entry.name), value
+        value = _device_list(entry)
+        if value is not None:
+            yield int(entry.name), value
+
+
+def _device_list(entry: Path) -> str | None:
+    """The GPUs one process names (a list, or a DRA device directory's entries); None when it names none
+    or cannot be read (another user's process without CAP_SYS_PTRACE, or gone)."""
+    try:
+        value = parse_environ((entry / "environ").read_bytes()).get(VISIBLE)
+    except OSError:
+        return None
+    if value is None or value.strip().lower() in (*NO_DEVICES, "all"):
+        return None
+    if not value.startswith(DEVICE_LIST_DIR):
+        return value
+    try:
+        return ",".join(sorted(p.name for p in (entry / "root" / value.lstrip("/")).iterdir()))
+    except OSError:
+        return None
 
 
 def select_gpus(visible: str | None, listed: str | None, pod_lists: Iterable[tuple[int, str]]) -> Selection:
@@ -91,6 +98,12 @@ def select_gpus(visible: str | None, listed: str | None, pod_lists: Iterable[tup
     for pid, value in pod_lists:
         devices = ",".join(d.strip() for d in value.split(",") if d.strip())
         found.setdefault(devices, []).append(pid)
+    return _by_process(found)
+
+
+def _by_process(found: dict[str, list[int]]) -> Selection:
+    """The GPUs the pod's processes name (device list -> pids): one list is the pod's; none or several
+    leave the scope unknown."""
     if len(found) == 1:
         devices = next(iter(found))
         return Selection(GpuScope.PROCESS, tuple(devices.split(",")))

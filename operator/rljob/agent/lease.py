@@ -4,10 +4,11 @@ release), returned by publish (or abandon). Trainer-side state lives in AgentSta
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from rljob.agent.errors import conflict
 from rljob.agent.state import StateStore
-from rljob.api.agent import LeaseStatus, PublishRequest, Stage, TrainerReport
+from rljob.api.agent import AgentState, LeaseStatus, PublishRequest, Stage, TrainerReport
 
 
 class LeaseDesk:
@@ -46,15 +47,11 @@ class LeaseDesk:
         await self._store.wait_until(lambda: st.trainer.lease_held or st.stage == Stage.FAILED, wait)
         return self.status()
 
-    def grant(self, epoch: int) -> None:
+    def grant(self, epoch: int) -> Callable[[AgentState], None]:
+        """The grant command's record, written with its move to Granted (agent/actions.py)."""
         self._store.lease_epoch = epoch
         self._granted_at = time.monotonic()
-        with self._store.change() as s:
-            s.stage = Stage.GRANTED
-            s.trainer.lease_held = True
-            s.trainer.requested = False
-            s.trainer.error = None
-            s.trainer.held_seconds = None
+        return _granted
 
     def publish(self, req: PublishRequest) -> TrainerReport:
         st = self._store.state
@@ -65,13 +62,12 @@ class LeaseDesk:
             return self._report()  # the same publish again: its answer was lost (the agent restarted)
         if not st.trainer.lease_held:
             raise conflict("NoLease", "publish needs the GPU lease (wait for it with GET /v1/trainer/lease)")
-        with self._store.change() as s:
+        with self._store.change(stage=Stage.TRAINED) as s:
             s.trainer.published_version = req.version
             s.trainer.published_path = req.path
             s.trainer.published_epoch = self._store.lease_epoch
             s.trainer.lease_held = False
             s.trainer.held_seconds = self._returned()
-            s.stage = Stage.TRAINED
         return self._report()
 
     def abandon(self, reason: str) -> TrainerReport:
@@ -82,3 +78,10 @@ class LeaseDesk:
             s.trainer.error = reason[:1024]
             s.trainer.held_seconds = self._returned()
         return self._report()
+
+
+def _granted(s: AgentState) -> None:
+    s.trainer.lease_held = True
+    s.trainer.requested = False
+    s.trainer.error = None
+    s.trainer.held_seconds = None

@@ -52,35 +52,20 @@ class Route:
 
 _SINCE = ("since", "integer", "Return as soon as the revision is greater than this.")
 _WAIT = ("wait", "number", "Seconds to long-poll (capped at 30).")
-_CHANGES = (
-    "changes",
-    "string",
-    "`all` (default): return on any newer revision. `operator`: only on a revision the operator acts on "
-    "(agent/reports.py: not rollout samples, not the steps of a running command).",
-)
 _STAGE = (
     "stage",
     "string",
     "With `since` and `wait`: return on a newer revision in this stage (or Failed) only, not on every one.",
 )
 _BOOT = ("boot", "string", "The boot_id `since` belongs to: another boot answers at once.")
-_WATCH = (
-    "watch",
-    "boolean",
-    "`true`: a stream (application/x-ndjson), one AgentState a line: the first at once or as soon as the "
-    "revision is greater than `since`, then each newer one (with `changes`) until `wait` passed, in one "
-    "response instead of one request each.",
-)
 _REFUSALS = {400: "Refusal", 409: "Refusal", 422: "Refusal"}
 
 ROUTES: tuple[Route, ...] = (
     Route(
         "get",
         "/v1/state",
-        "Agent state; long-polls until revision > since (with changes=operator: until such a revision "
-        "the operator acts on); with watch=true streams every such revision until `wait` passed.",
+        "The agent's current state, at once (for people and probes; the operator follows /v1/channel).",
         {200: "AgentState"},
-        query=(_SINCE, _WAIT, _CHANGES, _BOOT, _WATCH),
     ),
     Route(
         "post",
@@ -93,10 +78,11 @@ ROUTES: tuple[Route, ...] = (
     Route(
         "get",
         "/v1/channel",
-        "A WebSocket (101 Switching Protocols): every frame from the agent is a ChannelFrame, a state the "
-        "operator acts on (as `changes=operator`, the first at once or as soon as the revision is greater "
-        "than `since`) or the reply to a command; the operator sends Command frames (the POST /v1/commands "
-        "body) and gets a CommandReply each, with the status and body POST /v1/commands would answer.",
+        "A WebSocket (101 Switching Protocols), the agent's one report transport: every frame from the agent "
+        "is a ChannelFrame, a state the operator acts on (agent/reports.py; the first at once or as soon as "
+        "the revision is greater than `since`) or the reply to a command; the operator sends Command frames "
+        "(the POST /v1/commands body) and gets a CommandReply each, with the status and body POST "
+        "/v1/commands would answer.",
         {101: "ChannelFrame", 400: "Refusal"},
         query=(_SINCE, _BOOT),
     ),
@@ -299,8 +285,6 @@ def _operation(route: Route) -> dict[str, Any]:
 def _query_schema(name: str, kind: str) -> dict[str, Any]:
     if name == "wait":
         return {"type": kind, "minimum": 0, "maximum": 30}
-    if name == "changes":
-        return {"type": kind, "enum": ["all", "operator"]}
     if kind == "boolean":
         return {"type": kind}
     if kind == "string":

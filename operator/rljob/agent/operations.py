@@ -7,7 +7,10 @@ unknown: that raises StateLost (the pod must be replaced) rather than guessing.
 Each non-idempotent call (release, resume, a disk refit's load, a refit window) is announced in the
 pod-local record before it is made and closed with its outcome (StateStore.announce/outcome), and each
 command skips what the record says is done: a restarted agent re-runs the command it was running
-without repeating a call (agent/recovery.py)."""
+without repeating a call (agent/recovery.py).
+
+Each action returns what it records with its stage move (a `Record`); agent/actions.py commits both in
+one revision."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import TypeAlias
 
 from rljob.agent.errors import CommandFailed, PermanentFailure, StateLost
 from rljob.agent.gpu_probe import GpuMemory, GpuProbe
@@ -29,7 +33,7 @@ from rljob.agent.sglang_client import SGLangClient, SGLangError, SGLangUnreachab
 from rljob.agent.state import StateStore
 from rljob.agent.transitions import refit_path
 from rljob.api.agent import (
-    Command,
+    AgentState,
     DrainCommand,
     GrantCommand,
     MemoryReport,
@@ -50,6 +54,8 @@ VERIFY_FIRST_POLL_S, VERIFY_MAX_POLL_S = 0.002, 0.1
 RELEASE_SHORTFALL = "ReleaseShortfall"
 FREED_STABLE_S = 1.0  # freed memory unchanged this long when verification times out: nothing is coming
 FREED_NOISE_BYTES = 64 << 20  # NVML's used memory moves a little on its own (allocator, context)
+
+Record: TypeAlias = Callable[[AgentState], None] | None  # written in the action's stage-move revision
 
 
 class FreedHistory:
@@ -123,29 +129,15 @@ class Operations:
     def pause_mode(self, mode: DrainMode | None) -> None:
         self.store.pause_mode = mode
 
-    async def execute(self, cmd: Command) -> None:
-        self._warm_probe()
-        if isinstance(cmd, DrainCommand):
-            await self.drain(cmd)
-        elif isinstance(cmd, ReleaseCommand):
-            await self.release(cmd)
-        elif isinstance(cmd, GrantCommand):
-            self.lease.grant(cmd.epoch)
-        elif isinstance(cmd, RefitCommand):
-            await self.refit(cmd)
-        elif isinstance(cmd, ResumeCommand):
-            await self.resume(cmd)
-
     # --- drain -----------------------------------------------------------------------------------
 
-    async def drain(self, cmd: DrainCommand) -> None:
+    async def drain(self, cmd: DrainCommand) -> Record:
         dl = Deadline(cmd.timeout_seconds)
         if self.before_drain is not None:
             await self.before_drain()  # last rollout sample, while requests still run
         await self._pause(cmd.mode, dl)
         await self._idle_barrier(dl, "drain")
-        with self.store.change() as s:
-            s.stage = Stage.DRAINED
+        return None
 
     async def _pause(self, mode: DrainMode, dl: Deadline) -> None:
         with self.store.change() as s:
@@ -165,10 +157,10 @@ class Operations:
     async def _idle_barrier(self, dl: Deadline, what: str) -> None:
         """flush_cache succeeds only when the scheduler is idle by the predicate release asserts (the plain
         flush's, C-IDLE-RELEASE). The deferred `?timeout=` form saves round trips after an abort drain,
-        but its check always counts waiting requests (C-IDLE-FLUSH-DEFERRED, flush_wrapper.py:33,45
-        @0.5.23): after a retract it can only time out, so the plain flush is polled instead. With
-        dp_size > 1 one flush 200 is the first rank's answer only (C-DP-FLUSH-FIRST) while release asserts
-        on every rank (C-DP-RELEASE-ALL): every rank must report idle on the load route first."""
+        but its check always counts waiting requests (C-IDLE-FLUSH-DEFERRED): after a retract it can only
+        time out, so the plain flush is polled instead. With dp_size > 1 one flush 200 is the first rank's
+        answer only (C-DP-FLUSH-FIRST) while release asserts on every rank (C-DP-RELEASE-ALL): every rank
+        must report idle on the load route first."""
         quirks = self.client.quirks
         multi_rank = self.store.facts is not None and self.store.facts.dp_size > 1
         server_waits = (
@@ -217,7 +209,7 @@ class Operations:
 
     # --- release ---------------------------------------------------------------------------------
 
-    async def release(self, cmd: ReleaseCommand) -> None:
+    async def release(self, cmd: ReleaseCommand) -> Record:
         unique = list(dict.fromkeys(cmd.tags))  # duplicates are harmless (C-MEM-DUP-TAG-RELEASE); send once
         tags = [t.value for t in unique]
         if self.store.release_before and all(t in self.store.state.released_tags for t in unique):
@@ -226,9 +218,7 @@ class Operations:
             # taken before it.
             before = [GpuMemory(i, used, 0) for i, used in sorted(self.store.release_before.items())]
             await self._verify_freed(before, cmd.verify, tags)
-            with self.store.change() as s:
-                s.stage = Stage.RELEASED
-            return
+            return None
         # Re-check idleness right before the call: release asserts it, and failing kills SGLang. The
         # memory before is sampled meanwhile: a flush frees no GPU memory (the KV pool is static), and the
         # probe's first call (NVML init) then costs the release nothing.
@@ -242,6 +232,20 @@ class Operations:
         t1 = time.perf_counter()
         before = await sampling
         t2 = time.perf_counter()
+        await self._release_call(cmd, unique, before)
+        t3 = time.perf_counter()
+        samples = await self._verify_freed(before, cmd.verify, tags)
+        spent = {"barrier": t1 - t0, "before_sample_wait": t2 - t1, "release_call": t3 - t2}
+        spent["verify"] = time.perf_counter() - t3
+        timing = {f"{k}_s": round(v, 6) for k, v in spent.items()}
+        log.info("release timing %s", json.dumps({**timing, "verify_samples": samples}))
+        return None
+
+    async def _release_call(
+        self, cmd: ReleaseCommand, unique: list[ReleaseTag], before: list[GpuMemory]
+    ) -> None:
+        """The release itself, announced with the memory before it (a restarted agent's evidence)."""
+        tags = [t.value for t in unique]
         self.store.release_before = {g.index: g.used_bytes for g in before}
         with self.store.change() as s:
             s.memory = MemoryReport(used_before_bytes=sum(g.used_bytes for g in before), gpus=len(before))
@@ -257,20 +261,12 @@ class Operations:
             with self.store.outcome():
                 pass
             raise CommandFailed(str(e)) from e  # refused in the tokenizer: nothing was released
-        t3 = time.perf_counter()
         with self.store.outcome() as s:
             s.released_tags = [*s.released_tags, *unique]
-        samples = await self._verify_freed(before, cmd.verify, tags)
-        with self.store.change() as s:
-            s.stage = Stage.RELEASED
-        spent = {"barrier": t1 - t0, "before_sample_wait": t2 - t1, "release_call": t3 - t2}
-        spent["verify"] = time.perf_counter() - t3
-        timing = {f"{k}_s": round(v, 6) for k, v in spent.items()}
-        log.info("release timing %s", json.dumps({**timing, "verify_samples": samples}))
 
-    def _warm_probe(self) -> None:
-        """The probe's first call initialises its library (NVML: 15 ms on an H200 host): do it in the
-        background at the first command, not inside the first release. Errors show at a release's sample."""
+    def warm_probe(self) -> None:
+        """The probe's first call initialises its library (NVML): do it in the background at the first
+        command, not inside the first release. Errors show at a release's sample."""
         if self._probe_warmed is None:
             self._probe_warmed = asyncio.create_task(self._quiet_sample(), name="warm-gpu-probe")
 
@@ -305,9 +301,7 @@ class Operations:
         dl = Deadline(verify.timeout_seconds)
         loop = asyncio.get_running_loop()
         used_before = {g.index: g.used_bytes for g in before}
-        need = {
-            i: max(verify.min_freed_bytes, int(verify.min_freed_fraction * u)) for i, u in used_before.items()
-        }
+        need = freed_target(verify, used_before)
         history = FreedHistory()
         # NVML shows an unmap within a millisecond: poll tightly at first (a release that returned with
         # its memory freed costs one sample), then back off for slow ranks and delayed unmaps.
@@ -324,31 +318,30 @@ class Operations:
                 break
             await asyncio.sleep(min(pause, dl.remaining()))
             pause = min(pause * 2, VERIFY_MAX_POLL_S)
+        self._report_freed(after, freed, ok)
+        if not ok:
+            raise _shortfall(
+                freed,
+                need,
+                history.shortfall_is_final(need, loop.time(), verify.timeout_seconds),
+                verify,
+                tags,
+            )
+        return samples
+
+    def _report_freed(self, after: list[GpuMemory], freed: dict[int, int], ok: bool) -> None:
         for i, f in freed.items():
             self.metrics.freed_bytes.labels(str(i)).set(max(0, f))
         with self.store.change() as s:
             s.memory.used_after_bytes = sum(g.used_bytes for g in after)
             s.memory.freed_bytes = max(0, min(freed.values()))
             s.memory.verified = ok
-        if not ok:
-            short = ", ".join(
-                f"GPU {i} freed {max(0, freed[i])} of {need[i]} bytes" for i in need if freed[i] < need[i]
-            )
-            if history.shortfall_is_final(need, loop.time(), verify.timeout_seconds):
-                raise PermanentFailure(
-                    RELEASE_SHORTFALL,
-                    f"releasing {', '.join(tags)} cannot free what verify asks: {short}, unchanged at the "
-                    f"end of {verify.timeout_seconds}s (choose more release.tags or lower release.verify)",
-                )
-            raise CommandFailed(f"release not verified within {verify.timeout_seconds}s: {short}")
-        return samples
 
     # --- resume helpers --------------------------------------------------------------------------
 
     async def _resume_tags(self, tags: list[ReleaseTag], dl: Deadline) -> None:
-        """C-MEM-RESUME-UNRELEASED: SGLang removes each resumed tag from its released set, so a tag never
-        released, or twice in one list, is a KeyError in the scheduler: fatal
-        (scheduler_update_weights_mixin.py:152-153@0.5.6). Each tag goes once, and only if released."""
+        """C-MEM-RESUME-UNRELEASED: a tag never released, or twice in one list, is a fatal KeyError in the
+        scheduler. Each tag goes once, and only if released."""
         tags = list(dict.fromkeys(tags))
         if not tags:
             return
@@ -357,6 +350,10 @@ class Operations:
             raise CommandFailed(
                 f"not resuming {', '.join(unreleased)}: not released (a resume would kill SGLang)"
             )
+        await self._resume_call(tags, dl)
+
+    async def _resume_call(self, tags: list[ReleaseTag], dl: Deadline) -> None:
+        """The resume itself, announced with the memory before it (a restarted agent's evidence)."""
         names = [t.value for t in tags]
         used = {g.index: g.used_bytes for g in await self._quiet_memory()}
         epoch = self.store.state.epoch
@@ -380,7 +377,7 @@ class Operations:
 
     # --- refit -----------------------------------------------------------------------------------
 
-    async def refit(self, cmd: RefitCommand) -> None:
+    async def refit(self, cmd: RefitCommand) -> Record:
         dl = Deadline(cmd.timeout_seconds)
         path = refit_path(cmd, self.store.state)
         unpaused = self.store.state.stage in (Stage.READY, Stage.SERVING)
@@ -389,28 +386,14 @@ class Operations:
         # ≤0.5.21 kills the server if the post-refit flush finds work: refit only while paused and idle.
         await self._idle_barrier(dl, "refit")
         if unpaused:
-            with self.store.change() as s:
-                s.stage = Stage.DRAINED
+            with self.store.change(stage=Stage.DRAINED):
+                pass
         # Multi-stage resume: weights (and graphs) now, kv_cache only at resume; the engine stays paused.
         await self._resume_tags(self._released(ReleaseTag.CUDA_GRAPH, ReleaseTag.WEIGHTS), dl)
         try:
-            if self.store.refit_done == cmd.version:
-                pass  # re-run after the agent's restart: the load call already returned (recorded)
-            elif cmd.source == RefitSource.DISK:
-                assert path is not None  # transitions.check refused a disk refit without one
-                self.store.announce(Intent("refit", cmd.epoch, version=cmd.version, path=path))
-                try:
-                    await self.client.update_weights_from_disk(path, cmd.version, timeout=dl.remaining())
-                except SGLangError:
-                    with self.store.outcome():
-                        pass  # SGLang answered: the load failed, and nothing is unknown
-                    raise
-                with self.store.outcome():
-                    self.store.refit_done = cmd.version
-            else:
-                await self._refit_window(cmd, dl)
+            recorded = await self._load(cmd, path, dl)
             quirks = self.client.quirks
-            if quirks is not None and not quirks.refit_while_paused_records_version:
+            if not recorded or (quirks is not None and not quirks.refit_while_paused_records_version):
                 # C-REFIT-WV-PAUSED: the agent always refits paused, and 0.5.6 then drops weight_version;
                 # set it without a lock or an abort (C-ROUTE-WV-SET), then verify it below as everywhere.
                 await self.client.update_weight_version(cmd.version, timeout=max(1.0, dl.remaining()))
@@ -423,30 +406,40 @@ class Operations:
             raise CommandFailed(
                 f"SGLang serves weight_version {served!r} after the refit, expected {cmd.version!r}"
             )
-        with self.store.change() as s:
-            s.stage = Stage.REFITTED
+
+        def record(s: AgentState) -> None:
             s.sglang.served_version = served
             if cmd.source == RefitSource.DISK:
                 s.sglang.model_path = path
 
-    async def _refit_window(self, cmd: RefitCommand, dl: Deadline) -> None:
+        return record
+
+    async def _load(self, cmd: RefitCommand, path: str | None, dl: Deadline) -> bool:
+        """The new weights into SGLang, once: a re-run after the agent's restart skips a recorded load.
+        False when SGLang was not given the version with them (a window closed without a final push)."""
+        if self.store.refit_done == cmd.version:
+            return True
+        if cmd.source != RefitSource.DISK:
+            return await self._refit_window(cmd, dl)
+        assert path is not None  # transitions.refit_guards refused a disk refit without one
+        self.store.announce(Intent("refit", cmd.epoch, version=cmd.version, path=path))
+        try:
+            await self.client.update_weights_from_disk(path, cmd.version, timeout=dl.remaining())
+        except SGLangError:
+            with self.store.outcome():
+                pass  # SGLang answered: the load failed, and nothing is unknown
+            raise
+        with self.store.outcome():
+            self.store.refit_done = cmd.version
+        return True
+
+    async def _refit_window(self, cmd: RefitCommand, dl: Deadline) -> bool:
         session = self.client.quirks is not None and self.client.quirks.weight_update_session
         if session:
             await self._begin_session(dl)
         # The trainer's pushes go to SGLang while the window is open: a restarted agent cannot replay them.
         self.store.announce(Intent("refit_window", cmd.epoch, version=cmd.version))
-        window = self.windows.open(cmd.version, cmd.source, dl.remaining())
-        failure: CommandFailed | None = None
-        try:
-            await self.windows.wait_closed(window)
-            if window.error is not None:
-                failure = CommandFailed(f"refit window failed: {window.error}")
-            elif not window.final_pushed:
-                failure = CommandFailed("the trainer closed the refit window without a final push")
-        except TimeoutError:
-            failure = CommandFailed(f"the trainer did not close the refit window within {dl.seconds:g}s")
-        finally:
-            self.windows.shut(window)
+        failure, versioned = await self._window(cmd, dl)
         if session:
             try:
                 await self.client.end_weight_update(timeout=max(1.0, dl.remaining()))
@@ -458,6 +451,23 @@ class Operations:
         if failure is not None:
             raise failure
         await self._idle_barrier(dl, "refit")  # the pushes ran with flush_cache=false: flush now
+        return versioned
+
+    async def _window(self, cmd: RefitCommand, dl: Deadline) -> tuple[CommandFailed | None, bool]:
+        """The trainer's window, open until it closes it: (None, whether the final push carried the
+        version) when its pushes ended with a final one or the closer left the version to the agent."""
+        window = self.windows.open(cmd.version, cmd.source, dl.remaining())
+        try:
+            await self.windows.wait_closed(window)
+        except TimeoutError:
+            return CommandFailed(f"the trainer did not close the refit window within {dl.seconds:g}s"), False
+        finally:
+            self.windows.shut(window)
+        if window.error is not None:
+            return CommandFailed(f"refit window failed: {window.error}"), False
+        if not window.final_pushed and not window.versioned_by_agent:
+            return CommandFailed("the trainer closed the refit window without a final push"), False
+        return None, window.final_pushed
 
     async def _begin_session(self, dl: Deadline) -> None:
         try:
@@ -472,7 +482,10 @@ class Operations:
 
     # --- resume ----------------------------------------------------------------------------------
 
-    async def resume(self, cmd: ResumeCommand) -> None:
+    async def grant(self, cmd: GrantCommand) -> Record:
+        return self.lease.grant(cmd.epoch)
+
+    async def resume(self, cmd: ResumeCommand) -> Record:
         dl = Deadline(cmd.timeout_seconds)
         await self._resume_tags(self._released(*RESUME_ORDER), dl)
         try:
@@ -496,9 +509,7 @@ class Operations:
             raise CommandFailed(f"SGLang serves weight_version {served!r}, expected {expected!r}")
         if self.before_serving is not None:
             await self.before_serving()  # the rollout's baseline, before any rollout request can finish
-        with self.store.change() as s:
-            s.stage = Stage.SERVING
-            s.rollout = RolloutReport()
+        return _new_rollout
 
     async def _wait_healthy(self, dl: Deadline) -> None:
         while True:
@@ -511,3 +522,30 @@ class Operations:
             except TimeoutError:
                 continue
             await asyncio.sleep(min(0.2, dl.remaining()))
+
+
+def freed_target(verify: ReleaseVerify, used_before: dict[int, int]) -> dict[int, int]:
+    """Per GPU, the bytes a release must free: max(min_freed_bytes, min_freed_fraction x used before)."""
+    return {
+        i: max(verify.min_freed_bytes, int(verify.min_freed_fraction * u)) for i, u in used_before.items()
+    }
+
+
+def _new_rollout(s: AgentState) -> None:
+    s.rollout = RolloutReport()
+
+
+def _shortfall(
+    freed: dict[int, int], need: dict[int, int], final: bool, verify: ReleaseVerify, tags: list[str]
+) -> CommandFailed:
+    """A release that did not free what `verify` asks: permanent (ReleaseShortfall) when nothing moves."""
+    short = ", ".join(
+        f"GPU {i} freed {max(0, freed[i])} of {need[i]} bytes" for i in need if freed[i] < need[i]
+    )
+    if final:
+        return PermanentFailure(
+            RELEASE_SHORTFALL,
+            f"releasing {', '.join(tags)} cannot free what verify asks: {short}, unchanged at the "
+            f"end of {verify.timeout_seconds}s (choose more release.tags or lower release.verify)",
+        )
+    return CommandFailed(f"release not verified within {verify.timeout_seconds}s: {short}")

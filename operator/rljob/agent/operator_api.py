@@ -1,5 +1,6 @@
-"""Operator-facing API on the pod IP: state long-poll and commands, behind the bearer token.
-/healthz, /metrics, /openapi.json and the probes are open (probes and scrapers carry no token)."""
+"""Operator-facing API on the pod IP, behind the bearer token: the channel (the operator's one report
+transport, and its commands), POST /v1/commands while the channel is not open, and a plain read of the
+state for people. /healthz, /metrics, /openapi.json and the probes are open (they carry no token)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,6 @@ from rljob.api.agent import (
 # can't reach, so the kubelet asks the agent, which asks SGLang's /ping (200 even while paused).
 # /probe/gang is the agent's startupProbe: the kubelet starts the pod's SGLang and trainer only after it
 # passes (a native sidecar's startupProbe, docs/control-plane.md "Gangs that do not fit").
-NDJSON = "application/x-ndjson"
 OPEN_PATHS = frozenset({"/healthz", "/metrics", "/openapi.json", "/probe/sglang", "/probe/gang"})
 MAX_FRAME_BYTES = 2**20  # a command frame is < 1 KiB; a bigger one is not the operator's
 # A channel silent this long is pinged, and closed when no pong comes within half of it again: an
@@ -84,67 +84,15 @@ def build_operator_app(
     document = build_document()
     contact = OperatorContact()
 
-    def newer(changes: str, since: int) -> bool:
-        revision = store.operator_reports.revision if changes == "operator" else store.state.revision
-        return revision > since
-
-    async def wait_newer(changes: str, since: int, wait: float) -> None:
-        if changes == "operator":
-            await store.wait_operator(since, wait)
-        else:
-            await store.wait_newer(since, wait)
-
-    async def get_state(request: web.Request) -> web.StreamResponse:
-        since = int(query_number(request, "since", -1, lo=-1, hi=2**53))
-        wait = query_number(request, "wait", 0, lo=0, hi=MAX_WAIT_S)
-        changes = request.query.get("changes", "all")
-        if changes not in ("all", "operator"):
-            raise Refused(400, "InvalidQuery", f"changes: 'all' or 'operator', not {changes[:64]!r}")
-        watch = request.query.get("watch", "false")
-        if watch not in ("true", "false"):
-            raise Refused(400, "InvalidQuery", f"watch: 'true' or 'false', not {watch[:64]!r}")
-        # `since` counts revisions of one boot: a restarted agent answers at once instead of waiting for a
-        # revision its predecessor had already passed.
-        same_boot = request.query.get("boot") in (None, store.state.boot_id)
-        if not same_boot:
-            since = -1
-        if watch == "true":
-            return await stream_states(request, changes, since, wait)
-        if wait > 0 and since >= 0:
-            await wait_newer(changes, since, wait)
+    async def get_state(request: web.Request) -> web.Response:
+        """The current state, for people and probes: the operator follows the channel instead."""
         return reply(store.state)
-
-    async def stream_states(
-        request: web.Request, changes: str, since: int, wait: float
-    ) -> web.StreamResponse:
-        """`watch=true`: every revision newer than the last one written, a line each, until `wait` passed
-        (then the client asks again, as after a long-poll). At hundreds of pods a request per report was
-        most of the operator's CPU (docs/benchmarks.md@cac2796); a line is a read and a parse."""
-        resp = web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-store"})
-        await resp.prepare(request)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait
-        try:
-            while True:
-                if since < 0 or newer(changes, since):
-                    state = store.state
-                    line = state.model_dump_json(by_alias=True, exclude_none=True).encode() + b"\n"
-                    await resp.write(line)
-                    since = state.revision
-                left = deadline - loop.time()
-                if left <= 0:
-                    break
-                await wait_newer(changes, since, left)
-            await resp.write_eof()
-        except ConnectionResetError:  # the client went away: nothing to answer
-            pass
-        return resp
 
     open_channels: weakref.WeakSet[web.WebSocketResponse] = weakref.WeakSet()
 
     async def channel(request: web.Request) -> web.StreamResponse:
         """`GET /v1/channel`, a WebSocket (api/agent.py ChannelFrame): the states the operator acts on
-        (`changes=operator`) newer than `since` of `boot`, as they commit, and an answer to each Command
+        (agent/reports.py) newer than `since` of `boot`, as they commit, and an answer to each Command
         frame, the one POST /v1/commands gives."""
         since = int(query_number(request, "since", -1, lo=-1, hi=2**53))
         if request.query.get("boot") not in (None, store.state.boot_id):
@@ -173,7 +121,7 @@ def build_operator_app(
         boot = store.state.boot_id
 
         def news() -> bool:  # another boot's revisions start again
-            return since < 0 or newer("operator", since) or store.state.boot_id != boot
+            return since < 0 or store.operator_reports.revision > since or store.state.boot_id != boot
 
         while not ws.closed:
             if news():

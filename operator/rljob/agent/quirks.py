@@ -39,64 +39,56 @@ class SGLangQuirks:
 
     @property
     def load_route(self) -> str:
-        """C-METRIC-LOAD-ROUTE: `/v1/loads` (one entry per DP rank) from 0.5.8 (entrypoints/v1_loads.py:130
-        @0.5.8); before, only `/get_load`, a list per DP rank of counts (http_server.py:560-562@0.5.6).
-        `/get_load` is removed in 0.5.21."""
+        """C-METRIC-LOAD-ROUTE: `/v1/loads` (one entry per DP rank) from 0.5.8; before, only `/get_load`, a
+        list per DP rank of counts. `/get_load` is removed in 0.5.21."""
         return "/get_load" if self.key < (0, 5, 8) else "/v1/loads"
 
     @property
     def weight_update_session(self) -> bool:
-        """C-ROUTE-SESSION: tensor/distributed refits must sit between /begin_weight_update and
-        /end_weight_update from 0.5.21 (http_server.py:1400,1415@0.5.21)."""
+        """C-ROUTE-SESSION: tensor/distributed refits sit between /begin_weight_update and
+        /end_weight_update from 0.5.21."""
         return self.key >= (0, 5, 21)
 
     @property
     def flush_takes_timeout(self) -> bool:
-        """C-ROUTE-FLUSH: `/flush_cache?timeout=` defers the reply until idle from 0.5.10
-        (http_server.py:720@0.5.10; absent at http_server.py:684@0.5.8). Its idle check always counts
-        waiting requests (C-IDLE-FLUSH-DEFERRED, scheduler_components/flush_wrapper.py:33,45@0.5.23), so
-        the agent sends it only after an abort drain."""
+        """C-ROUTE-FLUSH: `/flush_cache?timeout=` defers the reply until idle from 0.5.10. Its idle check
+        always counts waiting requests (C-IDLE-FLUSH-DEFERRED), so the agent sends it only after an abort
+        drain."""
         return self.key >= (0, 5, 10)
 
     @property
     def release_ignores_waiting_when_retracted(self) -> bool:
         """C-IDLE-FLUSH / C-IDLE-RELEASE: the plain flush and the release assert ignore the waiting queue
-        that a retract fills: always up to 0.5.8 (`_is_no_request`, scheduler.py:2205-2228@0.5.6,
-        scheduler.py:2457-2475@0.5.8), while paused from 0.5.21 (`is_fully_idle(ignore_waiting=
-        _engine_paused)`, scheduler_components/weight_updater.py:320-322@0.5.21). In between waiting
-        always counts (scheduler.py:2900-2920@0.5.10, weight_updater.py:185-187@0.5.15.post1): a retract
-        drain with requests in flight never becomes idle there. 0.5.9 was not read: treated as strict."""
+        that a retract fills: always up to 0.5.8 (`_is_no_request`), while paused from 0.5.21
+        (`is_fully_idle(ignore_waiting=_engine_paused)`). From 0.5.10 to 0.5.20 waiting always counts: a
+        retract drain with requests in flight never becomes idle there. 0.5.9 was not read: treated as
+        strict."""
         return self.key < (0, 5, 9) or self.key >= (0, 5, 21)
 
     @property
     def refit_while_paused_records_version(self) -> bool:
         """C-REFIT-WV-PAUSED: 0.5.6 returns from a disk/tensor/distributed refit while paused before
-        `_update_weight_version_if_provided` (tokenizer_manager.py:1299-1316@0.5.6); fixed in 0.5.6.post2
-        (tokenizer_manager.py:1214-1223@0.5.6.post2). Without it the agent sets the version with
-        `/update_weight_version` (C-ROUTE-WV-SET, http_server.py:896-923@0.5.6)."""
+        `_update_weight_version_if_provided`; fixed in 0.5.6.post2. Without it the agent sets the version
+        with `/update_weight_version` (C-ROUTE-WV-SET)."""
         return self.key > (0, 5, 6) or (self.key == (0, 5, 6) and self.post >= 2)
 
     @property
     def subprocess_watchdog(self) -> bool:
-        """C-DEATH-HARD: from 0.5.10 a SubprocessWatchdog kills the server within ~1 s of a scheduler exit
-        (engine.py:743-746@0.5.10, utils/watchdog.py:166-223@0.5.15.post1), so a refused connection is
-        death. Before (0.5.6, 0.5.8 checked) a scheduler that dies hard leaves HTTP up and `/ping` 200
-        (http_server.py:1315-1318@0.5.6): the agent needs a bounded scheduler probe."""
+        """C-DEATH-HARD: from 0.5.10 a SubprocessWatchdog kills the server soon after a scheduler exit, so
+        a refused connection is death. Before (0.5.6, 0.5.8 checked) a scheduler that dies hard leaves HTTP
+        up and `/ping` 200 (C-HEALTH-PING): the agent needs a bounded scheduler probe."""
         return self.key >= (0, 5, 10)
 
     @property
     def unknown_weights_group_is_fatal(self) -> bool:
         """C-REFIT-GROUP-UNKNOWN: up to 0.5.20 a distributed push naming a group SGLang never formed trips
-        an assert outside any try and kills the server (model_runner.py:1165-1168@0.5.6,
-        …/model_runner_components/weight_updater.py:245-248@0.5.20); from 0.5.21 it answers 400."""
+        an assert outside any try and kills the server; from 0.5.21 it answers 400."""
         return self.key < (0, 5, 21)
 
     @property
     def loads_frozen_while_paused(self) -> bool:
         """C-DP-LOADS-PAUSED: the load route reads snapshots the schedulers publish from their loop, and a
-        paused (retract / in_place) scheduler skips the publish (scheduler.py:1551@0.5.15.post1,
-        scheduler.py:2033-2036@0.5.23; read side tokenizer_control_mixin.py:1001-1029@0.5.23): its counts
-        stay at their pre-pause values. 0.5.8 still asked the schedulers (tokenizer_communicator_mixin.py:
-        799-824@0.5.8), and so do both load routes of 0.5.10.post1 (tokenizer_communicator_mixin.py:889-920
-        @0.5.10.post1); 0.5.11 to 0.5.14 were not read: treated as frozen."""
+        paused (retract / in_place) scheduler skips the publish: its counts stay at their pre-pause values.
+        0.5.8 still asked the schedulers, and so do both load routes of 0.5.10.post1; 0.5.11 to 0.5.14
+        were not read: treated as frozen."""
         return self.key >= (0, 5, 11)

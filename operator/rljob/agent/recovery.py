@@ -27,11 +27,19 @@ import time
 from collections.abc import Awaitable, Callable
 
 from rljob.agent.gpu_probe import GpuProbe
-from rljob.agent.operations import FREED_NOISE_BYTES
+from rljob.agent.operations import FREED_NOISE_BYTES, freed_target
 from rljob.agent.record import Intent
 from rljob.agent.sglang_client import SGLangClient, SGLangUnreachable
 from rljob.agent.state import StateStore
-from rljob.api.agent import CommandState, RecoveryState, RefitCommand, ReleaseCommand, SGLangInfo, Stage
+from rljob.api.agent import (
+    Action,
+    CommandState,
+    RecoveryState,
+    RefitCommand,
+    ReleaseCommand,
+    SGLangInfo,
+    Stage,
+)
 from rljob.api.spec import ReleaseTag
 
 log = logging.getLogger("rljob.agent")
@@ -62,10 +70,7 @@ class Recovery:
                 s.recovery.state = RecoveryState.RECOVERED
                 s.recovery.detail = "the agent had reported Failed before its restart"
             return
-        allowed = {st.sglang.served_version, store.refit_done}
-        if intent is not None and intent.call == "refit":
-            allowed.add(intent.version)
-        if st.sglang.served_version is not None and seen.served_version not in allowed:
+        if not self._same_server(seen):
             store.unsure(
                 f"SGLang serves weight_version {seen.served_version!r}, the record says "
                 f"{st.sglang.served_version!r}: not the server this agent recorded"
@@ -82,44 +87,67 @@ class Recovery:
                 store.unsure(f"{intent.describe()} was announced and its outcome is unknown")
                 return
             detail = found
-        with store.outcome() as s:  # closes the intent with the outcome found
+        self._recovered(seen, detail)
+
+    def _recovered(self, seen: SGLangInfo, detail: str) -> None:
+        """The record matches SGLang: Recovered, and the command that was running runs on."""
+        store, st = self.store, self.store.state
+        fresh = st.stage == Stage.STARTING  # died before SGLang was first seen: start as a fresh agent
+        with store.outcome(stage=Stage.READY if fresh else None) as s:  # closes the intent with its outcome
             s.sglang.reachable = True
             s.sglang.version = seen.version
             s.sglang.weight_cache_mode = seen.weight_cache_mode
             s.recovery.state = RecoveryState.RECOVERED
             s.recovery.detail = detail[:1024]
-            if s.stage == Stage.STARTING:  # died before SGLang was first seen: start as a fresh agent
-                s.stage = Stage.READY
+            if fresh:
                 s.sglang = seen
         log.info("agent recovered after restart %d: %s", st.recovery.restarts, detail)
         last = st.last_command
         if last is not None and last.state == CommandState.RUNNING and store.command is not None:
             self._resume_command()
 
+    def _same_server(self, seen: SGLangInfo) -> bool:
+        """SGLang serves a version the record knows: the one recorded, or one a refit was loading."""
+        store, intent = self.store, self.store.intent
+        allowed = {store.state.sglang.served_version, store.refit_done}
+        if intent is not None and intent.call == "refit":
+            allowed.add(intent.version)
+        return store.state.sglang.served_version is None or seen.served_version in allowed
+
     async def _resolve(self, intent: Intent) -> str | None:
-        """The outcome of an announced call, applied to the state; None when it cannot be known."""
+        """The outcome of an announced call, applied to the state; None when it cannot be known (a
+        refit window's pushes cannot be replayed)."""
         cmd = self.store.command
-        if intent.call == "release" and isinstance(cmd, ReleaseCommand):
-            if await self._released(intent, cmd):
-                self.store.state.released_tags = list(
-                    dict.fromkeys([*self.store.state.released_tags, *map(ReleaseTag, intent.tags)])
-                )
-                return f"{intent.describe()}: made (every GPU freed what verify asks)"
+        if cmd is None:
             return None
+        if intent.call == "release" and cmd.action is Action.RELEASE:
+            return await self._released(intent, cmd)
         if intent.call == "resume":
-            if await self._grew(intent):
-                resumed = set(intent.tags)
-                self.store.state.released_tags = [
-                    t for t in self.store.state.released_tags if t.value not in resumed
-                ]
-                return f"{intent.describe()}: made (every GPU's used memory grew)"
+            return await self._resumed(intent)
+        if intent.call == "refit" and cmd.action is Action.REFIT and intent.version is not None:
+            return await self._refitted(intent, cmd)
+        return None
+
+    async def _released(self, intent: Intent, cmd: ReleaseCommand) -> str | None:
+        if not await self._freed(intent, cmd):
             return None
-        if intent.call == "refit" and isinstance(cmd, RefitCommand) and intent.version is not None:
-            if await self._loaded(intent, cmd):
-                self.store.refit_done = intent.version
-                return f"{intent.describe()}: made (/model_info shows it)"
+        self.store.state.released_tags = list(
+            dict.fromkeys([*self.store.state.released_tags, *map(ReleaseTag, intent.tags)])
+        )
+        return f"{intent.describe()}: made (every GPU freed what verify asks)"
+
+    async def _resumed(self, intent: Intent) -> str | None:
+        if not await self._grew(intent):
             return None
-        return None  # refit_window: the pushes cannot be replayed
+        resumed = set(intent.tags)
+        self.store.state.released_tags = [t for t in self.store.state.released_tags if t.value not in resumed]
+        return f"{intent.describe()}: made (every GPU's used memory grew)"
+
+    async def _refitted(self, intent: Intent, cmd: RefitCommand) -> str | None:
+        if not await self._loaded(intent, cmd):
+            return None
+        self.store.refit_done = intent.version
+        return f"{intent.describe()}: made (/model_info shows it)"
 
     def _deadline(self, seconds: float) -> float:
         """The announced call's command deadline, from when the command started (agent clock)."""
@@ -140,12 +168,9 @@ class Recovery:
                 return False
             await asyncio.sleep(POLL_S)
 
-    async def _released(self, intent: Intent, cmd: ReleaseCommand) -> bool:
+    async def _freed(self, intent: Intent, cmd: ReleaseCommand) -> bool:
         verify = cmd.verify
-        need = {
-            i: max(verify.min_freed_bytes, int(verify.min_freed_fraction * u))
-            for i, u in intent.used_before.items()
-        }
+        need = freed_target(verify, intent.used_before)
         if not need:
             return False
 

@@ -145,8 +145,7 @@ class RolloutSampler:
     def _rates(report: RolloutReport, window: _Window, load: dict[str, float | None]) -> None:
         """The load route's last-prefill-batch cache_hit_rate and its gen_throughput (averaged over the busy
         samples: idle tails say nothing). `utilization` is not read: SGLang never sets it (0.0, or -1 in
-        PD prefill; C-METRIC-UTILIZATION, managers/scheduler_components/metrics_reporter.py:1303-1315
-        @0.5.23)."""
+        PD prefill; C-METRIC-UTILIZATION)."""
         if load["cache_hit_rate"] is not None:
             report.cache_hit_rate = min(1.0, max(0.0, load["cache_hit_rate"]))
         tput = load["gen_throughput"]

@@ -27,7 +27,7 @@ ADMIN_OPTIONAL_ROUTES = frozenset(
         "/init_weights_update_group",
         "/begin_weight_update",
         "/end_weight_update",
-        "/update_weight_version",  # ADMIN_OPTIONAL from 0.5.15 (http_server.py:1325-1326@0.5.15.post1)
+        "/update_weight_version",
     }
 )
 
@@ -86,9 +86,26 @@ class SGLangError(Exception):
         self.operation, self.status, self.message = operation, status, message
 
 
+def _summed_loads(loads: list[dict[str, Any]]) -> dict[str, float | None]:
+    """The DP ranks' load entries as one: cache_hit_rate averaged, the rest summed (None: no rank has it)."""
+
+    def mean(key: str) -> float | None:
+        vals = [float(x[key]) for x in loads if x.get(key) is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    tput = [float(x["gen_throughput"]) for x in loads if "gen_throughput" in x]
+    known = [c for c in map(_running_waiting, loads) if c is not None]
+    return {
+        "cache_hit_rate": mean("cache_hit_rate"),
+        "gen_throughput": sum(tput) if tput else None,
+        "running": float(sum(r for r, _ in known)) if known else None,
+        "waiting": float(sum(w for _, w in known)) if known else None,
+    }
+
+
 def _running_waiting(entry: dict[str, Any]) -> tuple[int, int] | None:
     """(running, waiting) of one DP rank's load entry: `/v1/loads` has both, 0.5.6's `/get_load` has
-    `num_reqs` = running + waiting (C-METRIC-LOAD-ROUTE, scheduler_metrics_mixin.py:421-426@0.5.6)."""
+    `num_reqs` = running + waiting (C-METRIC-LOAD-ROUTE)."""
     try:
         waiting = int(entry["num_waiting_reqs"])
         if "num_running_reqs" in entry:
@@ -220,16 +237,15 @@ class SGLangClient:
         return info
 
     async def served_version(self, timeout: float | None = None) -> str:
-        """C-ROUTE-WV-READ: `/model_info` has `weight_version` on every version (http_server.py:497-508
-        @0.5.6, 812-825@0.5.23); the older `/get_weight_version` is a 404 from 0.5.15."""
+        """C-ROUTE-WV-READ: `/model_info` has `weight_version` on every version."""
         body = await self._ok("weight_version", "GET", "/model_info", timeout=timeout)
         if not isinstance(body, dict) or "weight_version" not in body:
             raise SGLangError("weight_version", 200, "no weight_version in /model_info")
         return str(body["weight_version"])
 
     async def update_weight_version(self, version: str, timeout: float | None = None) -> None:
-        """C-ROUTE-WV-SET: sets the served version without touching weights or taking a lock
-        (http_server.py:896-923@0.5.6). abort_all_requests defaults to true there: always send false."""
+        """C-ROUTE-WV-SET: sets the served version without touching weights or taking a lock.
+        abort_all_requests defaults to true there: always send false."""
         body = {"new_version": version, "abort_all_requests": False}
         reply = await self._ok(
             "update_weight_version", "POST", "/update_weight_version", body=body, timeout=timeout
@@ -255,7 +271,7 @@ class SGLangClient:
         """True once SGLang flushed (it was idle). `server_wait_s` is sent as ?timeout= where supported;
         the caller passes 0 when the deferred form cannot succeed (after a retract, C-IDLE-FLUSH-DEFERRED).
         A 400 is "not idle" on every version, 0.5.6 included, whose 400 carries the success text
-        (http_server.py:659-667@0.5.6)."""
+        (C-ROUTE-FLUSH)."""
         params = (
             {"timeout": f"{server_wait_s:.3f}"}
             if self._q().flush_takes_timeout and server_wait_s > 0
@@ -345,8 +361,7 @@ class SGLangClient:
 
     async def rank_loads(self, timeout: float | None = None) -> list[tuple[int, int, int]]:
         """(dp_rank, running, waiting) per DP rank (C-METRIC-LOAD-ROUTE): `/v1/loads?include=core` entries,
-        or 0.5.6's `/get_load` list, whose `num_reqs` is running + waiting
-        (scheduler_metrics_mixin.py:421-426@0.5.6)."""
+        or 0.5.6's `/get_load` list, whose `num_reqs` is running + waiting."""
         route = self._q().load_route
         params = {"include": "core"} if route == "/v1/loads" else None
         body = await self._ok("rank_loads", "GET", route, params=params, timeout=timeout)
@@ -368,9 +383,9 @@ class SGLangClient:
         return ranks
 
     async def scheduler_probe(self, timeout: float) -> bool:
-        """C-DEATH-HARD: one bounded `/get_load`, answered from the scheduler's inbox loop even while paused
-        (scheduler.py:969-974@0.5.6). True: the scheduler answered; TimeoutError: it did not. False: not
-        sent, because a /get_load is still outstanding (once the scheduler is dead they all hang)."""
+        """C-DEATH-HARD: one bounded `/get_load`, answered by the scheduler even while paused
+        (C-DP-LOADS-PAUSED). True: the scheduler answered; TimeoutError: it did not. False: not sent,
+        because a /get_load is still outstanding (once the scheduler is dead they all hang)."""
         if self._get_load_outstanding:
             return False
         self._get_load_outstanding = True
@@ -399,20 +414,7 @@ class SGLangClient:
         loads = body.get("loads", []) if isinstance(body, dict) else body
         if not isinstance(loads, list) or not loads:
             return none
-
-        def mean(key: str) -> float | None:
-            vals = [float(x[key]) for x in loads if isinstance(x, dict) and x.get(key) is not None]
-            return sum(vals) / len(vals) if vals else None
-
-        tput = [float(x["gen_throughput"]) for x in loads if isinstance(x, dict) and "gen_throughput" in x]
-        counts = [_running_waiting(x) for x in loads if isinstance(x, dict)]
-        known = [c for c in counts if c is not None]
-        return {
-            "cache_hit_rate": mean("cache_hit_rate"),
-            "gen_throughput": sum(tput) if tput else None,
-            "running": float(sum(r for r, _ in known)) if known else None,
-            "waiting": float(sum(w for _, w in known)) if known else None,
-        }
+        return _summed_loads([x for x in loads if isinstance(x, dict)])
 
     async def metrics(self, timeout: float = 5.0) -> dict[str, float] | None:
         """`/metrics` summed per series (parse_metrics), or None when the server has none (a 404): SGLang

@@ -1,5 +1,6 @@
 """The agent's state (the AgentState wire model, plus facts read from SGLang at start) and the change
-notification behind every long-poll: each committed change bumps the revision and wakes the waiters.
+notification behind the channel and the trainer's long-polls: each commit bumps the revision and wakes
+the waiters.
 With a pod-local record (agent/record.py) every commit is also saved there, and a non-idempotent SGLang
 call is announced (`announce`) before it is made and closed (`outcome`) with its result."""
 
@@ -17,6 +18,7 @@ from typing import Any
 from rljob.agent.errors import CommandFailed
 from rljob.agent.record import AgentRecord, Intent
 from rljob.agent.reports import OperatorReports
+from rljob.agent.stages import check_move
 from rljob.api.agent import (
     COMMAND_ADAPTER,
     STATE_UNKNOWN,
@@ -54,8 +56,7 @@ class ServerFacts:
             weight_cache_mode=str(info.get("weight_cache_mode") or "off"),
             memory_saver=bool(info.get("enable_memory_saver", False)),
             weights_cpu_backup=bool(info.get("enable_weights_cpu_backup", False)),
-            # C-REFIT-DP / C-DP-FANOUT: /server_info spreads the resolved ServerArgs (http_server.py:540-557
-            # @0.5.6), so dp_size and enable_dp_attention are there on every version.
+            # C-DP-SERVER-INFO: dp_size and enable_dp_attention are /server_info keys on every version.
             dp_size=int(info.get("dp_size") or 1),
             dp_attention=bool(info.get("enable_dp_attention", False)),
             tp_size=int(info.get("tp_size") or 1),  # the decode roofline's bytes per GPU (docs/profiling.md)
@@ -72,7 +73,7 @@ class StateStore:
         self._tick = asyncio.Event()
         self._on_commit = on_commit
         self.last_commit = time.monotonic()
-        self.operator_reports = OperatorReports()  # the revisions `changes=operator` waits for
+        self.operator_reports = OperatorReports()  # the revisions the channel sends the operator
         # Kept in the record beside the state report (what a restarted agent needs to continue):
         self.record = record
         self.boots = 1  # agent processes started in this pod, this one included
@@ -123,8 +124,9 @@ class StateStore:
             raise CommandFailed(f"cannot record {intent.describe()} before making it: {e}") from e
 
     @contextlib.contextmanager
-    def outcome(self) -> Iterator[AgentState]:
+    def outcome(self, stage: Stage | None = None) -> Iterator[AgentState]:
         """After the announced call answered: its outcome and the closed intent in one revision."""
+        self._move(stage)
         yield self.state
         self.intent = None
         self.commit()
@@ -151,10 +153,17 @@ class StateStore:
         return self.state.recovery.state == RecoveryState.RECOVERING
 
     @contextlib.contextmanager
-    def change(self) -> Iterator[AgentState]:
-        """`with store.change() as s: s.stage = ...` -> one revision for the whole change."""
+    def change(self, stage: Stage | None = None) -> Iterator[AgentState]:
+        """`with store.change(stage=...) as s: ...` -> one revision for the whole change."""
+        self._move(stage)
         yield self.state
         self.commit()
+
+    def _move(self, stage: Stage | None) -> None:
+        """The only place the stage changes, by a move agent/stages.py declares (else IllegalMove)."""
+        if stage is not None:
+            check_move(self.state.stage, stage)
+            self.state.stage = stage
 
     def commit(self) -> None:
         self.state.revision += 1
@@ -183,21 +192,16 @@ class StateStore:
 
     async def wait_stage(self, since: int, stage: Stage, timeout: float) -> None:
         """Until a revision after `since` in `stage`, or Failed: a trainer waiting for Serving is answered
-        once, not on each of the refit's and the resume's revisions (docs/benchmarks.md@cac2796)."""
+        once, not on each of the refit's and the resume's revisions."""
         await self.wait_until(
             lambda: self.state.revision > since and self.state.stage in (stage, Stage.FAILED), timeout
         )
-
-    async def wait_operator(self, since: int, timeout: float) -> None:
-        """Until a revision after `since` that the operator acts on (agent/reports.py)."""
-        await self.wait_until(lambda: self.operator_reports.revision > since, timeout)
 
     def fail(self, reason: str) -> None:
         """SGLang died or its state is unknown: the pod must be replaced. Sticky."""
         if self.state.stage == Stage.FAILED:
             return
-        with self.change() as s:
-            s.stage = Stage.FAILED
+        with self.change(stage=Stage.FAILED) as s:
             s.fatal = reason[:1024]
             s.sglang.reachable = False
 
@@ -208,8 +212,7 @@ class StateStore:
         if self.state.stage == Stage.FAILED:
             return
         log.error("state unknown after the agent's restart: %s", detail)
-        with self.change() as s:
-            s.stage = Stage.FAILED
+        with self.change(stage=Stage.FAILED) as s:
             s.fatal = f"{STATE_UNKNOWN}: {detail}"[:1024]
             s.recovery.state = RecoveryState.UNSURE
             s.recovery.detail = detail[:1024]

@@ -1,16 +1,17 @@
-"""Which command is legal in which stage, and the guards that keep SGLang alive (the invariants of
-docs/lifecycle.md). Pure functions of the state: a refusal here means nothing was sent to SGLang."""
+"""The guards of each command action (their rows: agent/actions.py) that keep SGLang alive (the invariants
+of docs/lifecycle.md). Pure functions of the state: a refusal here means nothing was sent to SGLang."""
 
 from __future__ import annotations
 
 from rljob.agent.errors import conflict, forbidden_by_launch
 from rljob.agent.quirks import SGLangQuirks
+from rljob.agent.stages import BY_ACTION
 from rljob.agent.state import ServerFacts
 from rljob.api.agent import (
-    Action,
     AgentState,
     Command,
     DrainCommand,
+    GrantCommand,
     GroupState,
     RefitCommand,
     ReleaseCommand,
@@ -18,17 +19,6 @@ from rljob.api.agent import (
     Stage,
 )
 from rljob.api.spec import DrainMode, RefitSource, ReleaseTag
-
-# Stages each action may start from.
-# Ready is a fresh server whose weights the operator has not verified yet: it may resume (already at the
-# committed version), refit (rejoin at the committed version) or drain (suspend before rollout opened).
-ALLOWED_FROM: dict[Action, frozenset[Stage]] = {
-    Action.DRAIN: frozenset({Stage.READY, Stage.SERVING, Stage.DRAINED}),
-    Action.RELEASE: frozenset({Stage.DRAINED}),
-    Action.GRANT: frozenset({Stage.RELEASED}),
-    Action.REFIT: frozenset({Stage.TRAINED, Stage.READY, Stage.SERVING, Stage.DRAINED}),  # others: rejoin
-    Action.RESUME: frozenset({Stage.REFITTED, Stage.DRAINED, Stage.READY}),
-}
 
 
 def refit_path(cmd: RefitCommand, state: AgentState) -> str | None:
@@ -38,44 +28,67 @@ def refit_path(cmd: RefitCommand, state: AgentState) -> str | None:
     return state.trainer.published_path if state.stage == Stage.TRAINED else None
 
 
-def check(cmd: Command, state: AgentState, facts: ServerFacts | None) -> None:
-    """Raise Refused (409) when `cmd` must not run now."""
+def leader_ready(state: AgentState, facts: ServerFacts | None) -> None:
+    """Refused while no command may run on the leader, whatever the action."""
     if state.stage == Stage.FAILED:
         raise conflict("AgentFailed", f"the pod must be replaced: {state.fatal}")
     if state.stage == Stage.STARTING or facts is None:
         raise conflict("NotReady", "SGLang has not answered /server_info yet")
     if state.trainer.weights_group == GroupState.PENDING:
-        # C-REFIT-GROUP-BLOCK: init_weights_update_group blocks the scheduler until every rank joined;
-        # any other control call would queue behind it (utils/common.py:1752-1790@0.5.6).
+        # C-REFIT-GROUP-BLOCK: any other control call would queue behind the blocking group init.
         raise conflict("Busy", "init_weights_update_group is still waiting for the trainer to join the group")
     if facts.dp_attention:
         raise forbidden_by_launch(
             "DataParallelAttentionUnsupported",
             "SGLang runs --enable-dp-attention: control messages go to every tp_size-th worker "
-            "(C-DP-FANOUT, data_parallel_controller.py:246-252@0.5.23) and the per-rank idle proof is not "
-            "known to hold there, so the agent does not pause, release or refit it. Launch SGLang without "
-            "--enable-dp-attention.",
+            "(C-DP-FANOUT) and the per-rank idle proof is not known to hold there, so the agent does not "
+            "pause, release or refit it. Launch SGLang without --enable-dp-attention.",
         )
-    allowed = ALLOWED_FROM[cmd.action]
+
+
+def follower_ready(state: AgentState) -> None:
+    """Refused while no command may run on a follower, whatever the action."""
+    if state.stage == Stage.FAILED:
+        raise conflict("AgentFailed", f"the pod must be replaced: {state.fatal}")
+    if state.stage == Stage.STARTING:
+        raise conflict("NotReady", "SGLang's /ping has not answered yet")
+
+
+def stage_allows(cmd: Command, state: AgentState) -> None:
+    allowed = BY_ACTION[cmd.action].sources
     if state.stage not in allowed:
         raise conflict(
             "IllegalTransition",
             f"{cmd.action.value} is not allowed in stage {state.stage.value} "
             f"(only from {', '.join(sorted(s.value for s in allowed))})",
         )
-    if isinstance(cmd, DrainCommand):
-        _check_drain(cmd, facts)
-    elif isinstance(cmd, ReleaseCommand):
-        _check_release(cmd, state, facts)
-    elif cmd.action == Action.GRANT and not state.memory.verified:
+
+
+def no_guard(cmd: Command, state: AgentState, facts: ServerFacts) -> None:
+    """An action whose SGLang calls need no launch or version guard."""
+
+
+def release_bookkeeping(cmd: ReleaseCommand, state: AgentState) -> None:
+    if len(set(cmd.tags)) != len(cmd.tags):
+        # Harmless to SGLang (a set, C-MEM-DUP-TAG-RELEASE), but a malformed command: say so.
+        raise conflict("DuplicateTag", "a tag appears twice in one release")
+    again = [t.value for t in cmd.tags if t in state.released_tags]
+    if again:
+        raise conflict(
+            "AlreadyReleased", f"already released: {', '.join(again)} (a second release kills SGLang)"
+        )
+
+
+def grant_bookkeeping(cmd: GrantCommand, state: AgentState) -> None:
+    if not state.memory.verified:
         raise conflict("NotVerified", "freed GPU memory was not verified on every GPU")
-    elif isinstance(cmd, RefitCommand):
-        _check_refit(cmd, state, facts)
-    elif isinstance(cmd, ResumeCommand):
-        _check_resume(state, facts)
 
 
-def _check_drain(cmd: DrainCommand, facts: ServerFacts) -> None:
+def no_bookkeeping(cmd: Command, state: AgentState) -> None:
+    """An action whose legality is its stage alone."""
+
+
+def drain_guards(cmd: DrainCommand, state: AgentState, facts: ServerFacts) -> None:
     if cmd.mode != DrainMode.RETRACT:
         return
     quirks = SGLangQuirks.detect(facts.version)
@@ -83,7 +96,7 @@ def _check_drain(cmd: DrainCommand, facts: ServerFacts) -> None:
         raise forbidden_by_launch(
             "RetractUnsupported",
             f"SGLang {facts.version} counts retracted (waiting) requests as work in its flush and release "
-            "checks (C-IDLE-RELEASE, scheduler_components/weight_updater.py:185-187@0.5.15.post1): after a "
+            "checks (C-IDLE-RELEASE): after a "
             "retract with requests in flight it never becomes idle, and a release or a flushing refit "
             "would kill it. Set spec.rollout.drain.mode: abort (0.5.9-0.5.20), or run SGLang 0.5.21+.",
         )
@@ -96,15 +109,7 @@ def _check_drain(cmd: DrainCommand, facts: ServerFacts) -> None:
         )
 
 
-def _check_release(cmd: ReleaseCommand, state: AgentState, facts: ServerFacts) -> None:
-    if len(set(cmd.tags)) != len(cmd.tags):
-        # Harmless to SGLang (a set, C-MEM-DUP-TAG-RELEASE), but a malformed command: say so.
-        raise conflict("DuplicateTag", "a tag appears twice in one release")
-    again = [t.value for t in cmd.tags if t in state.released_tags]
-    if again:
-        raise conflict(
-            "AlreadyReleased", f"already released: {', '.join(again)} (a second release kills SGLang)"
-        )
+def release_guards(cmd: ReleaseCommand, state: AgentState, facts: ServerFacts) -> None:
     if ReleaseTag.WEIGHTS in cmd.tags and facts.weight_cache_active:
         raise forbidden_by_launch(
             "WeightCacheActive",
@@ -119,7 +124,7 @@ def _check_release(cmd: ReleaseCommand, state: AgentState, facts: ServerFacts) -
         )
 
 
-def _check_refit(cmd: RefitCommand, state: AgentState, facts: ServerFacts) -> None:
+def refit_guards(cmd: RefitCommand, state: AgentState, facts: ServerFacts) -> None:
     if facts.weight_cache_active:
         raise forbidden_by_launch(
             "WeightCacheActive",
@@ -138,7 +143,7 @@ def _check_refit(cmd: RefitCommand, state: AgentState, facts: ServerFacts) -> No
         )
 
 
-def _check_resume(state: AgentState, facts: ServerFacts) -> None:
+def resume_guards(cmd: ResumeCommand, state: AgentState, facts: ServerFacts) -> None:
     if (
         state.stage == Stage.DRAINED
         and ReleaseTag.WEIGHTS in state.released_tags

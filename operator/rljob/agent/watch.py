@@ -53,10 +53,9 @@ class SGLangWatch:
 
     async def probe_scheduler(self) -> None:
         """C-DEATH-HARD: on 0.5.6 a scheduler that died without a Python exception (a torch_memory_saver
-        `exit(1)`, an OOM kill) leaves `/ping` at 200 (http_server.py:1315-1318@0.5.6) and every
-        scheduler-bound call hanging. `/get_load` is answered from the scheduler's inbox loop even while
-        paused (scheduler.py:969-974@0.5.6), so it is a bounded probe, but only while no control call is
-        in flight: a release, a refit or a group init occupies the scheduler and would time it out."""
+        `exit(1)`, an OOM kill) leaves `/ping` at 200 (C-HEALTH-PING) and every scheduler-bound call hanging.
+        `/get_load` is answered even while paused (C-DP-LOADS-PAUSED), so it is a bounded probe, but only
+        while no control call is in flight: a release, a refit or a group init occupies the scheduler."""
         if self._client.control_in_flight:
             return
         started = self._client.control_started
@@ -125,8 +124,7 @@ class SGLangWatch:
         if self._store.recovering and self.on_recover is not None:
             await self.on_recover(seen)
             return not self._failed()
-        with self._store.change() as s:
-            s.stage = Stage.READY  # not Serving: the operator must first verify what this server serves
+        with self._store.change(stage=Stage.READY) as s:  # not Serving: the operator verifies it first
             s.sglang = seen
         log.info("SGLang %s is up, serving weight_version %s", quirks.version, served)
         return True
