@@ -34,10 +34,11 @@ test-agent: install ## agent against the SGLang emulator
 test-e2e: install binaries ## real kube-apiserver + etcd, helm, kubectl
 	$(BIN)/python -m pytest -q tests/e2e
 
-lint: install ## ruff + mypy (api/ and lifecycle/) + lint-imports (the layers declared in .importlinter)
+lint: install ## ruff + mypy (api/ and lifecycle/) + lint-imports (the layers in .importlinter) + commit subjects
 	$(BIN)/ruff check operator tests
 	$(BIN)/mypy operator/rljob/api operator/rljob/lifecycle
 	$(BIN)/lint-imports
+	bash hack/commit-subjects.sh
 
 crds: install ## regenerate crds/ (and the chart's copy) from the pydantic models
 	$(BIN)/python -m rljob.api.crd > crds/rljob.io_rljobs.yaml

@@ -1,8 +1,6 @@
 """The event loop every rljob process runs on: uvloop's where it is installed (a dependency on Linux), as
-kopf's own CLI (kopf/_kits/loops.py@1.45.2) and SGLang's HTTP server
-(sglang/srt/entrypoints/http_server.py:134@0.5.6) use it; else asyncio's. The operator and the agent each
-read and write a frame per command, reply and state report, a few loop callbacks each: uvloop runs them in
-C (docs/benchmarks.md@cac2796)."""
+kopf's own CLI (kopf/_kits/loops.py@1.45.2) and SGLang's HTTP server (C-EVENT-LOOP) use it; else asyncio's.
+The operator's and the agent's frame reads and writes are loop callbacks, which uvloop runs in C."""
 
 from __future__ import annotations
 

@@ -6,18 +6,18 @@ bench_control_overhead.py after a job succeeded and its operator stopped, as a p
 A transition is the least any operator must do: send one small command (drain, then resume, epochs
 counting on from the job's) to every agent at once, take each agent's report of the finished command
 over a connection already open (JSON parsed, nothing validated), and write one status merge-patch
-(over aiohttp with the kubeconfig's credentials, as the operator does: controller/apiserver.py
+(over aiohttp with the kubeconfig's credentials, as the operator does: kubeclient/apiserver.py
 ApiServer) once the last report came: to an RLJob that carries the
 benchmark job's final status, and of what a phase change of the operator changes (phase, epoch,
 phaseStartTime, reason, message, and the timeline, conditions and pods lists, which a merge patch
 replaces whole). Its floor is that wall time minus the slowest agent's own time for the command
 (`lastCommand.seconds`), as the operator's overhead is the phase's wall time minus `agentSeconds`.
 
-Two channels, `pairs` drain/resume pairs each:
-- `post`: a POST /v1/commands per agent, the reports over the state stream (`GET
-  /v1/state?changes=operator&watch=true`): the floor as issue 16 defines it;
-- `channel`: the agent's WebSocket (`GET /v1/channel`), a command frame per agent and its reply, the
-  reports as frames: the channel the operator uses (controller/agent_client.py).
+Two ways to send the commands, `pairs` drain/resume pairs each, the reports always as frames of the
+agent's WebSocket (`GET /v1/channel`), its one report transport:
+- `post`: a POST /v1/commands per agent (what the operator does while a channel is not open);
+- `channel`: a command frame per agent on the channel and its reply: what the operator does
+  (controller/agent_client.py).
 
 REQUEST: {"agents": [[ip, port], ...], "token": str, "epoch": int (the job's last), "pairs": int,
 "kubeconfig": path, "namespace": str, "name": str (an RLJob no operator watches: its status is patched),
@@ -41,10 +41,8 @@ import aiohttp
 
 from rljob import event_loop
 from rljob.api.crd import GROUP, PLURAL, VERSION
-from rljob.controller.apiserver import MERGE_PATCH, ApiServer
-from rljob.controller.kubeconfig import Credentials
-
-LONG_POLL = 10.0
+from rljob.kubeclient.apiserver import MERGE_PATCH, ApiServer
+from rljob.kubeclient.credentials import Credentials
 
 
 class Floor:
@@ -66,24 +64,6 @@ class Floor:
     def _finished(self, state: dict[str, Any]) -> bool:
         cmd = state.get("lastCommand") or {}
         return bool(cmd.get("epoch") == self.epoch and cmd.get("state") != "Running")
-
-    async def poll(self, session: aiohttp.ClientSession, i: int) -> None:
-        since, boot = -1, None
-        while True:
-            params = {"since": str(since), "wait": str(LONG_POLL), "changes": "operator", "watch": "true"}
-            if boot:
-                params["boot"] = boot
-            url = f"{self.urls[i]}/v1/state"
-            try:
-                async with session.get(url, params=params, headers=self.headers) as resp:
-                    resp.raise_for_status()
-                    while line := await resp.content.readline(max_line_length=2**22):
-                        if line.strip():
-                            self._reported(i, json.loads(line))
-                            boot, since = self.latest[i]["bootId"], self.latest[i]["revision"]
-            except (TimeoutError, aiohttp.ClientError) as err:  # asked again, as the operator does
-                print(f"floor: stream {url}: {err!r}", file=sys.stderr)
-                await asyncio.sleep(0.2)
 
     async def follow_channel(self, session: aiohttp.ClientSession, i: int) -> None:
         while True:  # a connection refused or timed out on a busy host is made again, as the operator does
@@ -171,9 +151,10 @@ class Floor:
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             self.epoch = int(self.req["epoch"])
             for channel in ("post", "channel"):
-                follow = self.poll if channel == "post" else self.follow_channel
                 self.latest = [None] * len(self.urls)
-                follows = [asyncio.create_task(follow(session, i)) for i in range(len(self.urls))]
+                follows = [
+                    asyncio.create_task(self.follow_channel(session, i)) for i in range(len(self.urls))
+                ]
                 while any(s is None for s in self.latest):  # every connection open before the first command
                     await asyncio.sleep(0.05)
                 times = os.times()

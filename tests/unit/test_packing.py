@@ -184,7 +184,7 @@ def test_globals_calls_and_instances_are_written_as_pickle_writes_them() -> None
 def test_metadata_entry_is_sglangs_flattened_tensor_metadata() -> None:
     e = metadata_entry("w", (4, 2), "bfloat16", 16, 32)
     assert e.cls == Global("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
-    # field order and meaning of tensor_bucket.py:7-16@0.5.23; numel counts bytes of the uint8 view
+    # field order and meaning of C-REFIT-BUCKET-LAYOUT; numel counts bytes of the uint8 view
     assert list(e.state) == ["name", "shape", "dtype", "start_idx", "end_idx", "numel"]
     assert e.state["numel"] == 16 and e.state["dtype"] == Global("torch", "bfloat16")
     assert e.state["shape"] == Call(TORCH_SIZE, ((4, 2),))
@@ -387,7 +387,7 @@ def test_real_cuda_reduction_has_the_fakes_shape() -> None:
     assert real.func == fake.func
     assert [type(a) for a in real.args] == [type(a) for a in fake.args]
     assert real.args[1] == fake.args[1] and real.args[5] == fake.args[5]
-    assert real.args[6] == str(torch.cuda.get_device_properties(0).uuid)  # patch_torch.py:85-86@0.5.23
+    assert real.args[6] == str(torch.cuda.get_device_properties(0).uuid)  # C-REFIT-IPC-DEVICE
     assert real.args[8] == 1 << 20  # the whole allocation: the handle is the buffer's
 
 

@@ -1,4 +1,4 @@
-"""The operator's client for the in-pod agents: watch their state streams, send epoch-stamped commands."""
+"""The operator's client for the in-pod agents: follow each agent's channel, send epoch-stamped commands."""
 
 from __future__ import annotations
 
@@ -16,11 +16,10 @@ from rljob.api.agent import COMMAND_ADAPTER, AgentState, ChannelFrame, Command, 
 from rljob.controller.metrics import AGENT_COMMANDS, AGENT_REPORTS
 
 log = logging.getLogger(__name__)
-LONG_POLL_SECONDS = 10.0
-MAX_STATE_BYTES = 4 * 2**20  # a streamed state line longer than this is a broken agent
+MAX_STATE_BYTES = 4 * 2**20  # a channel frame longer than this is a broken agent
 COMMAND_SECONDS = 15.0  # an agent that takes longer to answer a command is unreachable
 # With no frame for this long the channel pings the agent, and a pong missing for half of it again closes
-# the channel: a pod that vanished without a reset (its node went) is noticed as the long-poll's end was.
+# the channel: a pod that vanished without a reset (its node went) is noticed.
 CHANNEL_HEARTBEAT_SECONDS = 10.0
 
 
@@ -58,8 +57,8 @@ class AgentClient:
 
     async def __aenter__(self) -> AgentClient:
         if self._session is None:
-            # No connection limit: every agent holds one long-poll open and takes a command beside it;
-            # aiohttp's default of 100 connections would queue both at more than 50 pods.
+            # No connection limit: every agent holds its channel open and may take a POSTed command beside
+            # it; a pool limit would queue both.
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0),
                 timeout=aiohttp.ClientTimeout(total=None, connect=3),
@@ -77,24 +76,6 @@ class AgentClient:
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
-
-    async def watch(
-        self, agent: AgentEndpoint, since: int = -1, wait: float = LONG_POLL_SECONDS, boot: str | None = None
-    ) -> AsyncIterator[AgentState]:
-        """Every state the operator acts on newer than `since`, as the agent streams them (`watch=true`, a
-        JSON a line), until `wait` passed: one request for all the reports of that time. An agent that
-        does not stream answers one state, as a long-poll: the stream then ends after it."""
-        params = {"since": str(since), "wait": str(wait), "changes": "operator", "watch": "true"}
-        if boot is not None:
-            params["boot"] = boot
-        timeout = aiohttp.ClientTimeout(total=wait + 5, connect=3)
-        async with self.session.get(
-            f"{agent.url}/v1/state", params=params, headers=self._headers(), timeout=timeout
-        ) as resp:
-            resp.raise_for_status()
-            while line := await resp.content.readline(max_line_length=MAX_STATE_BYTES):
-                if line.strip():
-                    yield AgentState.model_validate_json(line)
 
     @contextlib.asynccontextmanager
     async def channel(
@@ -160,11 +141,8 @@ def _unreachable(pod: str, action: str, why: str) -> CommandOutcome:
 
 class AgentWatch:
     """Keeps one agent's latest state and calls `wake` on every change; sends it commands. One per pod.
-    Both go over the agent's channel (`GET /v1/channel`, a WebSocket): at 64 pods a command's POST cost the
-    operator ~3 times the CPU of a channel frame, and its fan-out ~3 times the wall time
-    (docs/benchmarks.md@cac2796). While the channel is not open (it is connecting, or the agent closed it), a
-    command is POSTed; an agent without the channel (404: an older agent image) is followed over the
-    state stream and POSTed to."""
+    Both go over the agent's channel (`GET /v1/channel`, a WebSocket), the agent's one report transport;
+    while the channel is not open (it is connecting, or the agent closed it) a command is POSTed."""
 
     def __init__(self, client: AgentClient, endpoint: AgentEndpoint, wake: Callable[[], None]) -> None:
         self.endpoint = endpoint
@@ -219,28 +197,14 @@ class AgentWatch:
 
     async def _run(self) -> None:
         failures = 0
-        channel = True  # until the agent answers that it has none
         while True:
             try:
-                await (self._follow_channel() if channel else self._follow_stream())
+                await self._follow_channel()
                 failures = 0
-                if not channel:
-                    continue  # a stream ends after its `wait`: ask again at once
-            except aiohttp.WSServerHandshakeError as err:
-                if err.status == 404:
-                    log.info("agent %s has no channel: following its state stream", self.endpoint.pod)
-                    channel = False
-                    continue
-                failures += 1
-                log.debug("agent %s: %r", self.endpoint.pod, err)
             except (TimeoutError, aiohttp.ClientError, HttpProcessingError, ValidationError) as err:
                 failures += 1
                 log.debug("agent %s: %r", self.endpoint.pod, err)
             await asyncio.sleep(min(2.0, 0.1 * max(1, failures)))
-
-    async def _follow_stream(self) -> None:
-        async for state in self.client.watch(self.endpoint, self._since, LONG_POLL_SECONDS, self._boot):
-            self._take(state)
 
     async def _follow_channel(self) -> None:
         async with self.client.channel(self.endpoint, self._since, self._boot) as ws:

@@ -3,16 +3,15 @@
 On every watch event kopf builds the object's essence (what its change handlers compare) by deep-copying the
 whole body and then deleting `status` and `metadata` (DiffBaseStorage.build in
 kopf/_cogs/configs/diffbase.py@1.45.2). Here that is a job's status, pods list and all, on each of its status
-writes, and every pod event's managedFields: at 512 pods a quarter of the operator's CPU
-(docs/benchmarks.md@cac2796). The essence is the same when built from the body without them: of the
+writes, and every pod event's managedFields (docs/benchmarks.md). The essence is the same when built from
+the body without them: of the
 metadata kopf reads back only labels and annotations (and ownerReferences, for its key names). A handler
 that asks for extra fields gets kopf's own build.
 
 Pods and Kueue Workloads get no essence at all. kopf builds one for every watch event and then clears it of
 its progress annotations (kopf/_core/reactor/processing.py:179-181@1.45.2) whatever the resource's handlers,
 but only change handlers and daemons read it, and these two have event handlers only
-(controller/handlers.py). With readiness flapping at 512 pods, that build and clear were 21 % of the
-operator's CPU (docs/benchmarks.md@cac2796). None is kopf's own "no essence" (processing.py:180-181)."""
+(controller/handlers.py). None is kopf's own "no essence" (processing.py:180-181)."""
 
 from __future__ import annotations
 

@@ -15,12 +15,11 @@ import kopf
 
 from rljob.api.crd import GROUP, PLURAL, VERSION
 from rljob.controller import queueing
-from rljob.controller.apiserver import ApiServer
 from rljob.controller.children import LABEL_JOB, token_secret_name
 from rljob.controller.conductor import Conductor, ConductorOptions
 from rljob.controller.diffbase import LeanDiffBaseStorage
-from rljob.controller.kube import Kube
-from rljob.controller.kubeconfig import Credentials
+from rljob.controller.kube import Kube, api_server
+from rljob.kubeclient.credentials import Credentials
 
 log = logging.getLogger(__name__)
 CONDUCTORS: dict[tuple[str, str], Conductor] = {}
@@ -30,7 +29,7 @@ LIST_CHUNK = 100  # objects per page of kopf's lists: the start, and after a wat
 
 @kopf.on.login()
 def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
-    """kopf's watches use the credentials of the operator's own calls (controller/kubeconfig.py). kopf asks
+    """kopf's watches use the credentials of the operator's own calls (kubeclient/credentials.py). kopf asks
     again after the API server answered 401: the configuration is loaded again (token file, exec plugin).
     (kopf has no tls-server-name: a kubeconfig that needs one serves the operator's calls only.)"""
     kube = memo.get("kube")
@@ -60,27 +59,24 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.posting.enabled = False  # we post typed events ourselves
     settings.watching.server_timeout = 60
     settings.watching.client_timeout = 70
-    # kopf's worker for an object holds that object's last watch event until it idles out: for a pod
-    # ~1,700 parsed JSON objects (~125 KB), which the pod cache has already reduced to a few fields. At
-    # kopf's default of 5 s nearly every pod of a running job has a worker (tracemalloc at 64 pods: 8 MiB
-    # of parsed pods; docs/benchmarks.md@cac2796); a worker made again for the next event costs a task.
+    # kopf's worker for an object holds that object's last watch event, parsed whole, until it idles out;
+    # the pod cache already keeps the few fields read. A worker made again for the next event costs a task.
     settings.queueing.idle_timeout = WORKER_IDLE_SECONDS
     # Only our pods and Workloads, filtered by the API server (kopf's `labels=` below filter in the
     # operator, after every pod and Workload of the watched namespaces was sent and parsed); and lists in
-    # pages, which kopf handles one at a time (kopf/_cogs/clients/fetching.py:43@1.45.2): a whole list of
-    # 800 pods parsed at once is ~100 MB of Python objects (~125 KB a pod, docs/benchmarks.md@cac2796). Both
-    # settings are kopf 1.45's (pyproject.toml).
+    # pages, which kopf handles one at a time (kopf/_cogs/clients/fetching.py:43@1.45.2), never a whole
+    # list parsed at once. Both settings are kopf 1.45's (pyproject.toml).
     for resource in (("v1", "pods"), (queueing.GROUP, queueing.VERSION, queueing.PLURAL)):
         settings.watching.label_selectors[resource] = LABEL_JOB  # the label exists: any job's
     settings.watching.chunk_size = LIST_CHUNK
     if "kube" not in memo:
-        memo["kube"] = Kube(ApiServer(Credentials.load()))
+        memo["kube"] = Kube(api_server())
     memo.setdefault("options", ConductorOptions())
 
 
 @kopf.on.cleanup()
 async def close_connections(memo: kopf.Memo, **_: Any) -> None:
-    """The API calls' session (controller/apiserver.py), made in kopf's event loop."""
+    """The API calls' session (kubeclient/apiserver.py), made in kopf's event loop."""
     kube = memo.get("kube")
     if isinstance(kube, Kube):
         await kube.close()

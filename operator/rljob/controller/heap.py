@@ -1,13 +1,11 @@
 """The operator process's heap: kept out of the event loop's way, and given back when it is free.
 
 - `freeze()`: once, after the first round, the long-lived heap (kopf, the clients, the models) is built,
-  and the cyclic collector need not rescan it in every full collection (at 64 pods ~5 an iteration of
-  ~100 ms each, which stalled the event loop and freed nothing).
+  so that full collections, which stall the event loop and free nothing of it, no longer rescan it.
 - `trim_every(seconds)`: glibc keeps the memory of freed objects (parsed watch events, HTTP bodies) in
   its heap, in pieces between objects that live on, so the RSS climbs to the high-water mark of every
-  burst and stays there. `malloc_trim(0)` hands the free pages back: with it every 15 s the RSS with 30
-  jobs x 8 pods ended at 112.7 MiB (peak 116.6) instead of 120.8 (docs/benchmarks.md@cac2796). Not glibc:
-  nothing to do."""
+  burst and stays there; `malloc_trim(0)` every TRIM_SECONDS hands the free pages back (docs/benchmarks.md).
+  Not glibc: nothing to do."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The pods of one RLJob, kept from the operator's pod watch (controller/handlers.py) instead of listed
-every round: at 64 pods the list was a 648 KB body parsed ~25 times an iteration. A list fills the
+and parsed whole every round. A list fills the
 cache at the start, after a create that found its pod already there, and now and then as a resync (a
 watch that reconnected does not report the deletions it missed).
 
@@ -12,9 +12,8 @@ kube-apiserver hands out; one that is not an integer always counts as newer.
 
 A change of readiness alone is kept but wakes nobody: readiness decides nothing in the lifecycle (only
 status.ready and readyReplicas, which the status writer coalesces anyway), and probes that time out on a
-loaded node flip it all the time; at 512 pods of an overloaded test host they were about 70 % of the
-decisions (324 an iteration, 98-106 without them: docs/benchmarks.md@cac2796). The next decision, at the
-latest the quiet one every 30 s (controller/conductor.py QUIET_SECONDS), counts them."""
+loaded node flip it all the time. The next decision, at the latest the quiet one (controller/conductor.py
+QUIET_SECONDS), counts them."""
 
 from __future__ import annotations
 

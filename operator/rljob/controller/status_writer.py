@@ -3,9 +3,8 @@ so kopf's own annotations and concurrent spec edits are never overwritten.
 
 Ready counts alone are written at most every READY_ONLY_SECONDS: pods whose readiness flaps (a probe
 that times out on a loaded node) would otherwise cost a status write per flip, each carrying nothing
-else; at 512 pods of an overloaded test host that was 68 of 72 writes an iteration, and 13.4 with a write
-at most every 5 s (docs/benchmarks.md@cac2796). Any other change is written at once, with the counts of that
-moment: every phase change, so `kubectl get rljob`'s READY is at most a phase or 30 s behind.
+else. Any other change is written at once, with the counts of that moment: every phase change, so
+`kubectl get rljob`'s READY is at most a phase or 30 s behind.
 
 A write the API server leaves unanswered (a 5xx, a broken connection, a timeout: kube.Unanswered) may or
 may not have been applied. The writer reads the status back (one GET) and goes on from what is stored:

@@ -3,8 +3,8 @@ one trainer world; and the env that tells its containers. Pure: the names come f
 
 `replicas` pods form `replicas // pods_per_instance` SGLang instances; pod `i` is node rank
 `i % pods_per_instance` of instance `i // pods_per_instance`. In a multi-node SGLang instance only node
-rank 0 serves HTTP (sglang/srt/utils/common.py:3635-3647@0.5.23: the other nodes run a dummy server with
-/ping and /health only), so the operator sends SGLang lifecycle commands to the instance's leader.
+rank 0 serves HTTP (C-NODE: the other nodes run a dummy server with /ping and /health only), so the
+operator sends SGLang lifecycle commands to the instance's leader.
 
 The trainer containers of all pods are one torch.distributed world, by the conventions users already
 know: MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK/LOCAL_RANK (torch.distributed's env:// init) when each pod

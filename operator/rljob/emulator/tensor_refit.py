@@ -1,28 +1,25 @@
 """`update_weights_from_tensor` as SGLang's scheduler reads a push, in both memory backends.
 
-Each TP rank deserializes its own entry of `serialized_named_tensors` (base64, then a restricted unpickler:
-`tp_worker.py:194-200`, `utils/common.py:3060-3099,3144-3370@0.5.23`; `tp_worker.py:164-172`,
-`utils/common.py:2176-2290@0.5.6`) and loads it by `load_format` (`model_runner_components/weight_updater.py:
-343-410@0.5.23`, `model_runner.py:1237-1297@0.5.6`): "flattened_bucket" takes a dict
+Each TP rank deserializes its own entry of `serialized_named_tensors` (base64, then a restricted unpickler)
+and loads it by `load_format` (C-ROUTE-TENSOR-FORMAT): "flattened_bucket" takes a dict
 {"flattened_tensor", "metadata"} and views `flattened_tensor[start_idx:end_idx]` as each entry's dtype and
-shape (`weight_sync/tensor_bucket.py:118-134@0.5.23`); None or "direct" take a list of (name, tensor), where
+shape (C-REFIT-BUCKET-LAYOUT); None or "direct" take a list of (name, tensor), where
 a tensor may be a `LocalSerializedTensor(values=[...])` whose `values[tp_rank]` is deserialized again, by the
 same unpickler (C-REFIT-TENSOR-LOCAL); any other name is NotImplementedError. All of this runs in the
 scheduler, outside any try: a payload that is not a pickle, a blocked or missing global, a missing key or a
-view that does not fit kills the server (`managers/scheduler.py:2253,6372@0.5.23`; C-REFIT-TENSOR-PICKLE),
-and so it does here (`fatal.scheduler_exception`). The allowlist is the version's: module prefixes up to
-0.5.20 (`utils/common.py:2218-2290@0.5.6`, growing in 0.5.10, 0.5.15 and 0.5.20), exact globals from 0.5.21
-(`utils/common.py:3144-3370@0.5.23`).
+view that does not fit kills the server (C-DEATH-EXC, C-REFIT-TENSOR-PICKLE, C-REFIT-TENSOR-META), and so it
+does here (`fatal.scheduler_exception`). The allowlist is the version's: module prefixes up to 0.5.20, exact
+globals from 0.5.21 (C-REFIT-TENSOR-PICKLE).
 
 - accounting backend (no torch): the pickle is read with stand-ins for torch's classes, dtypes and rebuild
   functions, so names, dtypes, shapes, byte ranges and load_format are checked as SGLang would, and the
   checksum is sha256 over the payload bytes, as before.
 - cuda backend: the pickle is read with torch: the CUDA IPC handles are opened (torch's
   `rebuild_cuda_tensor`, the device given by index or UUID as SGLang's patched reduction accepts:
-  `utils/patch_torch.py:89-99@0.5.23`), each bucket's bytes are copied into the weights region, one bucket
-  after the other from offset 0, and the rebuilt tensors are dropped (which closes the handles), as SGLang
-  drops them when the call returns. The checksum then served is `device_checksum` over the bytes written,
-  computed on the GPU when first asked for (not part of the refit's time).
+  C-REFIT-IPC-DEVICE), each bucket's bytes are copied into the weights region, one bucket after the other
+  from offset 0, and the rebuilt tensors are dropped (which closes the handles), as SGLang drops them when
+  the call returns (C-REFIT-TENSOR-TP). The checksum then served is `device_checksum` over the bytes
+  written, computed on the GPU when first asked for (not part of the refit's time).
 """
 
 from __future__ import annotations
@@ -57,8 +54,7 @@ ITEMSIZE = {
 }  # fmt: skip
 TORCH_TYPE_NAME = {"uint8": "Byte", "bfloat16": "BFloat16", "float16": "Half", "float32": "Float"}
 
-# Up to 0.5.20: any global under these modules (utils/common.py:2219-2255@0.5.6), plus those added by
-# (version, prefixes): utils/common.py:2160@0.5.10.post1, :2735-2737@0.5.15.post1, :3089@0.5.20.
+# Up to 0.5.20: any global under these modules, plus ADDED_PREFIXES by version (C-REFIT-TENSOR-PICKLE).
 ALLOWED_PREFIXES = (
     "builtins.", "collections.", "copyreg.", "functools.", "itertools.", "operator.", "types.",
     "weakref.", "torch.", "multiprocessing.resource_sharer.", "multiprocessing.reduction.",
@@ -75,7 +71,7 @@ DENIED = {("builtins", n) for n in ("eval", "exec", "compile")} | {
     ("os", "system"), ("subprocess", "Popen"), ("subprocess", "run"), ("codecs", "decode"),
     ("types", "CodeType"), ("types", "FunctionType"),
 }  # fmt: skip
-# From 0.5.21: these exact globals, of those a tensor push can contain (utils/common.py:3148-3358@0.5.23).
+# From 0.5.21: these exact globals, of those a tensor push can contain (C-REFIT-TENSOR-PICKLE).
 ALLOWED_GLOBALS = {
     *(("builtins", n) for n in ("bool", "bytearray", "bytes", "complex", "dict", "float", "frozenset",
                                "int", "list", "range", "set", "slice", "str", "tuple")),
@@ -102,9 +98,7 @@ REBUILD_CUDA = {
 }
 REBUILD_META = ("torch.multiprocessing.reductions", "rebuild_meta_tensor")
 METADATA = ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
-# Where LocalSerializedTensor is defined: model_runner.py:2864@0.5.6, :3434@0.5.15.post1; moved to
-# model_runner_components/weight_updater.py:424@0.5.20 (:451@0.5.23) and not re-exported by model_runner.py
-# (it imports only WeightUpdater: model_runner.py:164-166@0.5.20, :188-190@0.5.23).
+# LocalSerializedTensor's module before and from 0.5.20; the old one stops resolving (C-REFIT-TENSOR-LOCAL).
 LOCAL_SERIALIZED_OLD = ("sglang.srt.model_executor.model_runner", "LocalSerializedTensor")
 LOCAL_SERIALIZED_NEW = (
     "sglang.srt.model_executor.model_runner_components.weight_updater", "LocalSerializedTensor"
@@ -319,8 +313,7 @@ Deserialize = Callable[[bytes], Any]
 
 def local_tensor(value: LocalSerialized, rank: int, deserialize: Deserialize) -> Any:
     """`LocalSerializedTensor.get(tp_rank)` = `MultiprocessingSerializer.deserialize(values[tp_rank])`: a str
-    is base64-decoded (validate=True), then the same restricted unpickler reads it (model_runner.py:
-    2857-2871@0.5.6, …/model_runner_components/weight_updater.py:444-458@0.5.23)."""
+    is base64-decoded (validate=True), then the same restricted unpickler reads it (C-REFIT-TENSOR-LOCAL)."""
     try:
         data = value.values[rank]
     except AttributeError as e:

@@ -40,7 +40,7 @@ def _kubectl(kubeconfig: Path, *args: str) -> str:
 def _release_note(obj: dict, spans: list[dict], at: int) -> str:
     """A Releasing span that ended: what the gang freed, and whether every GPU of every pod met the job's
     `release.verify`. The operator enters Training only once every pod's agent verified its release
-    (lifecycle/machine.py, `_memory_verified`); a pod's `freedBytes` is the least any of its GPUs freed,
+    (lifecycle/evidence.py, `memory_verified`); a pod's `freedBytes` is the least any of its GPUs freed,
     so one below `minFreedBytes` names the pod. Any other outcome is not reported as verified."""
     st = obj.get("status", {})
     freed = f"freed {(spans[at].get('freedBytes') or 0) / 2**30:.0f} GiB"

@@ -166,10 +166,8 @@ def remap_paths(text: str, mounts: dict[str, Path]) -> str:
 class IpAllocator:
     """Hands out loopback IPs 127.0.0.2, 127.0.0.3, ... round-robin, as CNI's host-local IPAM does (the
     next free one after the last handed out, plugins/ipam/host-local/backend/allocator/allocator.go
-    `GetIter`@containernetworking/plugins 2a46e67): a freed IP comes back only after the whole range.
-    Lowest-first reuse gave a new pod the IP of one deleted a moment before, while the old pod's
-    in-process agent or trainer (shared_pods.py) still spoke on it: a trainer of a finished job published
-    into another job's gang (docs/benchmarks.md@cac2796)."""
+    `GetIter`@containernetworking/plugins 2a46e67): a freed IP comes back only after the whole range, so
+    no new pod takes the IP a deleted pod's in-process agent or trainer (shared_pods.py) may still use."""
 
     def __init__(self, first: str = "127.0.0.2", last: str = "127.255.255.254") -> None:
         self._first = int(ipaddress.IPv4Address(first))

@@ -3,7 +3,9 @@
 - the agent container runs the real `rljob-agent` with the args/env/token the operator injected;
 - a container whose command launches SGLang (`sglang.launch_server`) runs the SGLang emulator with
   the same launch flags;
-- a container whose command runs `rljob.testing.trainer` runs the simulated trainer.
+- a container whose command runs `rljob.testing.trainer` runs the simulated trainer;
+- a container whose command runs `rljob.testing.framework_trainer` runs it as its own process, on this
+  interpreter.
 
 Inside a pod, 127.0.0.1 is the pod's own loopback. Here all pods share one host, so each pod gets its
 own loopback address (127.0.0.2, ...) and `127.0.0.1` in the containers' args and env is rewritten to
@@ -23,6 +25,7 @@ from rljob.testing.kubelet import ContainerContext, Launch, Mapping, default_map
 
 SGLANG_ENTRY = "sglang.launch_server"
 TRAINER_ENTRY = "rljob.testing.trainer"
+FRAMEWORK_TRAINER_ENTRY = "rljob.testing.framework_trainer"
 SIM_ARGS_ENV = "RLJOB_SIM_ARGS"  # extra emulator-only flags (sizes, version, faults) set per container
 AGENT_TEST_ARGS = ("--rollout-sample-seconds", "0.1")
 
@@ -55,6 +58,8 @@ def classify(ctx: ContainerContext, extra_sglang_args: Sequence[str] = ()) -> Po
         )
     if TRAINER_ENTRY in argv:
         return PodContainer("trainer", [*argv[argv.index(TRAINER_ENTRY) + 1 :], *sim_args], env)
+    if FRAMEWORK_TRAINER_ENTRY in argv:
+        return PodContainer("other", [*_python(), "-m", *argv[argv.index(FRAMEWORK_TRAINER_ENTRY) :]], env)
     return PodContainer("other", [pod_loopback(a, ctx.pod_ip) for a in default_mapping(ctx).argv], env)
 
 

@@ -6,17 +6,16 @@ One push (one bucket) carries one payload per TP rank; each payload is
     base64(pickle({"flattened_tensor": <1-D uint8 CUDA tensor>,
                    "metadata": [FlattenedTensorMetadata(name, shape, dtype, start_idx, end_idx, numel)]}))
 
-which is what SGLang's scheduler deserializes (its own rank's entry, `tp_worker.py:194-200@0.5.23`;
-`tp_worker.py:164-172@0.5.6`) with `MultiprocessingSerializer.deserialize` (base64, then a restricted
-unpickler: `utils/common.py:3060-3099,3144-3370@0.5.23`; `utils/common.py:2176-2290@0.5.6`) and hands to
-`_update_weights_from_flattened_bucket` (`model_runner_components/weight_updater.py:343-410@0.5.23`;
-`model_runner.py:1237-1297@0.5.6`), which slices `flattened_tensor[start_idx:end_idx]`, views it as `dtype`
-and reshapes it to `shape` (`weight_sync/tensor_bucket.py:118-134@0.5.23`). `start_idx`, `end_idx` and
-`numel` count bytes of the uint8 buffer (`tensor_bucket.py:54-68@0.5.23`). The CUDA tensor is pickled as
-torch's own CUDA IPC reduction (`torch.multiprocessing.reductions.reduce_tensor`): a handle to the
-allocation, not its bytes, with the device given as its UUID, as SGLang's `monkey_patch_torch_reductions`
-sends it (`utils/patch_torch.py:41-91@0.5.23`): trainer and server containers may number the GPUs
-differently. Every version this project supports (0.5.6 to 0.5.23) reads this format.
+which is what SGLang's scheduler deserializes (its own rank's entry, C-ROUTE-TENSOR-FORMAT) with
+`MultiprocessingSerializer.deserialize` (base64, then a restricted unpickler: C-REFIT-TENSOR-B64,
+C-REFIT-TENSOR-PICKLE) and hands to `_update_weights_from_flattened_bucket` (C-ROUTE-TENSOR-FORMAT,
+C-REFIT-TENSOR-META), which slices `flattened_tensor[start_idx:end_idx]`, views it as `dtype`
+and reshapes it to `shape`; `start_idx`, `end_idx` and `numel` count bytes of the uint8 buffer
+(C-REFIT-BUCKET-LAYOUT). The CUDA tensor is pickled as torch's own CUDA IPC reduction
+(`torch.multiprocessing.reductions.reduce_tensor`): a handle to the allocation, not its bytes, with the
+device given as its UUID, as SGLang's `monkey_patch_torch_reductions` sends it (C-REFIT-IPC-DEVICE):
+trainer and server containers may number the GPUs differently. Every version this project supports
+(0.5.6 to 0.5.23) reads this format.
 
 Two ways to write it: with `sglang` importable in the trainer, its own `FlattenedTensorMetadata` and
 `MultiprocessingSerializer`; without it, this module writes the same pickle itself (`dumps`: a small
@@ -25,8 +24,7 @@ the metadata must be named `sglang.srt.weight_sync.tensor_bucket.FlattenedTensor
 allowlists accept it and the receiver reads its attributes.
 
 Buckets hold one dtype each: a slice of a uint8 buffer can only be viewed as a dtype at an offset that is
-a multiple of its size, and SGLang's own receive path refuses unaligned tensors
-(`tensor_bucket.py:86-105@0.5.23`).
+a multiple of its size, and on SGLang's tensor route a misaligned view is fatal (C-REFIT-BUCKET-LAYOUT).
 
 Bucket buffers: a ring per device, allocated once and reused for every bucket of every refit. The same
 allocation gives the same IPC handle, so the server side's per-handle work is the same each time, and no
@@ -34,9 +32,9 @@ memory is allocated or freed while SGLang maps it. Each bucket is packed while t
 flight (RefitSession sends from a thread), so the buffer it overwrites must be free while one push is
 still out. With TP=1 a push SGLang answered is done with its buffer (its only rank copied from it and
 dropped the mapping, after a stream sync, before answering): the buffer of the push before the one in
-flight will do, a ring of 2. With TP > 1 rank 0 answers once every rank passed the call's barrier, which
-comes before the other ranks copied and dropped theirs (`scheduler_components/weight_updater.py:232-263
-@0.5.23`); they are done with it only once the next push was answered too: a ring of 3 (`ring_size`).
+flight will do, a ring of 2. With TP > 1 rank 0 answers after the call's TP barrier, and the other ranks
+may drop their mapping only after it (C-REFIT-TENSOR-TP); they are done with it only once the next push was
+answered too: a ring of 3 (`ring_size`).
 
 torch is imported only by the functions that touch tensors (`pack_and_serialize`, `BucketBuffers`).
 """
@@ -51,11 +49,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-# 2 GiB: on the H200 a 15 GiB refit with reused buffers took 46.7 ms with 2 GiB buckets and 67.4 ms with
-# 1 GiB (tests/gpu/RESULTS.md, final run); the two reused buffers per device then hold 4 GiB.
+# The faster bucket size measured on the H200 (tests/gpu/RESULTS.md); two reused buffers a device hold 4 GiB.
 DEFAULT_BUCKET_BYTES = 2 << 30
 LOAD_FORMAT = "flattened_bucket"
-REBUILD_CUDA_DEVICE_ARG = 6  # index of the device in reduce_tensor's rebuild args (patch_torch.py:64@0.5.23)
+REBUILD_CUDA_DEVICE_ARG = 6  # index of the device in reduce_tensor's rebuild args (C-REFIT-IPC-DEVICE)
 
 # --- planning (no torch) ---------------------------------------------------------------------------
 
@@ -253,7 +250,7 @@ def _write_int(n: int, out: list[bytes]) -> None:
 
 
 def metadata_entry(name: str, shape: Sequence[int], dtype: str, start: int, end: int) -> Instance:
-    """One FlattenedTensorMetadata (`tensor_bucket.py:7-16@0.5.23`), attributes in its field order."""
+    """One FlattenedTensorMetadata (C-REFIT-TENSOR-META), attributes in its field order."""
     return Instance(
         METADATA_CLASS,
         {
@@ -262,7 +259,7 @@ def metadata_entry(name: str, shape: Sequence[int], dtype: str, start: int, end:
             "dtype": Global("torch", dtype),
             "start_idx": start,
             "end_idx": end,
-            "numel": end - start,  # bytes of the uint8 view, as SGLang's bucket counts them
+            "numel": end - start,  # bytes of the uint8 view (C-REFIT-BUCKET-LAYOUT)
         },
     )
 
@@ -314,7 +311,7 @@ def _reduced_arg(a: Any) -> Any:
 
 @functools.cache
 def device_uuid(index: int) -> str:
-    """What SGLang's patched reduction sends instead of the index (`patch_torch.py:85-86@0.5.23`)."""
+    """What SGLang's patched reduction sends instead of the index (C-REFIT-IPC-DEVICE)."""
     return str(_torch().cuda.get_device_properties(index).uuid)
 
 
@@ -440,7 +437,7 @@ def pack_and_serialize(
 ) -> PackedBucket:
     """Copy the bucket's tensors into a reused buffer, wait for the copies, and serialize it once per TP
     rank (each rank opens and releases its own copy of the handle, as SGLang's Engine does:
-    `entrypoints/engine.py:1743-1760@0.5.23`)."""
+    C-REFIT-TENSOR-TP)."""
     torch = _torch()
     started = time.perf_counter()
     before = buffers.allocations
