@@ -152,7 +152,7 @@ def test_ready_counts_alone_are_written_at_most_every_few_seconds() -> None:
     import asyncio
 
     from rljob.api.status import Phase, RLJobStatus
-    from rljob.controller.status_writer import READY_ONLY_SECONDS, StatusWriter
+    from rljob.controller.status_writer import PROGRESS_ONLY_SECONDS, StatusWriter
 
     now = [100.0]
     kube = _Recorder()
@@ -166,13 +166,13 @@ def test_ready_counts_alone_are_written_at_most_every_few_seconds() -> None:
         assert writer.held_back_for() is None
         now[0] += 1
         wrote.append(await writer.write(status(3)))  # a probe flipped: held back
-        assert writer.held_back_for() == READY_ONLY_SECONDS - 1  # when the conductor offers it again
+        assert writer.held_back_for() == PROGRESS_ONLY_SECONDS - 1  # when the conductor offers it again
         now[0] += 1
         wrote.append(await writer.write(status(3, Phase.DRAINING)))  # a phase change: at once, counts too
         assert writer.held_back_for() is None
         now[0] += 1
         wrote.append(await writer.write(status(4, Phase.DRAINING)))  # held back again
-        now[0] += READY_ONLY_SECONDS
+        now[0] += PROGRESS_ONLY_SECONDS
         assert writer.held_back_for() == 0.0
         wrote.append(await writer.write(status(4, Phase.DRAINING)))  # offered again later: written
         wrote.append(await writer.write(status(4, Phase.DRAINING)))  # nothing changed
@@ -182,3 +182,33 @@ def test_ready_counts_alone_are_written_at_most_every_few_seconds() -> None:
     assert asyncio.run(scenario()) == [True, False, True, False, True, False]
     assert kube.patches[1] == {"phase": "Draining", "readyReplicas": 3, "ready": "3/4"}
     assert kube.patches[2] == {"readyReplicas": 4, "ready": "4/4"}
+
+
+def test_a_message_alone_is_written_at_most_every_few_seconds() -> None:
+    """A long Rollout names the trainers it waits for report by report: writes bounded by time, not pods."""
+    import asyncio
+
+    from rljob.api.status import Phase, RLJobStatus
+    from rljob.controller.status_writer import PROGRESS_ONLY_SECONDS, StatusWriter
+
+    now = [100.0]
+    kube = _Recorder()
+    writer = StatusWriter(kube, "ns", "job", None, clock=lambda: now[0])  # type: ignore[arg-type]
+
+    def status(message: str, phase: Phase = Phase.ROLLOUT) -> RLJobStatus:
+        return RLJobStatus(phase=phase, message=message)
+
+    async def scenario() -> list[bool]:
+        wrote = [await writer.write(status("rollout"))]
+        for asked in range(1, 512):  # one report after another, each changing the words
+            now[0] += 0.01
+            wrote.append(await writer.write(status(f"{asked} of 512 trainers asked")))
+        now[0] += PROGRESS_ONLY_SECONDS
+        wrote.append(await writer.write(status("511 of 512 trainers asked")))  # offered again later
+        wrote.append(await writer.write(status("511 of 512 trainers asked", Phase.DRAINING)))  # at once
+        return wrote
+
+    wrote = asyncio.run(scenario())
+    assert wrote.count(True) == 3, wrote.count(True)
+    assert kube.patches[1] == {"message": "511 of 512 trainers asked"}
+    assert kube.patches[2] == {"phase": "Draining"}

@@ -201,7 +201,7 @@ def test_a_readiness_flip_waits_for_the_quiet_decision_and_is_then_counted(monke
     """A pod whose probe flips asks for no decision of its own; the next one (here the quiet decision,
     due with nothing observed) counts it, and the status says so. A pod that starts running is decided on
     at once."""
-    monkeypatch.setattr("rljob.controller.status_writer.READY_ONLY_SECONDS", 0.0)
+    monkeypatch.setattr("rljob.controller.status_writer.PROGRESS_ONLY_SECONDS", 0.0)
     options = ConductorOptions(tick_seconds=0.1, quiet_seconds=1.0)
     kube, decisions, conductor = one_pod_conductor(monkeypatch, options)
 

@@ -59,8 +59,8 @@ class UnansweredKube(FakeKube):
         return await super().read_status(namespace, name)
 
 
-def status(phase: Phase, message: str | None = None) -> RLJobStatus:
-    return RLJobStatus(phase=phase, replicas=4, ready_replicas=4, ready="4/4", message=message)
+def status(phase: Phase, reason: str | None = None) -> RLJobStatus:
+    return RLJobStatus(phase=phase, replicas=4, ready_replicas=4, ready="4/4", reason=reason)
 
 
 ROLLOUT, DRAINING = status(Phase.ROLLOUT), status(Phase.DRAINING)
@@ -85,7 +85,7 @@ def test_a_504_whose_write_landed_is_read_back_and_not_sent_again() -> None:
 
     assert asyncio.run(scenario()) == [True, False, True]
     assert kube.reads == 1  # one GET for the write that went unanswered
-    assert kube.patches == [{"phase": "Draining"}, {"message": "m"}]
+    assert kube.patches == [{"phase": "Draining"}, {"reason": "m"}]
     assert kube.status == status(Phase.DRAINING, "m").wire()
 
 

@@ -1,10 +1,11 @@
 """The one place RLJob status is written. A JSON merge patch of what changed (null removes a field),
 so kopf's own annotations and concurrent spec edits are never overwritten.
 
-Ready counts alone are written at most every READY_ONLY_SECONDS: pods whose readiness flaps (a probe
-that times out on a loaded node) would otherwise cost a status write per flip, each carrying nothing
-else. Any other change is written at once, with the counts of that moment: every phase change, so
-`kubectl get rljob`'s READY is at most a phase or 30 s behind.
+Progress alone (the ready counts, the message) is written at most every PROGRESS_ONLY_SECONDS: pods
+whose readiness flaps (a probe that times out on a loaded node) and a long Rollout naming the trainers it
+waits for, report by report, would otherwise cost a status write each, growing with the gang. Any other
+change is written at once, with the progress of that moment: every phase change, so `kubectl get
+rljob`'s READY and MESSAGE are at most a phase or 30 s behind.
 
 A write the API server leaves unanswered (a 5xx, a broken connection, a timeout: kube.Unanswered) may or
 may not have been applied. The writer reads the status back (one GET) and goes on from what is stored:
@@ -25,8 +26,8 @@ from rljob.controller.kube import Kube, Unanswered
 from rljob.controller.metrics import STATUS_FIELDS, STATUS_WRITES
 
 log = logging.getLogger(__name__)
-READY_ONLY = frozenset({"ready", "readyReplicas"})  # wire names (api/status.py)
-READY_ONLY_SECONDS = 30.0  # as often as the conductor's quiet decision (controller/conductor.py)
+PROGRESS_ONLY = frozenset({"ready", "readyReplicas", "message"})  # wire names (api/status.py)
+PROGRESS_ONLY_SECONDS = 30.0  # as often as the conductor's quiet decision (controller/conductor.py)
 RETRY_SECONDS = 2.0  # the conductor's tick (controller/conductor.py)
 MAX_RETRY_SECONDS = 30.0  # the conductor's quiet decision
 
@@ -74,15 +75,15 @@ class StatusWriter:
         self._stored: dict[str, Any] | None = dict(stored or {})
         self._clock = clock
         self._written_at = float("-inf")
-        self._held_back = False  # the last status offered had ready counts it did not write yet
+        self._held_back = False  # the last status offered had progress it did not write yet
         self._retry_seconds = retry_seconds
         self._max_retry_seconds = max_retry_seconds
         self._failures = 0  # writes in a row whose status was not stored
         self._retry_at = float("-inf")  # no write is tried before this clock time
 
     async def write(self, status: RLJobStatus) -> bool:
-        """Patches what changed; False when nothing did, or only the ready counts did within
-        READY_ONLY_SECONDS of the last write (the caller offers the status again: held_back_for).
+        """Patches what changed; False when nothing did, or only progress did within
+        PROGRESS_ONLY_SECONDS of the last write (the caller offers the status again: held_back_for).
         Raises StatusNotStored when the status is not stored (see the module's docstring); ApiError for
         an answer that refuses the patch (kube.patch_status)."""
         new = status.wire()
@@ -98,7 +99,7 @@ class StatusWriter:
         if not patch:
             self._failures, self._retry_at = 0, float("-inf")
             return False
-        if patch.keys() <= READY_ONLY and now - self._written_at < READY_ONLY_SECONDS:
+        if patch.keys() <= PROGRESS_ONLY and now - self._written_at < PROGRESS_ONLY_SECONDS:
             self._held_back = True
             return False
         if now < self._retry_at:
@@ -141,4 +142,4 @@ class StatusWriter:
         one offered was written, or needed no write."""
         if not self._held_back:
             return None
-        return max(0.0, self._written_at + READY_ONLY_SECONDS - self._clock())
+        return max(0.0, self._written_at + PROGRESS_ONLY_SECONDS - self._clock())
