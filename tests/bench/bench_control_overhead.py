@@ -1,18 +1,21 @@
 """Control overhead of the operator + agents per phase transition against the floor measured in the same
-run, and status writes / API calls / operator CPU and RSS per iteration, for 1, 8, 64 and 512 pods; then
-the operator's RSS with 100 RLJobs of 8 pods.
+run, and status writes / API calls / operator CPU and RSS per iteration, for 1, 8, 64, 128, 256 and 512
+pods, a projection to 1,024 and 4,096 pods checked against the sizes past 64; then the operator's RSS with
+100 RLJobs of 8 pods.
 
     .venv/bin/python -m pytest -q -s -m bench tests/bench/bench_control_overhead.py
-    .venv/bin/python tests/bench/bench_control_overhead.py [--sizes 1,8,64,512] [--iterations 30,30,20,5]
-        [--many-jobs 100 --many-pods 8] [--json F] [--profile DIR] [--gc-stats] [--operator-source DIR]
+    .venv/bin/python tests/bench/bench_control_overhead.py [--sizes 1,8,64,128,256,512]
+        [--iterations 30,30,20,10,5,5] [--many-jobs 100 --many-pods 8] [--json F] [--profile DIR]
+        [--gc-stats] [--operator-source DIR]
 
 What runs: a real kube-apiserver + etcd (`LocalControlPlane`, cached binaries), the real operator process
 (`rljob.controller.main`, its metrics endpoint bound to 127.0.0.1), the fake kubelet, and for every pod a
 real agent and SGLang emulator, each a real HTTP server on the pod's loopback IP. Pods share processes
-(`rljob.testing.shared_pods`: all agents and emulators on one event loop in one host process, the trainers as
-threads driving the trainer SDK over HTTP), so that 64 pods fit a 2-core machine. Zero-cost operations:
-emulator `--tokens-per-second 0`, no faults; trainer `--train-seconds 0`, one
-prompt, one sample, 4 tokens, a 4 KiB checkpoint.
+(`rljob.testing.shared_pods`): the agents and emulators of up to PODS_PER_HOST pods on one event loop in
+one host process, one host per PODS_PER_HOST pods (HostShards), so that no agent queues behind more than
+that many; the trainers as threads driving the trainer SDK over HTTP in this process. Zero-cost
+operations: emulator `--tokens-per-second 0`, no faults; trainer `--train-seconds 0`, one prompt, one
+sample, 4 tokens, a 4 KiB checkpoint.
 
 Measured, per pod count, over the iterations after a warm-up one (window: rollout of iteration 2 opens ->
 Succeeded):
@@ -21,22 +24,26 @@ Succeeded):
   median and p95 (nearest rank: with 20 samples the second largest, with fewer than 20 the maximum).
   Training's wall time also holds the trainer's own step (lease granted -> publish answered, slowest pod,
   measured in the trainer driver): shown, and subtracted in the "Training - trainer step" row; and the
-  slowest pod's lease as its agent timed it (the Training span's trainerSeconds: the agent's grant to the
-  publish it received, the trainer's wake-up and its publish call included), subtracted in the "Training -
-  trainer's lease" row, the control plane's part of Training as agentSeconds leaves it of the others;
+  slowest pod's lease as its agent timed it (the Training span's trainerSeconds), subtracted in the
+  "Training - trainer's lease" row, the control plane's part of Training as agentSeconds leaves it of the
+  others;
 - the floor, per pod count, after the job succeeded and its operator stopped, on the same agents
-  (control_floor.py): a fan-out of one small command to every agent, every report back over a connection
-  already open, one status merge-patch; wall time minus the slowest agent's own time, as for the overhead;
-  drain and resume, 10 of each, over each of two channels: the agents' WebSocket (`/v1/channel`, what the
-  operator uses) and a POST each with the reports over the state streams (issue 16's floor);
-- per iteration: status writes (`rljob_status_writes_total`), operator API calls (`rljob_api_calls_total`,
-  our calls only: kopf's own watches are not counted) and agent commands, from the operator's metrics
-  endpoint scraped at both ends of the window (a write at either edge may fall on either side: +-1 per
-  window); CPU seconds (utime + stime from /proc/<pid>/stat) of the operator, the shared agent/emulator
-  host, kube-apiserver, etcd and this process (fake kubelet + trainer threads); operator CPU per pod per
-  command phase (CPU per iteration / pods / 5); the operator's RSS at the end of the window;
+  (control_floor.py): one command fanned out to every agent, every report back over channels already open,
+  one status merge-patch, all over the operator's own client code (AgentWatch, Kube.patch_status); wall
+  time minus the slowest agent's own time, as for the overhead; 10 drains and 10 resumes. A ratio to the
+  floor is printed only when the floor's own inputs match the run's (floor_refused: the agents' in-agent
+  time for drain and resume, and the machine's load by everything but the measured process);
+- per iteration: status writes (`rljob_status_writes_total`), operator API calls and their request bytes
+  (`rljob_api_calls_total`, `rljob_api_request_bytes_total`; our calls only: kopf's own watches are not
+  counted) and agent commands, from the operator's metrics endpoint scraped at both ends of the window (a
+  write at either edge may fall on either side: +-1 per window); CPU seconds (utime + stime from
+  /proc/<pid>/stat) of the operator, the agent/emulator hosts, kube-apiserver, etcd and this process (fake
+  kubelet + trainer threads), and the machine's busy seconds (/proc/stat); operator CPU per pod per command
+  phase (CPU per iteration / pods / 5); the operator's RSS at the end of the window; the RLJob's size;
+- a projection of the per-iteration figures, fitted as a + b x pods on the sizes up to 64 and checked
+  against the larger ones;
 - many jobs: `--many-jobs` RLJobs of `--many-pods` pods, 2 iterations each, at once under one operator:
-  its RSS (sampled every second; the largest, and when every job has succeeded).
+  every job must succeed within `--many-seconds`; the operator's VmHWM (the kernel's peak RSS) and CPU.
 
 `--profile DIR` attaches py-spy to the operator for each measured window (DIR/operator-<pods>.txt,
 collapsed stacks) and prints the top frames; `--gc-stats` times the operator's garbage collections
@@ -82,12 +89,12 @@ from rljob.testing.harness import ROOT, OperatorProcess, rljob_path
 from rljob.testing.kubeaccess import ApiError, KubeApi, Kubectl, create_namespace, delete_namespace
 from rljob.testing.kubelet import ContainerContext, IpAllocator, Kubelet, Launch, Mapping
 from rljob.testing.pods import SIM_ARGS_ENV
-from rljob.testing.shared_pods import SharedPods
+from rljob.testing.shared_pods import SharedPods, TrainerDriver
 
 TRANSITIONS = ("Draining", "Releasing", "Training", "Refitting", "Resuming")
 CPU_OF = ("operator", "agents+emulators", "kube-apiserver", "etcd", "kubelet+trainers")
-DEFAULT_SIZES = (1, 8, 64, 512)
-DEFAULT_ITERATIONS = (30, 30, 20, 5)
+DEFAULT_SIZES = (1, 8, 64, 128, 256, 512)
+DEFAULT_ITERATIONS = (30, 30, 20, 10, 5, 5)
 COMMAND_PHASES = 5  # drain, release, grant, refit, resume: one fan-out each per iteration
 FLOOR_PAIRS = 10
 BENCH_DIR = Path(__file__).resolve().parent
@@ -98,17 +105,22 @@ TRAINER_ARGS = [
 ]  # fmt: skip
 
 
-HOST_PODS = 200  # pods a shared host process takes in the many-jobs run (below)
+PODS_PER_HOST = 64  # pods whose agents and emulators share one host process (one event loop)
 
 
 class HostShards:
     """Several shared host processes behind one kubelet mapping, a pod's components all in one of them (by
-    its uid). For the many-jobs run: 800 pods' agents and emulators with their connections in one process
-    ran out of file descriptors (limit 20,000)."""
+    its uid), so that no agent queues behind more than PODS_PER_HOST pods' agents and emulators on one
+    event loop (and 800 pods' connections do not exhaust one process's file descriptors)."""
 
-    def __init__(self, shards: list[SharedPods]) -> None:
-        self.shards = shards
-        self._maps = [s.mapping() for s in shards]
+    def __init__(self, work: Path, pods: int, liveness: float | None, rpc_timeout: float) -> None:
+        self.shards = [
+            SharedPods(
+                work / f"shared-host-{i}.log", rpc_timeout=rpc_timeout, agent_liveness_seconds=liveness
+            ).start()
+            for i in range(max(1, -(-pods // PODS_PER_HOST)))
+        ]
+        self._maps = [s.mapping() for s in self.shards]
 
     def mapping(self) -> Mapping:
         def mapping(ctx: ContainerContext) -> Launch | Sequence[str] | None:
@@ -124,6 +136,21 @@ class HostShards:
     def stop(self) -> None:
         for s in self.shards:
             s.stop()
+
+    @property
+    def pids(self) -> list[int]:
+        return [s.pid for s in self.shards]
+
+    @property
+    def errors(self) -> list[str]:
+        return [e for s in self.shards for e in s.errors]
+
+    @property
+    def alive(self) -> bool:
+        return all(s.alive for s in self.shards)
+
+    def drivers(self) -> list[TrainerDriver]:
+        return [d for s in self.shards for d in s.drivers()]
 
 
 def pod_ip_base() -> str:
@@ -159,11 +186,19 @@ def scrape(port: int) -> dict[str, float]:
     return out
 
 
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine spent not idle (every core, /proc/stat's first line), since boot."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # guest time is counted in user already
+
+
 @dataclass
 class Snapshot:
     at: float
     metrics: dict[str, float]
     cpu: dict[str, float]
+    busy: float = 0.0  # machine_busy_seconds()
 
 
 def p95(values: Sequence[float]) -> float:
@@ -190,21 +225,52 @@ class SizeResult:
     rss: int = 0  # operator VmRSS at the end of the window, bytes
     rss_peak: int = 0  # VmHWM
     floor: list[dict[str, Any]] = field(default_factory=list)  # control_floor.py samples
-    floor_cpu: dict[str, float] = field(default_factory=dict)  # by channel: CPU s of its transitions
+    floor_cpu: float = 0.0  # CPU s of the floor process over its transitions
+    floor_seconds: float = 0.0  # their wall time
+    floor_busy: float = 0.0  # the machine's busy CPU s over them
+    busy: float = 0.0  # the machine's busy CPU s over the measured window
+    object_bytes: int = 0  # the RLJob's JSON at the end (what every watcher of it receives per change)
+    cores: int = 0  # of the machine it ran on
     gc: dict[str, Any] = field(default_factory=dict)  # --gc-stats: the window's collections
     profile: str | None = None  # --profile: collapsed stacks of the window
 
-    def __post_init__(self) -> None:
-        if isinstance(self.floor_cpu, float):  # saved before the channel floor: the POST floor alone
-            self.floor_cpu = {"post": self.floor_cpu}
-        for sample in self.floor:
-            sample.setdefault("channel", "post")
+    def floor_samples(self, action: str | None = None) -> list[dict[str, Any]]:
+        return [s for s in self.floor if action in (None, s["action"])]
 
-    def floor_samples(self, channel: str, action: str | None = None) -> list[dict[str, Any]]:
-        return [s for s in self.floor if s["channel"] == channel and action in (None, s["action"])]
+    def floor_overhead(self, action: str | None = None) -> list[float]:
+        return [s["wall"] - s["in_agent"] for s in self.floor_samples(action)]
 
-    def floor_overhead(self, channel: str, action: str | None = None) -> list[float]:
-        return [s["wall"] - s["in_agent"] for s in self.floor_samples(channel, action)]
+    def load(self) -> float:
+        """Cores busy with anything but the operator over the window: the stand-ins, the API server, etcd."""
+        operator = self.per_iteration.get("CPU operator", 0.0) * self.iterations
+        return (self.busy - operator) / self.window_seconds
+
+    def floor_load(self) -> float:
+        """Cores busy with anything but the floor's own process over its transitions."""
+        return (self.floor_busy - self.floor_cpu) / self.floor_seconds if self.floor_seconds else float("nan")
+
+
+# The floor's own inputs must match the run's within these, or no ratio is printed (floor_refused).
+IN_AGENT_MARGIN = 1.5  # the floor's in-agent p50 within this factor of the run's, either way ...
+IN_AGENT_SLACK = 0.001  # ... or within this many seconds (sub-millisecond times are noise)
+LOAD_MARGIN = 0.25  # the machine's other load within this share of its cores
+
+
+def floor_refused(r: SizeResult, cores: int) -> str | None:
+    """Why `r`'s floor is not comparable with its run (None: it is). The floor ran on the same agents after
+    the run; it bounds the operator from below only if its agents were as fast (their own time for drain
+    and resume) and the machine as loaded (by everything but the measured process) as during the run."""
+    if not r.floor:
+        return "no floor"
+    for action, phase in (("drain", "Draining"), ("resume", "Resuming")):
+        floor = statistics.median(s["in_agent"] for s in r.floor_samples(action))
+        run = statistics.median(r.in_agent[phase])
+        within = 1 / IN_AGENT_MARGIN <= floor / max(run, 1e-9) <= IN_AGENT_MARGIN
+        if abs(floor - run) > IN_AGENT_SLACK and not within:
+            return f"{action} in-agent {_ms(floor)} ms vs {_ms(run)} in the run"
+    if abs(r.floor_load() - r.load()) > LOAD_MARGIN * cores:
+        return f"load {r.floor_load():.2f} cores vs {r.load():.2f} in the run"
+    return None
 
 
 @dataclass
@@ -212,7 +278,7 @@ class ManyResult:
     jobs: int
     pods: int
     seconds: float  # creation of the first RLJob -> every job Succeeded
-    rss_peak: int  # the largest VmRSS sampled
+    rss_peak: int  # VmHWM once every job succeeded (or the window ended): the kernel's peak
     rss_end: int  # VmRSS once every job succeeded
     cpu: float  # operator CPU seconds over the whole run
     restarts: int = 0  # gang restarts over all jobs (an overloaded shared host times out GPU probes)
@@ -323,13 +389,12 @@ class Bench:
         work = self.workdir / f"pods-{pods}"
         create_namespace(self.api, ns)
         port = free_port()
-        # The host starts its components one after the other: at 512 pods the last waits minutes.
-        # Past 64 pods the agents' 1 s SGLang liveness check is a fifth of the shared host's core (one
-        # per agent and per second): every 5 s instead, as the agents of a real cluster have a core each.
-        shared = SharedPods(
-            work / "shared-host.log", rpc_timeout=max(30.0, 1.0 * pods),
-            agent_liveness_seconds=None if pods <= 64 else 5.0,
-        ).start()  # fmt: skip
+        # A host starts its components one after the other: with many pods the last waits minutes.
+        # Past 64 pods the agents' 1 s SGLang liveness check (one per agent and per second) is a fifth of
+        # a core per 64 agents: every 5 s instead, as the agents of a real cluster have a core each.
+        shared = HostShards(
+            work, pods, liveness=None if pods <= 64 else 5.0, rpc_timeout=max(30.0, 1.0 * pods)
+        )
         kubelet = Kubelet(
             self.kubeconfig, [ns], mapping=shared.mapping(), scratch_root=work / "pods",
             # the agent's readinessProbe period; a calm kubelet for 64 pods, calmer for more (at 512 the
@@ -355,7 +420,7 @@ class Bench:
         ns: str,
         operator: OperatorProcess,
         kubelet: Kubelet,
-        shared: SharedPods | HostShards,
+        shared: HostShards,
     ) -> Iterator[None]:
         """Runs the block; shows the operator's log tail if it fails; stops everything and deletes the
         namespace whatever happens."""
@@ -370,19 +435,20 @@ class Bench:
             shared.stop()
             delete_namespace(self.api, ns)
 
-    def _pids(self, shared: SharedPods, operator: OperatorProcess) -> dict[str, int]:
+    def _pids(self, shared: HostShards, operator: OperatorProcess) -> dict[str, list[int]]:
         state = self.plane.state
         assert state is not None and operator.proc is not None
         return dict(
             zip(
                 CPU_OF,
-                (operator.proc.pid, shared.pid, state.apiserver_pid, state.etcd_pid, os.getpid()),
+                ([operator.proc.pid], shared.pids, [state.apiserver_pid], [state.etcd_pid], [os.getpid()]),
                 strict=True,
             )
         )
 
-    def _snapshot(self, port: int, pids: dict[str, int]) -> Snapshot:
-        return Snapshot(time.monotonic(), scrape(port), {k: cpu_seconds(pid) for k, pid in pids.items()})
+    def _snapshot(self, port: int, pids: dict[str, list[int]]) -> Snapshot:
+        cpu = {k: sum(map(cpu_seconds, group)) for k, group in pids.items()}
+        return Snapshot(time.monotonic(), scrape(port), cpu, machine_busy_seconds())
 
     def _floor(self, ns: str, name: str, result: SizeResult, work: Path) -> None:
         """control_floor.py on the job's agents, once the job has succeeded and its operator stopped."""
@@ -392,7 +458,7 @@ class Bench:
         secret = self.api.get(f"/api/v1/namespaces/{ns}/secrets/{token_secret_name(name)}")
         token = base64.b64decode(next(iter(secret["data"].values()))).decode()
         request = {
-            "agents": [[p["status"]["podIP"], port] for p in pods],
+            "agents": [[p["metadata"]["name"], p["status"]["podIP"], port] for p in pods],
             "token": token,
             "epoch": job["status"]["epoch"],
             "pairs": FLOOR_PAIRS,
@@ -414,6 +480,7 @@ class Bench:
             return
         got = json.loads(out.read_text())
         result.floor, result.floor_cpu = got["samples"], got["cpu"]
+        result.floor_seconds, result.floor_busy = got["seconds"], got["busy"]
 
     def run_many(self, jobs: int, pods: int, timeout: float = 1200) -> ManyResult:
         """`jobs` RLJobs of `pods` pods, 2 iterations each, at once under one operator: its RSS."""
@@ -421,13 +488,7 @@ class Bench:
         work = self.workdir / f"many-{jobs}x{pods}"
         create_namespace(self.api, ns)
         port = free_port()
-        shared = HostShards([
-            SharedPods(
-                work / f"shared-host-{i}.log", rpc_timeout=max(30.0, 1.0 * jobs * pods),
-                agent_liveness_seconds=5.0,
-            ).start()
-            for i in range(-(-jobs * pods // HOST_PODS))
-        ])  # fmt: skip
+        shared = HostShards(work, jobs * pods, liveness=5.0, rpc_timeout=max(30.0, 1.0 * jobs * pods))
         kubelet = Kubelet(
             self.kubeconfig, [ns], mapping=shared.mapping(), scratch_root=work / "pods",
             probe_period=5.0, tick=1.0, ips=IpAllocator(pod_ip_base()), nodes=max(2, -(-jobs * pods // 8)),
@@ -450,12 +511,9 @@ class Bench:
             began = time.monotonic()
             for j in range(jobs):
                 self.api.post(rljob_path(ns), manifest(f"job-{j:03d}", pods, 2))
-            peak = 0
             items: list[dict[str, Any]] = []
             phases: collections.Counter[str | None] = collections.Counter()
             while True:
-                rss, _ = rss_bytes(_pid(operator))
-                peak = max(peak, rss)
                 try:
                     items = self.api.get(rljob_path(ns))["items"]
                     phases = collections.Counter((o.get("status") or {}).get("phase") for o in items)
@@ -470,14 +528,14 @@ class Bench:
                     print(f"[many jobs: timed out after {timeout:.0f}s: {dict(phases)}]", flush=True)
                     break
                 time.sleep(1.0)
-            end, _ = rss_bytes(_pid(operator))
+            end, peak = rss_bytes(_pid(operator))  # VmHWM: the kernel's peak, not a sample
             restarts = sum((o.get("status") or {}).get("restarts", 0) for o in items)
             print(  # before the teardown of hundreds of pods, which takes minutes
-                f"[many jobs: operator RSS {end / 2**20:.1f} MiB, peak {max(peak, end) / 2**20:.1f} MiB; "
+                f"[many jobs: operator RSS {end / 2**20:.1f} MiB, VmHWM {peak / 2**20:.1f} MiB; "
                 f"{dict(phases)}; {restarts} gang restarts]", flush=True,
             )  # fmt: skip
             return ManyResult(
-                jobs, pods, time.monotonic() - began, max(peak, end), end, cpu_seconds(_pid(operator)) - cpu0,
+                jobs, pods, time.monotonic() - began, peak, end, cpu_seconds(_pid(operator)) - cpu0,
                 restarts, phases.get("Succeeded", 0),
             )  # fmt: skip
 
@@ -489,7 +547,7 @@ class Bench:
             return {}
 
     def _measure(
-        self, ns: str, pods: int, measured: int, port: int, shared: SharedPods, operator: OperatorProcess,
+        self, ns: str, pods: int, measured: int, port: int, shared: HostShards, operator: OperatorProcess,
         timeout: float, work: Path,
     ) -> SizeResult:  # fmt: skip
         name = "bench"
@@ -540,7 +598,7 @@ class Bench:
                         start = self._snapshot(port, pids)
                         gc_start = self._gc_stats(work)
                         spy = self._spy(operator, pods)
-                        host_spy = self._spy_pid(shared.pid, f"shared-host-{pods}.txt")
+                        host_spy = self._spy_pid(shared.pids[0], f"shared-host-{pods}.txt")
                     for span in status.get("timeline") or []:
                         if span.get("seconds") is not None:
                             spans[(span["iteration"], span["phase"])] = span
@@ -573,6 +631,9 @@ class Bench:
             for version, seconds in driver.steps.items():
                 steps[int(version)].append(seconds)  # version k is published in iteration k
         result = SizeResult(pods, measured, first_rollout - created, end.at - start.at)
+        result.busy = end.busy - start.busy
+        result.object_bytes = len(json.dumps(final, separators=(",", ":")))
+        result.cores = os.cpu_count() or 1
         for phase in TRANSITIONS:
             got = [spans[(i, phase)] for i in its]
             result.overhead[phase] = [s["seconds"] - (s.get("agentSeconds") or 0.0) for s in got]
@@ -586,6 +647,7 @@ class Bench:
             "API calls": sum(delta(start, end, "rljob_api_calls_total").values()),
             "agent commands": sum(delta(start, end, "rljob_agent_commands_total").values()),
             "agent reports": sum(delta(start, end, "rljob_agent_reports_total").values()),
+            "API request KiB": sum(delta(start, end, "rljob_api_request_bytes_total").values()) / 1024,
         }
         decisions = {_labels(k): v for k, v in delta(start, end, "rljob_decisions_total").items()}
         counters |= {f"decisions {k}": v for k, v in sorted(decisions.items())}
@@ -654,8 +716,8 @@ def _ms(v: float) -> str:
     return f"{v * 1000:.1f}"
 
 
-def _floor_p50(r: SizeResult, channel: str) -> float:
-    got = r.floor_overhead(channel)
+def _floor_p50(r: SizeResult) -> float:
+    got = r.floor_overhead()
     return statistics.median(got) if got else float("nan")
 
 
@@ -667,75 +729,150 @@ def breakdown_table(column: str, pods: list[int], counts: list[dict[str, float]]
     return rows
 
 
-def tables(results: list[SizeResult], probe: dict[str, list[float]], many: ManyResult | None = None) -> str:
+def _ratio(value: float, r: SizeResult, cores: int) -> str:
+    refused = floor_refused(r, cores)
+    return f"no ratio: {refused}" if refused else f"{value / _floor_p50(r):.2f}x"
+
+
+# What an operator team sizing a cluster asks for, per iteration of one job: (label, figure of a result).
+PROJECTED: tuple[tuple[str, Any], ...] = (
+    ("operator CPU per command phase, s", lambda r: r.per_iteration["CPU operator"] / COMMAND_PHASES),
+    ("API calls", lambda r: r.per_iteration["API calls"]),
+    ("API request KiB", lambda r: r.per_iteration.get("API request KiB", float("nan"))),
+    ("status writes", lambda r: r.per_iteration["status writes"]),
+    ("agent reports", lambda r: r.per_iteration["agent reports"]),
+    ("RLJob object KiB", lambda r: r.object_bytes / 1024),
+    ("operator RSS MiB (window's end)", lambda r: r.rss / 2**20),
+)
+FIT_UP_TO = 64  # the line is fitted on the sizes up to this; larger measured sizes check it
+PROJECT_TO = (1024, 4096)
+
+
+def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares y = a + b x; one point: through the origin."""
+    if len(points) == 1:
+        ((x, y),) = points
+        return 0.0, y / x
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    b = sum((x - mx) * (y - my) for x, y in points) / sxx
+    return my - b * mx, b
+
+
+def projection_table(results: list[SizeResult], many: ManyResult | None) -> list[str]:
+    """Each figure as a + b * pods, fitted on the sizes up to FIT_UP_TO, its prediction beside the measured
+    value at every larger size (the check), and projected to PROJECT_TO."""
+    fitted = [r for r in results if r.pods <= FIT_UP_TO]
+    checks = [r for r in results if r.pods > FIT_UP_TO]
+    if len(fitted) < 2:
+        return []
+    head = ["figure per iteration", "a + b x pods", *(f"{r.pods}: measured / predicted" for r in checks),
+            *(f"{n} pods" for n in PROJECT_TO)]  # fmt: skip
+    out = [
+        "",
+        f"Projection: each figure fitted as a + b x pods on the sizes up to {FIT_UP_TO} "
+        f"({', '.join(str(r.pods) for r in fitted)}), checked against the larger sizes measured in this run, "
+        f"projected to {' and '.join(map(str, PROJECT_TO))} pods (one job)",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|---|---|" + "---:|" * (len(head) - 2),
+    ]
+    for label, figure in PROJECTED:
+        a, b = fit_line([(r.pods, figure(r)) for r in fitted])
+        cells = [label, f"{a:.3g} + {b:.3g} x"]
+        for r in checks:
+            got, want = figure(r), a + b * r.pods
+            cells.append(f"{got:.3g} / {want:.3g} ({got / want:.2f}x)" if want else f"{got:.3g} / 0")
+        cells += [f"{a + b * n:.3g}" for n in PROJECT_TO]
+        out.append("| " + " | ".join(cells) + " |")
+    if many is not None and many.succeeded == many.jobs:
+        per_job = many.cpu / many.jobs
+        out += [
+            "",
+            f"Many jobs: {many.jobs} x {many.pods} pods measured; per job (its 2 iterations and start-up) "
+            f"{per_job:.2f} operator CPU s; VmHWM {many.rss_peak / 2**20:.1f} MiB. At the same per-job cost, "
+            + "; ".join(
+                f"{n // many.pods} jobs of {many.pods} pods ({n} pods): {per_job * n / many.pods:.0f} CPU s"
+                for n in PROJECT_TO
+            )
+            + " (RSS is not projected: it is not linear in jobs, see the table above)",
+        ]
+    return out
+
+
+def tables(
+    results: list[SizeResult], probe: dict[str, list[float]], many: ManyResult | None = None, cores: int = 0
+) -> str:
+    cores = cores or (results[0].cores if results else 0) or os.cpu_count() or 1
     out = [
         "Control overhead per phase transition (wall - slowest pod's in-agent time), ms; median and p95 "
-        "(nearest rank) over the measured iterations; the floor (p50 of drain and resume together, "
-        "measured on the same agents in the same run) over the agents' channel, which the operator uses, "
-        "and over POSTs and state streams (issue 16's definition); the ratio of the overhead's p50 to each",
+        "(nearest rank) over the measured iterations; the floor (p50 of drain and resume together, on the "
+        "same agents in the same run, over the operator's own transport and patch path) and the ratio of the "
+        "overhead's p50 to it, printed only when the floor's inputs match the run's (in-agent p50 of drain "
+        f"and resume within {IN_AGENT_MARGIN}x or {IN_AGENT_SLACK * 1000:.0f} ms, the machine's other load "
+        f"within {LOAD_MARGIN:.0%} of its {cores} cores)",
         "",
         "| phase | pods | iterations | overhead p50 | overhead p95 | floor p50 | p50 / floor "
-        "| POST floor p50 | p50 / POST floor | in-agent p50 | in-agent p95 |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| in-agent p50 | in-agent p95 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for phase in TRANSITIONS:
         for r in results:
             o, a = r.overhead[phase], r.in_agent[phase]
             label = "Training (grant)" if phase == "Training" else phase
-            floor, post = _floor_p50(r, "channel"), _floor_p50(r, "post")
             out.append(
                 f"| {label} | {r.pods} | {r.iterations} | {_ms(statistics.median(o))} | {_ms(p95(o))} | "
-                f"{_ms(floor)} | {statistics.median(o) / floor:.2f}x | "
-                f"{_ms(post)} | {statistics.median(o) / post:.2f}x | "
+                f"{_ms(_floor_p50(r))} | {_ratio(statistics.median(o), r, cores)} | "
                 f"{_ms(statistics.median(a))} | {_ms(p95(a))} |"
             )
     for r in results:
         rest = [o - t for o, t in zip(r.overhead["Training"], r.trainer_step, strict=True)]
         out.append(
             f"| Training - trainer step | {r.pods} | {r.iterations} | {_ms(statistics.median(rest))} | "
-            f"{_ms(p95(rest))} | trainer step p50 {_ms(statistics.median(r.trainer_step))} | "
+            f"{_ms(p95(rest))} | | | trainer step p50 {_ms(statistics.median(r.trainer_step))} | "
             f"p95 {_ms(p95(r.trainer_step))} |"
         )
     for r in results:
-        if not r.trainer_lease:  # saved before the agent timed the lease
-            continue
         rest = [o - t for o, t in zip(r.overhead["Training"], r.trainer_lease, strict=True)]
-        floor, post = _floor_p50(r, "channel"), _floor_p50(r, "post")
         out.append(
             f"| Training - trainer's lease (agent-timed) | {r.pods} | {r.iterations} | "
-            f"{_ms(statistics.median(rest))} | {_ms(p95(rest))} | {_ms(floor)} | "
-            f"{statistics.median(rest) / floor:.2f}x | {_ms(post)} | {statistics.median(rest) / post:.2f}x | "
+            f"{_ms(statistics.median(rest))} | {_ms(p95(rest))} | {_ms(_floor_p50(r))} | "
+            f"{_ratio(statistics.median(rest), r, cores)} | "
             f"lease p50 {_ms(statistics.median(r.trainer_lease))} | p95 {_ms(p95(r.trainer_lease))} |"
         )
     for r in results:
         cmd = r.iteration_overhead
         out.append(
             f"| sum of the 4 command phases (lastIteration.controlOverheadSeconds) | {r.pods} | "
-            f"{len(cmd)} | {_ms(statistics.median(cmd))} | {_ms(p95(cmd))} | | |"
+            f"{len(cmd)} | {_ms(statistics.median(cmd))} | {_ms(p95(cmd))} | | | | |"
         )
     out += [
         "",
-        "The floor (control_floor.py: fan-out of one command to every agent, the reports back over the "
-        "connections already open, one status merge-patch; wall - slowest agent's own time), ms; `channel`: "
-        "the agents' WebSocket, `post`: a POST each and the state streams",
+        "The floor (control_floor.py: one command to every agent over the operator's AgentWatch channels, "
+        "the reports back, one status merge-patch with Kube.patch_status; wall - slowest agent's own time), "
+        "ms, beside its inputs and the run's: in-agent p50, and the machine's other load (busy cores "
+        "minus the measured process's, /proc/stat)",
         "",
-        "| pods | channel | command | samples | floor p50 | floor p95 | of which the status patch p50 "
-        "| in-agent p50 | floor process CPU / pod / transition ms |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|",
+        "| pods | command | samples | floor p50 | floor p95 | of which the status patch p50 | in-agent p50 "
+        "| run's in-agent p50 | load cores | run's load cores | floor process CPU / pod / transition ms "
+        "| verdict |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
-        for channel in ("channel", "post"):
-            for action in ("drain", "resume"):
-                got = r.floor_samples(channel, action)
-                if not got:
-                    continue
-                f = r.floor_overhead(channel, action)
-                cpu = r.floor_cpu.get(channel, 0.0) / len(r.floor_samples(channel)) / r.pods * 1000
-                out.append(
-                    f"| {r.pods} | {channel} | {action} | {len(got)} | {_ms(statistics.median(f))} | "
-                    f"{_ms(p95(f))} | {_ms(statistics.median(x['patch'] for x in got))} | "
-                    f"{_ms(statistics.median(x['in_agent'] for x in got))} | {cpu:.3f} |"
-                )
+        for action, phase in (("drain", "Draining"), ("resume", "Resuming")):
+            got = r.floor_samples(action)
+            if not got:
+                continue
+            f = r.floor_overhead(action)
+            cpu = r.floor_cpu / len(r.floor) / r.pods * 1000
+            out.append(
+                f"| {r.pods} | {action} | {len(got)} | {_ms(statistics.median(f))} | {_ms(p95(f))} | "
+                f"{_ms(statistics.median(x['patch'] for x in got))} | "
+                f"{_ms(statistics.median(x['in_agent'] for x in got))} | "
+                f"{_ms(statistics.median(r.in_agent[phase]))} | {r.floor_load():.2f} | {r.load():.2f} | "
+                f"{cpu:.3f} | {floor_refused(r, cores) or 'comparable'} |"
+            )
     out += [
         "",
         "Operator: CPU per pod per command phase (CPU per iteration / pods / 5), RSS at the window's end",
@@ -754,7 +891,7 @@ def tables(results: list[SizeResult], probe: dict[str, list[float]], many: ManyR
             "",
             f"Operator RSS with {many.jobs} RLJobs x {many.pods} pods (2 iterations each, all at once)",
             "",
-            "| jobs | pods each | Succeeded | after s | RSS peak MiB | RSS at the end MiB | CPU s "
+            "| jobs | pods each | Succeeded | after s | VmHWM MiB | RSS at the end MiB | CPU s "
             "| gang restarts |",
             "|---:|---:|---:|---:|---:|---:|---:|---:|",
             f"| {many.jobs} | {many.pods} | {many.jobs if many.succeeded is None else many.succeeded} | "
@@ -797,6 +934,24 @@ def tables(results: list[SizeResult], probe: dict[str, list[float]], many: ManyR
         out.append(
             f"| {r.pods} | {r.iterations} | {wall:.2f} | {r.startup_seconds:.1f} | {' | '.join(cells)} |"
         )
+    out += [
+        "",
+        f"Where the machine's {cores} cores went over the window (CPU s per iteration / iteration wall s): "
+        "the stand-ins are the agents + emulators (their host processes) and the kubelet + trainers (this "
+        "process); busy is the whole machine (/proc/stat)",
+        "",
+        "| pods | " + " | ".join(CPU_OF) + " | busy | stand-ins' share of the machine |",
+        "|---:|" + "---:|" * (len(CPU_OF) + 2),
+    ]
+    for r in results:
+        wall = r.window_seconds / r.iterations
+        used = [r.per_iteration[f"CPU {k}"] / wall for k in CPU_OF]
+        stand_ins = (r.per_iteration["CPU agents+emulators"] + r.per_iteration["CPU kubelet+trainers"]) / wall
+        out.append(
+            f"| {r.pods} | "
+            + " | ".join(f"{u:.2f}" for u in used)
+            + f" | {r.busy / r.window_seconds:.2f} | {stand_ins / cores:.0%} |"
+        )
     for title, column, counts in (
         ("Operator API calls per iteration, by verb", "verb", [r.api_verbs for r in results]),
         (
@@ -832,6 +987,7 @@ def tables(results: list[SizeResult], probe: dict[str, list[float]], many: ManyR
             )
         for k in keys:
             out.append(f"| {k} / iteration | {ratio(big.per_iteration[k], small.per_iteration[k])} |")
+    out += projection_table(results, many)
     if not probe:
         return "\n".join(out)
     out += [

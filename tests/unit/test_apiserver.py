@@ -291,10 +291,10 @@ def test_the_sync_path_tries_a_dropped_connection_once_more(fake: FakeApiServer)
 
 
 def test_each_call_passes_its_verb_to_the_builders_hook_once(fake: FakeApiServer) -> None:
-    """The client counts nothing itself: every call, in the event loop or from a thread, passes its verb to
-    the `on_call` its builder gave, once however often it is tried."""
-    verbs: list[str] = []
-    server = ApiServer(server_for(fake).credentials, on_call=verbs.append)
+    """The client counts nothing itself: every call, in the event loop or from a thread, passes its verb
+    and its body's bytes to the `on_call` its builder gave, once however often it is tried."""
+    verbs: list[tuple[str, int]] = []
+    server = ApiServer(server_for(fake).credentials, on_call=lambda verb, sent: verbs.append((verb, sent)))
     path = "/apis/rljob.io/v1alpha1/namespaces/ns/rljobs/job/status"
 
     async def patch() -> None:
@@ -306,7 +306,7 @@ def test_each_call_passes_its_verb_to_the_builders_hook_once(fake: FakeApiServer
     fake.drop_next = 1  # tried twice, one call
     run(patch())
     server.call_sync("get_version", "GET", "/version")
-    assert verbs == ["patch_status", "get_version"]
+    assert verbs == [("patch_status", len(b'{"status":{}}')), ("get_version", 0)]
     assert [r["path"] for r in fake.requests] == [path, "/version"]
 
 

@@ -35,6 +35,9 @@ STATUS_FIELDS = Counter(
     ["field"],
 )
 API_CALLS = Counter("rljob_api_calls_total", "Kubernetes API calls, by verb.", ["verb"])
+API_BYTES = Counter(
+    "rljob_api_request_bytes_total", "Request body bytes of the Kubernetes API calls, by verb.", ["verb"]
+)
 AGENT_COMMANDS = Counter(
     "rljob_agent_commands_total", "Commands sent to agents, by action and outcome.", ["action", "outcome"]
 )
@@ -109,9 +112,10 @@ _PROFILE_GAUGES: tuple[tuple[Gauge, str], ...] = (
 )
 
 
-def count_api_call(verb: str) -> None:
+def count_api_call(verb: str, sent: int) -> None:
     """The operator's `ApiServer.on_call` hook (controller/kube.py `api_server`)."""
     API_CALLS.labels(verb=verb).inc()
+    API_BYTES.labels(verb=verb).inc(sent)
 
 
 def observe_iteration(namespace: str, job: str, status: RLJobStatus) -> None:

@@ -1,10 +1,10 @@
 """HTTP to the API server: JSON in, bytes out, nothing else. `ApiServer.call` in the event loop (aiohttp,
 one keep-alive session per loop), `ApiServer.call_sync` from threads and before the loop runs (the leader
 election, the start-up /version, the kubectl plugin; http.client, one kept-alive connection). Both pass
-every call's verb to the `on_call` hook its builder gave (the operator counts them), raise ApiError for an
-answer >= 400, try a connection that broke once more on a new one (a kept-alive connection the server
-closed fails the first write), and take credentials again once after a 401 (a rotated token, an expired
-exec credential).
+every call's verb and request body size to the `on_call` hook its builder gave (the operator counts
+them), raise ApiError for an answer >= 400, try a connection that broke once more on a new one (a
+kept-alive connection the server closed fails the first write), and take credentials again once after a
+401 (a rotated token, an expired exec credential).
 
 Not the generated client's calls (its configuration loaders give the credentials: credentials.py): its
 validation and model building cost more of the operator's CPU than the call itself."""
@@ -54,7 +54,7 @@ def _encoded(body: Any) -> bytes | None:
     return None if body is None else json.dumps(body, separators=(",", ":")).encode()
 
 
-def _uncounted(verb: str) -> None:
+def _uncounted(verb: str, sent: int) -> None:
     """The hook of a client whose builder counts nothing (the kubectl plugin, tests)."""
 
 
@@ -96,8 +96,9 @@ class _TLSConnection(http.client.HTTPSConnection):
         self.sock = self._context.wrap_socket(self.sock, server_hostname=self._server_name)  # type: ignore[attr-defined]
 
 
-OnCall = Callable[[str], None]
-"""Called with the caller's verb once a call, before its first try (a retry is the same call)."""
+OnCall = Callable[[str, int], None]
+"""Called with the caller's verb and the request body's bytes once a call, before its first try (a retry
+is the same call)."""
 
 
 class ApiServer:
@@ -150,8 +151,8 @@ class ApiServer:
         query: dict[str, str] | None = None,
         content_type: str = JSON,
     ) -> bytes:
-        self.on_call(verb)
         data = _encoded(body)
+        self.on_call(verb, len(data or b""))
         url = self.credentials.server + _url_path(path, query)
         attempts = _Attempts(self.credentials)
         while True:
@@ -206,8 +207,8 @@ class ApiServer:
         query: dict[str, str] | None = None,
         content_type: str = JSON,
     ) -> bytes:
-        self.on_call(verb)
         data = _encoded(body)
+        self.on_call(verb, len(data or b""))
         target = (self.url.path.rstrip("/") + _url_path(path, query)) or "/"
         attempts = _Attempts(self.credentials)
         with self._sync_lock:

@@ -1,0 +1,70 @@
+"""The control benchmark's own arithmetic: when it refuses to compare with its floor, and its projection."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_control_overhead.py"
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_control_overhead", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def result(bench: ModuleType, floor_in_agent: float, run_in_agent: float, floor_busy: float) -> object:
+    r = bench.SizeResult(pods=64, iterations=10, startup_seconds=1.0, window_seconds=10.0)
+    r.in_agent = {phase: [run_in_agent] * 10 for phase in bench.TRANSITIONS}
+    r.per_iteration = {"CPU operator": 0.1}  # 1 s over the window
+    r.busy = 11.0  # 10 s of other load over 10 s: 1 core
+    r.floor = [
+        {"action": a, "wall": 0.05, "in_agent": floor_in_agent, "patch": 0.01} for a in ("drain", "resume")
+    ]
+    r.floor_cpu, r.floor_seconds, r.floor_busy = 1.0, 2.0, floor_busy
+    return r
+
+
+def test_a_floor_on_agents_as_fast_and_a_machine_as_loaded_is_compared(bench: ModuleType) -> None:
+    assert bench.floor_refused(result(bench, 0.010, 0.009, 3.0), cores=2) is None  # 1 core of other load
+
+
+def test_a_floor_whose_agents_were_slower_is_refused(bench: ModuleType) -> None:
+    why = bench.floor_refused(result(bench, 0.030, 0.010, 3.0), cores=2)
+    assert why is not None and why.startswith("drain in-agent 30.0 ms vs 10.0")
+
+
+def test_sub_millisecond_in_agent_differences_are_noise(bench: ModuleType) -> None:
+    assert bench.floor_refused(result(bench, 0.0009, 0.0002, 3.0), cores=2) is None
+
+
+def test_a_floor_on_a_machine_loaded_otherwise_is_refused(bench: ModuleType) -> None:
+    why = bench.floor_refused(result(bench, 0.010, 0.010, 5.0), cores=2)  # 2 cores of other load vs 1
+    assert why is not None and why.startswith("load 2.00 cores vs 1.00")
+    ratio = bench._ratio(0.05, result(bench, 0.010, 0.010, 5.0), 2)
+    assert ratio.startswith("no ratio: load")
+
+
+def test_the_projection_fits_a_line_and_checks_it_against_larger_sizes(bench: ModuleType) -> None:
+    assert bench.fit_line([(1, 3.0), (8, 10.0), (64, 66.0)]) == pytest.approx((2.0, 1.0))
+    sized = []
+    for pods in (1, 8, 64, 512):
+        r = bench.SizeResult(pods=pods, iterations=5, startup_seconds=1.0, window_seconds=5.0)
+        r.per_iteration = {
+            "CPU operator": 0.001 * pods, "API calls": 13.0, "status writes": 6.0,
+            "agent reports": 7.0 * pods, "API request KiB": 1.0 + pods,
+        }  # fmt: skip
+        r.object_bytes, r.rss = 1024 * pods, 2**20 * 60
+        sized.append(r)
+    table = "\n".join(bench.projection_table(sized, None))
+    assert "| API calls | 13 + 0 x | 13 / 13 (1.00x) | 13 | 13 |" in table
+    assert "| agent reports | " in table and "| 3.58e+03 / 3.58e+03 (1.00x) | 7.17e+03 | 2.87e+04 |" in table
