@@ -510,7 +510,11 @@ class Bench:
             cpu0 = cpu_seconds(_pid(operator))
             began = time.monotonic()
             for j in range(jobs):
-                self.api.post(rljob_path(ns), manifest(f"job-{j:03d}", pods, 2))
+                job = manifest(f"job-{j:03d}", pods, 2)
+                # 800 pods' containers start one after the other on a small test host: more than the 900 s
+                # a gang may take to start by default, which the run is not about.
+                job["spec"]["phaseTimeoutSeconds"] = {"initializing": int(timeout)}
+                self.api.post(rljob_path(ns), job)
             items: list[dict[str, Any]] = []
             phases: collections.Counter[str | None] = collections.Counter()
             while True:
