@@ -43,8 +43,8 @@ def test_a_floor_whose_agents_were_slower_is_refused(bench: ModuleType) -> None:
     assert why is not None and why.startswith("drain in-agent 30.0 ms vs 10.0")
 
 
-def test_sub_millisecond_in_agent_differences_are_noise(bench: ModuleType) -> None:
-    assert bench.floor_refused(result(bench, 0.0009, 0.0002, 3.0), cores=2) is None
+def test_in_agent_differences_within_a_scheduler_slice_are_noise(bench: ModuleType) -> None:
+    assert bench.floor_refused(result(bench, 0.007, 0.013, 3.0), cores=2) is None
 
 
 def test_a_floor_on_a_machine_loaded_otherwise_is_refused(bench: ModuleType) -> None:
@@ -57,7 +57,7 @@ def test_a_floor_on_a_machine_loaded_otherwise_is_refused(bench: ModuleType) -> 
 def test_the_projection_fits_a_line_and_checks_it_against_larger_sizes(bench: ModuleType) -> None:
     assert bench.fit_line([(1, 3.0), (8, 10.0), (64, 66.0)]) == pytest.approx((2.0, 1.0))
     sized = []
-    for pods in (1, 8, 64, 512):
+    for pods in (64, 128, 512):
         r = bench.SizeResult(pods=pods, iterations=5, startup_seconds=1.0, window_seconds=5.0)
         r.per_iteration = {
             "CPU operator": 0.001 * pods, "API calls": 13.0, "status writes": 6.0,
@@ -68,3 +68,4 @@ def test_the_projection_fits_a_line_and_checks_it_against_larger_sizes(bench: Mo
     table = "\n".join(bench.projection_table(sized, None))
     assert "| API calls | 13 + 0 x | 13 / 13 (1.00x) | 13 | 13 |" in table
     assert "| agent reports | " in table and "| 3.58e+03 / 3.58e+03 (1.00x) | 7.17e+03 | 2.87e+04 |" in table
+    assert "fitted as a + b x pods on 64 and 128 pods" in table
