@@ -46,6 +46,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Mapping as MappingOf
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -60,6 +61,7 @@ from rljob.testing.kubeaccess import ApiError, JsonObj, KubeApi, WatchStream, po
 log = logging.getLogger("rljob.testing.kubelet")
 
 NODE_PREFIX = "rljob-gpu"  # nodes are <prefix>-0, <prefix>-1, ...
+HEARTBEAT_WORKERS = 16  # nodes whose Lease and status the kubelet renews at once
 GPU_RESOURCE = "nvidia.com/gpu"  # the NVIDIA device plugin's extended resource
 NODE_LEASE_NAMESPACE = "kube-node-lease"
 HOST_IP = "127.0.0.1"
@@ -1119,25 +1121,30 @@ class Kubelet:
                 log.warning("deleting %s: %s", path, exc)
 
     def _heartbeat_loop(self) -> None:
-        while not self._stopping.wait(self.heartbeat):
-            with self._lock:
-                nodes = list(self._nodes.values())
-            for node in nodes:
-                try:
-                    if time.monotonic() - node.last_status >= self.status_every:
-                        path = f"/api/v1/nodes/{node.name}/status"
-                        self.api.merge_patch(path, {"status": self._node_status(node)})
-                        node.last_status = time.monotonic()
-                    self._renew_lease(node)
-                except ApiError as exc:
-                    if exc.status == 404 and node.name in self.node_names and not self._stopping.is_set():
-                        log.warning("node %s was deleted: registering it again, as a kubelet does", node.name)
-                        with contextlib.suppress(ApiError, requests.RequestException):
-                            self._register(node)
-                    else:
-                        log.warning("heartbeat of %s: %s", node.name, exc)
-                except requests.RequestException as exc:
-                    log.warning("heartbeat of %s: %s", node.name, exc)
+        # A node's kubelet renews its own Lease: a hundred nodes' renewals one after the other outlast the
+        # 40 s Lease on a loaded API server, and the node lifecycle controller marks the nodes NotReady.
+        with ThreadPoolExecutor(HEARTBEAT_WORKERS, thread_name_prefix="kubelet heartbeat") as pool:
+            while not self._stopping.wait(self.heartbeat):
+                with self._lock:
+                    nodes = list(self._nodes.values())
+                list(pool.map(self._heartbeat, nodes))
+
+    def _heartbeat(self, node: SimNode) -> None:
+        try:
+            if time.monotonic() - node.last_status >= self.status_every:
+                path = f"/api/v1/nodes/{node.name}/status"
+                self.api.merge_patch(path, {"status": self._node_status(node)})
+                node.last_status = time.monotonic()
+            self._renew_lease(node)
+        except ApiError as exc:
+            if exc.status == 404 and node.name in self.node_names and not self._stopping.is_set():
+                log.warning("node %s was deleted: registering it again, as a kubelet does", node.name)
+                with contextlib.suppress(ApiError, requests.RequestException):
+                    self._register(node)
+            else:
+                log.warning("heartbeat of %s: %s", node.name, exc)
+        except requests.RequestException as exc:
+            log.warning("heartbeat of %s: %s", node.name, exc)
 
     # -- API actions -----------------------------------------------------------------------------
     def force_delete(self, namespace: str, name: str, uid: str) -> None:
