@@ -11,11 +11,11 @@ pods, a projection to 1,024 and 4,096 pods checked against 256 and 512; then the
 What runs: a real kube-apiserver + etcd (`LocalControlPlane`, cached binaries), the real operator process
 (`rljob.controller.main`, its metrics endpoint bound to 127.0.0.1), the fake kubelet, and for every pod a
 real agent and SGLang emulator, each a real HTTP server on the pod's loopback IP. Pods share processes
-(`rljob.testing.shared_pods`): the agents and emulators of up to PODS_PER_HOST pods on one event loop in
-one host process, one host per PODS_PER_HOST pods (HostShards), so that no agent queues behind more than
-that many; the trainers as threads driving the trainer SDK over HTTP in this process. Zero-cost
-operations: emulator `--tokens-per-second 0`, no faults; trainer `--train-seconds 0`, one prompt, one
-sample, 4 tokens, a 4 KiB checkpoint.
+(`rljob.testing.shared_pods`): the agents and emulators of several pods on one event loop in one host
+process, PODS_PER_HOST pods a host up to two hosts per core (HostShards, host_count), so that an agent
+queues behind as few others as the machine allows; the trainers as threads driving the trainer SDK over
+HTTP in this process. Zero-cost operations: emulator `--tokens-per-second 0`, no faults; trainer
+`--train-seconds 0`, one prompt, one sample, 4 tokens, a 4 KiB checkpoint.
 
 Measured, per pod count, over the iterations after a warm-up one (window: rollout of iteration 2 opens ->
 Succeeded):
@@ -67,10 +67,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 import uuid
-import zlib
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -105,27 +105,39 @@ TRAINER_ARGS = [
 ]  # fmt: skip
 
 
-PODS_PER_HOST = 64  # pods whose agents and emulators share one host process (one event loop)
+PODS_PER_HOST = 8  # pods whose agents and emulators share one host process (one event loop), at most...
+HOSTS_PER_CORE = 2  # ...until the hosts are this many a core (at least MIN_HOSTS): then more pods a host
+MIN_HOSTS = 8
+
+
+def host_count(pods: int, cores: int) -> int:
+    """Host processes for `pods` pods: one per PODS_PER_HOST pods, at most HOSTS_PER_CORE a core (on 16
+    cores: 8 hosts of 8 pods at 64, 32 of 16 at 512, 32 of 25 for 800)."""
+    return max(1, min(-(-pods // PODS_PER_HOST), max(MIN_HOSTS, HOSTS_PER_CORE * cores)))
 
 
 class HostShards:
-    """Several shared host processes behind one kubelet mapping, a pod's components all in one of them (by
-    its uid), so that no agent queues behind more than PODS_PER_HOST pods' agents and emulators on one
-    event loop (and 800 pods' connections do not exhaust one process's file descriptors)."""
+    """Several shared host processes behind one kubelet mapping, a pod's components all in one of them (its
+    uid's, in turn), so that an agent queues behind few others' agents and emulators on one event loop
+    (host_count), and 800 pods' connections do not exhaust one process's file descriptors."""
 
     def __init__(self, work: Path, pods: int, liveness: float | None, rpc_timeout: float) -> None:
         self.shards = [
             SharedPods(
                 work / f"shared-host-{i}.log", rpc_timeout=rpc_timeout, agent_liveness_seconds=liveness
             ).start()
-            for i in range(max(1, -(-pods // PODS_PER_HOST)))
+            for i in range(host_count(pods, os.cpu_count() or 1))
         ]
         self._maps = [s.mapping() for s in self.shards]
+        self._host_of: dict[str, int] = {}  # pod uid -> shard: round robin, as even as a hash is not
+        self._lock = threading.Lock()  # the kubelet starts pods' containers from several threads
 
     def mapping(self) -> Mapping:
         def mapping(ctx: ContainerContext) -> Launch | Sequence[str] | None:
             uid = ctx.pod["metadata"]["uid"]
-            return self._maps[zlib.crc32(uid.encode()) % len(self._maps)](ctx)
+            with self._lock:
+                host = self._host_of.setdefault(uid, len(self._host_of) % len(self._maps))
+            return self._maps[host](ctx)
 
         return mapping
 
@@ -151,6 +163,9 @@ class HostShards:
 
     def drivers(self) -> list[TrainerDriver]:
         return [d for s in self.shards for d in s.drivers()]
+
+
+MANY_POLL_SECONDS = 5.0  # the many-jobs run looks at its RLJobs this often: its "after s" is this coarse
 
 
 def pod_ip_base() -> str:
@@ -518,8 +533,8 @@ class Bench:
             items: list[dict[str, Any]] = []
             phases: collections.Counter[str | None] = collections.Counter()
             while True:
-                try:
-                    items = self.api.get(rljob_path(ns))["items"]
+                try:  # from the watch cache: a consistent list of 100 RLJobs a second loads the server
+                    items = self.api.get(rljob_path(ns), resourceVersion="0")["items"]
                     phases = collections.Counter((o.get("status") or {}).get("phase") for o in items)
                 except (ApiError, requests.RequestException) as err:  # an API server this loaded times out
                     print(f"[many jobs: listing the RLJobs: {err!r}; again]", flush=True)
@@ -531,7 +546,7 @@ class Bench:
                 if time.monotonic() > deadline:  # the RSS so far stands; the table says how many finished
                     print(f"[many jobs: timed out after {timeout:.0f}s: {dict(phases)}]", flush=True)
                     break
-                time.sleep(1.0)
+                time.sleep(MANY_POLL_SECONDS)
             end, peak = rss_bytes(_pid(operator))  # VmHWM: the kernel's peak, not a sample
             restarts = sum((o.get("status") or {}).get("restarts", 0) for o in items)
             print(  # before the teardown of hundreds of pods, which takes minutes

@@ -69,3 +69,11 @@ def test_the_projection_fits_a_line_and_checks_it_against_larger_sizes(bench: Mo
     assert "| API calls | 13 + 0 x | 13 / 13 (1.00x) | 13 | 13 |" in table
     assert "| agent reports | " in table and "| 3.58e+03 / 3.58e+03 (1.00x) | 7.17e+03 | 2.87e+04 |" in table
     assert "fitted as a + b x pods on 64 and 128 pods" in table
+
+
+@pytest.mark.parametrize(
+    ("pods", "cores", "hosts"),
+    [(1, 16, 1), (8, 16, 1), (64, 16, 8), (512, 16, 32), (800, 16, 32), (64, 2, 8), (512, 2, 8)],
+)
+def test_hosts_hold_few_pods_until_two_a_core(bench: ModuleType, pods: int, cores: int, hosts: int) -> None:
+    assert bench.host_count(pods, cores) == hosts
