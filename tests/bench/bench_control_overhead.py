@@ -12,7 +12,7 @@ What runs: a real kube-apiserver + etcd (`LocalControlPlane`, cached binaries), 
 (`rljob.controller.main`, its metrics endpoint bound to 127.0.0.1), the fake kubelet, and for every pod a
 real agent and SGLang emulator, each a real HTTP server on the pod's loopback IP. Pods share processes
 (`rljob.testing.shared_pods`): the agents and emulators of several pods on one event loop in one host
-process, PODS_PER_HOST pods a host up to two hosts per core (HostShards, host_count), so that an agent
+process, PODS_PER_HOST pods a host up to one host per two cores (HostShards, host_count), so that an agent
 queues behind as few others as the machine allows; the trainers as threads driving the trainer SDK over
 HTTP in this process. Zero-cost operations: emulator `--tokens-per-second 0`, no faults; trainer
 `--train-seconds 0`, one prompt, one sample, 4 tokens, a 4 KiB checkpoint.
@@ -106,14 +106,15 @@ TRAINER_ARGS = [
 
 
 PODS_PER_HOST = 8  # pods whose agents and emulators share one host process (one event loop), at most...
-HOSTS_PER_CORE = 2  # ...until the hosts are this many a core (at least MIN_HOSTS): then more pods a host
-MIN_HOSTS = 8
+CORES_PER_HOST = 2  # ...until there is a host per this many cores (at least MIN_HOSTS): then more pods a host
+MIN_HOSTS = 8  # 800 pods' connections in 8 processes stay within one process's file descriptors
 
 
 def host_count(pods: int, cores: int) -> int:
-    """Host processes for `pods` pods: one per PODS_PER_HOST pods, at most HOSTS_PER_CORE a core (on 16
-    cores: 8 hosts of 8 pods at 64, 32 of 16 at 512, 32 of 25 for 800)."""
-    return max(1, min(-(-pods // PODS_PER_HOST), max(MIN_HOSTS, HOSTS_PER_CORE * cores)))
+    """Host processes for `pods` pods: one per PODS_PER_HOST pods, at most one per CORES_PER_HOST cores,
+    the rest of the machine left to the API server, the operator and the kubelet (on 16 cores: 8 hosts of
+    8 pods at 64, 8 of 64 at 512, 8 of 100 for 800; docs/benchmarks.md has the run that set it)."""
+    return max(1, min(-(-pods // PODS_PER_HOST), max(MIN_HOSTS, cores // CORES_PER_HOST)))
 
 
 class HostShards:

@@ -73,7 +73,7 @@ def test_the_projection_fits_a_line_and_checks_it_against_larger_sizes(bench: Mo
 
 @pytest.mark.parametrize(
     ("pods", "cores", "hosts"),
-    [(1, 16, 1), (8, 16, 1), (64, 16, 8), (512, 16, 32), (800, 16, 32), (64, 2, 8), (512, 2, 8)],
+    [(1, 16, 1), (8, 16, 1), (64, 16, 8), (512, 16, 8), (800, 16, 8), (512, 64, 32), (64, 2, 8), (800, 2, 8)],
 )
-def test_hosts_hold_few_pods_until_two_a_core(bench: ModuleType, pods: int, cores: int, hosts: int) -> None:
+def test_hosts_hold_few_pods_until_one_per_two_cores(bench: ModuleType, pods: int, cores: int, hosts: int) -> None:
     assert bench.host_count(pods, cores) == hosts
