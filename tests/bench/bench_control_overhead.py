@@ -763,7 +763,7 @@ PROJECTED: tuple[tuple[str, Any, bool], ...] = (
     ("status writes", lambda r: r.per_iteration["status writes"], False),
     ("agent reports", lambda r: r.per_iteration["agent reports"], False),
     ("RLJob object KiB", lambda r: r.object_bytes / 1024, True),
-    ("operator RSS MiB (window's end)", lambda r: r.rss / 2**20, False),
+    ("operator peak RSS MiB (VmHWM)", lambda r: r.rss_peak / 2**20, False),
 )
 # The line is fitted where the RLJob's status lists as many pods as it ever will (MAX_PODS_IN_STATUS, 64):
 # from there on a figure grows with the gang only through what each pod costs. Larger sizes check it.

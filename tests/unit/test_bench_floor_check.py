@@ -63,17 +63,18 @@ def test_the_projection_fits_a_line_and_checks_it_against_larger_sizes(bench: Mo
             "CPU operator": 0.001 * pods, "API calls": 13.0, "status writes": 6.0,
             "agent reports": 7.0 * pods, "API request KiB": 1.0 + pods,
         }  # fmt: skip
-        r.object_bytes, r.rss = 1024 * pods, 2**20 * 60
+        r.object_bytes, r.rss, r.rss_peak = 1024 * pods, 2**20 * 60, 2**20 * (60 + pods // 8)
         sized.append(r)
     table = "\n".join(bench.projection_table(sized, None))
     assert "| API calls | 13 + 0 x | 13 / 13 (1.00x) | 13 | 13 |" in table
     assert "| agent reports | " in table and "| 3.58e+03 / 3.58e+03 (1.00x) | 7.17e+03 | 2.87e+04 |" in table
     assert "fitted as a + b x pods on 64 and 128 pods" in table
+    assert "| operator peak RSS MiB (VmHWM) | 60 + 0.125 x | 124 / 124 (1.00x) | 188 | 572 |" in table
 
 
 @pytest.mark.parametrize(
     ("pods", "cores", "hosts"),
     [(1, 16, 1), (8, 16, 1), (64, 16, 8), (512, 16, 8), (800, 16, 8), (512, 64, 32), (64, 2, 8), (800, 2, 8)],
 )
-def test_hosts_hold_few_pods_until_one_per_two_cores(bench: ModuleType, pods: int, cores: int, hosts: int) -> None:
+def test_hosts_up_to_one_per_two_cores(bench: ModuleType, pods: int, cores: int, hosts: int) -> None:
     assert bench.host_count(pods, cores) == hosts
