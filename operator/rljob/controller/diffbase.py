@@ -3,10 +3,10 @@
 On every watch event kopf builds the object's essence (what its change handlers compare) by deep-copying the
 whole body and then deleting `status` and `metadata` (DiffBaseStorage.build in
 kopf/_cogs/configs/diffbase.py@1.45.2). Here that is a job's status, pods list and all, on each of its status
-writes, and every pod event's managedFields (docs/benchmarks.md). The essence is the same when built from
-the body without them: of the
-metadata kopf reads back only labels and annotations (and ownerReferences, for its key names). A handler
-that asks for extra fields gets kopf's own build.
+writes, and every pod event's managedFields (measured in docs/benchmarks.md at commit 6702d4b). The essence
+is the same when built from the body without them: of the metadata kopf reads back only labels and
+annotations (and ownerReferences, for its key names). A handler that asks for extra fields gets kopf's own
+build.
 
 Pods and Kueue Workloads get no essence at all. kopf builds one for every watch event and then clears it of
 its progress annotations (kopf/_core/reactor/processing.py:179-181@1.45.2) whatever the resource's handlers,

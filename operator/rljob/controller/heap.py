@@ -4,7 +4,8 @@
   so that full collections, which stall the event loop and free nothing of it, no longer rescan it.
 - `trim_every(seconds)`: glibc keeps the memory of freed objects (parsed watch events, HTTP bodies) in
   its heap, in pieces between objects that live on, so the RSS climbs to the high-water mark of every
-  burst and stays there; `malloc_trim(0)` every TRIM_SECONDS hands the free pages back (docs/benchmarks.md).
+  burst and stays there; `malloc_trim(0)` every TRIM_SECONDS hands the free pages back (measured in
+  docs/benchmarks.md at commit 6702d4b).
   Not glibc: nothing to do."""
 
 from __future__ import annotations
