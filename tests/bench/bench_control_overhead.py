@@ -96,7 +96,7 @@ CPU_OF = ("operator", "agents+emulators", "kube-apiserver", "etcd", "kubelet+tra
 DEFAULT_SIZES = (1, 8, 64, 128, 256, 512)
 DEFAULT_ITERATIONS = (30, 30, 20, 10, 5, 5)
 COMMAND_PHASES = 5  # drain, release, grant, refit, resume: one fan-out each per iteration
-FLOOR_PAIRS = 10
+FLOOR_ROUNDS = 10  # command cycles of the floor: 10 samples of each command
 BENCH_DIR = Path(__file__).resolve().parent
 SIM_ARGS = "--tokens-per-second 0"
 TRAINER_ARGS = [
@@ -122,12 +122,15 @@ class HostShards:
     uid's, in turn), so that an agent queues behind few others' agents and emulators on one event loop
     (host_count), and 800 pods' connections do not exhaust one process's file descriptors."""
 
-    def __init__(self, work: Path, pods: int, liveness: float | None, rpc_timeout: float) -> None:
+    def __init__(
+        self, work: Path, pods: int, liveness: float | None, rpc_timeout: float, hosts: int | None = None
+    ) -> None:
+        """`hosts`: this many host processes instead of host_count's."""
         self.shards = [
             SharedPods(
                 work / f"shared-host-{i}.log", rpc_timeout=rpc_timeout, agent_liveness_seconds=liveness
             ).start()
-            for i in range(host_count(pods, os.cpu_count() or 1))
+            for i in range(hosts or host_count(pods, os.cpu_count() or 1))
         ]
         self._maps = [s.mapping() for s in self.shards]
         self._host_of: dict[str, int] = {}  # pod uid -> shard: round robin, as even as a hash is not
@@ -272,13 +275,20 @@ IN_AGENT_SLACK = 0.010  # ... or within this many seconds: a scheduler slice on 
 LOAD_MARGIN = 0.25  # the machine's other load within this share of its cores
 
 
+# The floor's command for each phase of the run (control_floor.py runs the operator's cycle).
+FLOOR_OF = {"Draining": "drain", "Releasing": "release", "Training": "grant", "Refitting": "refit",
+            "Resuming": "resume"}  # fmt: skip
+
+
 def floor_refused(r: SizeResult, cores: int) -> str | None:
     """Why `r`'s floor is not comparable with its run (None: it is). The floor ran on the same agents after
-    the run; it bounds the operator from below only if its agents were as fast (their own time for drain
-    and resume) and the machine as loaded (by everything but the measured process) as during the run."""
+    the run; it bounds the operator from below only if its agents were as fast (their own time for each
+    command) and the machine as loaded (by everything but the measured process) as during the run."""
     if not r.floor:
         return "no floor"
-    for action, phase in (("drain", "Draining"), ("resume", "Resuming")):
+    for phase, action in FLOOR_OF.items():
+        if not r.floor_samples(action):
+            continue  # a run saved before the floor ran every command
         floor = statistics.median(s["in_agent"] for s in r.floor_samples(action))
         run = statistics.median(r.in_agent[phase])
         within = 1 / IN_AGENT_MARGIN <= floor / max(run, 1e-9) <= IN_AGENT_MARGIN
@@ -347,6 +357,7 @@ class Options:
     profile_dir: Path | None = None
     gc_stats: bool = False
     operator_source: Path | None = None  # a source tree whose operator/ runs instead of this one's
+    hosts: int | None = None  # host processes for every size (None: host_count's)
 
 
 class Bench:
@@ -409,7 +420,11 @@ class Bench:
         # Past 64 pods the agents' 1 s SGLang liveness check (one per agent and per second) is a fifth of
         # a core per 64 agents: every 5 s instead, as the agents of a real cluster have a core each.
         shared = HostShards(
-            work, pods, liveness=None if pods <= 64 else 5.0, rpc_timeout=max(30.0, 1.0 * pods)
+            work,
+            pods,
+            liveness=None if pods <= 64 else 5.0,
+            rpc_timeout=max(30.0, 1.0 * pods),
+            hosts=self.options.hosts,
         )
         kubelet = Kubelet(
             self.kubeconfig, [ns], mapping=shared.mapping(), scratch_root=work / "pods",
@@ -476,8 +491,8 @@ class Bench:
         request = {
             "agents": [[p["metadata"]["name"], p["status"]["podIP"], port] for p in pods],
             "token": token,
-            "epoch": job["status"]["epoch"],
-            "pairs": FLOOR_PAIRS,
+            "job": job,
+            "rounds": FLOOR_ROUNDS,
             "kubeconfig": str(self.kubeconfig),
             "namespace": self.floor_ns,
             "name": "floor",
@@ -736,8 +751,9 @@ def _ms(v: float) -> str:
     return f"{v * 1000:.1f}"
 
 
-def _floor_p50(r: SizeResult) -> float:
-    got = r.floor_overhead()
+def _floor_p50(r: SizeResult, phase: str) -> float:
+    """The floor of the phase's own command (a run saved before the floor ran every command: of all)."""
+    got = r.floor_overhead(FLOOR_OF[phase]) or r.floor_overhead()
     return statistics.median(got) if got else float("nan")
 
 
@@ -749,9 +765,9 @@ def breakdown_table(column: str, pods: list[int], counts: list[dict[str, float]]
     return rows
 
 
-def _ratio(value: float, r: SizeResult, cores: int) -> str:
+def _ratio(value: float, r: SizeResult, cores: int, phase: str) -> str:
     refused = floor_refused(r, cores)
-    return f"no ratio: {refused}" if refused else f"{value / _floor_p50(r):.2f}x"
+    return f"no ratio: {refused}" if refused else f"{value / _floor_p50(r, phase):.2f}x"
 
 
 # What an operator team sizing a cluster asks for, per iteration of one job: (label, figure of a result,
@@ -832,10 +848,11 @@ def tables(
     cores = cores or (results[0].cores if results else 0) or os.cpu_count() or 1
     out = [
         "Control overhead per phase transition (wall - slowest pod's in-agent time), ms; median and p95 "
-        "(nearest rank) over the measured iterations; the floor (p50 of drain and resume together, on the "
-        "same agents in the same run, over the operator's own transport and patch path) and the ratio of the "
-        "overhead's p50 to it, printed only when the floor's inputs match the run's (in-agent p50 of drain "
-        f"and resume within {IN_AGENT_MARGIN}x or {IN_AGENT_SLACK * 1000:.0f} ms, the machine's other load "
+        "(nearest rank) over the measured iterations; the floor (p50 of the phase's own command: drain, "
+        "release, grant, refit, resume; on the same agents in the same run, over the operator's own "
+        "transport and patch path) and the ratio of the overhead's p50 to it, printed only when the floor's "
+        f"inputs match the run's (in-agent p50 of each command within {IN_AGENT_MARGIN}x or "
+        f"{IN_AGENT_SLACK * 1000:.0f} ms, the machine's other load "
         f"within {LOAD_MARGIN:.0%} of its {cores} cores)",
         "",
         "| phase | pods | iterations | overhead p50 | overhead p95 | floor p50 | p50 / floor "
@@ -848,7 +865,7 @@ def tables(
             label = "Training (grant)" if phase == "Training" else phase
             out.append(
                 f"| {label} | {r.pods} | {r.iterations} | {_ms(statistics.median(o))} | {_ms(p95(o))} | "
-                f"{_ms(_floor_p50(r))} | {_ratio(statistics.median(o), r, cores)} | "
+                f"{_ms(_floor_p50(r, phase))} | {_ratio(statistics.median(o), r, cores, phase)} | "
                 f"{_ms(statistics.median(a))} | {_ms(p95(a))} |"
             )
     for r in results:
@@ -862,8 +879,8 @@ def tables(
         rest = [o - t for o, t in zip(r.overhead["Training"], r.trainer_lease, strict=True)]
         out.append(
             f"| Training - trainer's lease (agent-timed) | {r.pods} | {r.iterations} | "
-            f"{_ms(statistics.median(rest))} | {_ms(p95(rest))} | {_ms(_floor_p50(r))} | "
-            f"{_ratio(statistics.median(rest), r, cores)} | "
+            f"{_ms(statistics.median(rest))} | {_ms(p95(rest))} | {_ms(_floor_p50(r, 'Training'))} | "
+            f"{_ratio(statistics.median(rest), r, cores, 'Training')} | "
             f"lease p50 {_ms(statistics.median(r.trainer_lease))} | p95 {_ms(p95(r.trainer_lease))} |"
         )
     for r in results:
@@ -885,7 +902,7 @@ def tables(
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
-        for action, phase in (("drain", "Draining"), ("resume", "Resuming")):
+        for phase, action in FLOOR_OF.items():
             got = r.floor_samples(action)
             if not got:
                 continue
@@ -1150,6 +1167,7 @@ def main() -> None:
     p.add_argument("--profile", type=Path, default=None, help="py-spy the operator, stacks into this dir")
     p.add_argument("--gc-stats", action="store_true", help="time the operator's garbage collections")
     p.add_argument("--operator-source", type=Path, default=None, help="run the operator from DIR/operator")
+    p.add_argument("--hosts", type=int, default=None, help="agent/emulator processes (default: host_count)")
     p.add_argument(
         "--from-json", type=Path, nargs="+", default=None,
         help="print the tables of earlier runs' files (F.<pods>.json, F.many.json) instead of measuring",
@@ -1162,7 +1180,7 @@ def main() -> None:
     its = [int(s) for s in args.iterations.split(",")] if sizes else []
     if len(its) == 1:
         its *= len(sizes)
-    options = Options(args.profile, args.gc_stats, args.operator_source)
+    options = Options(args.profile, args.gc_stats, args.operator_source, args.hosts)
     many = (args.many_jobs, args.many_pods, args.many_seconds) if args.many_jobs > 0 else None
     print(tables(*run(sizes, its, args.json, options, many)))
 

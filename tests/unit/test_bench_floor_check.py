@@ -22,13 +22,22 @@ def bench() -> ModuleType:
     return module
 
 
-def result(bench: ModuleType, floor_in_agent: float, run_in_agent: float, floor_busy: float) -> object:
+def result(
+    bench: ModuleType,
+    floor_in_agent: float,
+    run_in_agent: float,
+    floor_busy: float,
+    refit: float | None = None,
+) -> object:
+    """A 64-pod run whose floor ran every command of the cycle (the refit's in-agent time: `refit`)."""
     r = bench.SizeResult(pods=64, iterations=10, startup_seconds=1.0, window_seconds=10.0)
     r.in_agent = {phase: [run_in_agent] * 10 for phase in bench.TRANSITIONS}
     r.per_iteration = {"CPU operator": 0.1}  # 1 s over the window
     r.busy = 11.0  # 10 s of other load over 10 s: 1 core
     r.floor = [
-        {"action": a, "wall": 0.05, "in_agent": floor_in_agent, "patch": 0.01} for a in ("drain", "resume")
+        {"action": a, "wall": 0.05, "in_agent": refit if a == "refit" and refit else floor_in_agent}
+        | {"patch": 0.01}
+        for a in bench.FLOOR_OF.values()
     ]
     r.floor_cpu, r.floor_seconds, r.floor_busy = 1.0, 2.0, floor_busy
     return r
@@ -50,8 +59,28 @@ def test_in_agent_differences_within_a_scheduler_slice_are_noise(bench: ModuleTy
 def test_a_floor_on_a_machine_loaded_otherwise_is_refused(bench: ModuleType) -> None:
     why = bench.floor_refused(result(bench, 0.010, 0.010, 5.0), cores=2)  # 2 cores of other load vs 1
     assert why is not None and why.startswith("load 2.00 cores vs 1.00")
-    ratio = bench._ratio(0.05, result(bench, 0.010, 0.010, 5.0), 2)
+    ratio = bench._ratio(0.05, result(bench, 0.010, 0.010, 5.0), 2, "Draining")
     assert ratio.startswith("no ratio: load")
+
+
+def test_every_command_of_the_cycle_is_checked(bench: ModuleType) -> None:
+    why = bench.floor_refused(result(bench, 0.100, 0.100, 3.0, refit=0.300), cores=2)
+    assert why is not None and why.startswith("refit in-agent 300.0 ms vs 100.0")
+
+
+def test_each_phase_is_compared_with_the_floor_of_its_own_command(bench: ModuleType) -> None:
+    r = result(bench, 0.100, 0.100, 3.0)
+    r.floor = [{**s, "wall": 0.2 if s["action"] == "resume" else 0.15} for s in r.floor]
+    assert bench._ratio(0.2, r, 2, "Resuming") == "2.00x"  # 0.2 / (0.2 - 0.1)
+    assert bench._ratio(0.2, r, 2, "Draining") == "4.00x"  # 0.2 / (0.15 - 0.1)
+    assert bench._ratio(0.2, r, 2, "Training") == "4.00x"  # the grant's
+
+
+def test_a_floor_saved_before_it_ran_every_command_is_read_as_one(bench: ModuleType) -> None:
+    r = result(bench, 0.100, 0.100, 3.0)
+    r.floor = [{**s, "wall": 0.15} for s in r.floor if s["action"] in ("drain", "resume")]
+    assert bench.floor_refused(r, cores=2) is None
+    assert bench._ratio(0.1, r, 2, "Refitting") == "2.00x"  # drain and resume together
 
 
 def test_the_projection_fits_a_line_and_checks_it_against_larger_sizes(bench: ModuleType) -> None:
