@@ -14,9 +14,10 @@ from rljob.lifecycle.endings import (
     restart_gang_if_timed_out,
     stop_without_finishing,
 )
+from rljob.lifecycle.evidence import KINDS
 from rljob.lifecycle.lock_steps import LockStep
 from rljob.lifecycle.model import Awaited, PodObservation
-from rljob.lifecycle.roles import Role
+from rljob.lifecycle.roles import Role, role_of
 from rljob.lifecycle.step import Step
 
 
@@ -80,6 +81,17 @@ class _Round:
     leaders_done: set[int] = field(default_factory=set)  # leaders that showed the row's evidence
     built: dict[tuple[Role, str | None], Command] = field(default_factory=dict)  # by role, LockStep.varies
 
+    def __post_init__(self) -> None:
+        # What every pod of the pass reads, looked up once: a pass visits the whole gang.
+        self.epoch = self.step.status.epoch
+        self.per_instance = self.step.spec.rollout.pods_per_instance
+        self.shown_by = KINDS[self.row.evidence].predicate
+        self.per_report = self.row.evidence.per_report
+        self.awaited_as = self.row.evidence.awaited_as
+
+    def _awaited(self, pod: PodObservation, agent: AgentState) -> Awaited:
+        return Awaited(pod.name, agent.boot_id, self.epoch, self.row.action, self.awaited_as)
+
     def wait(self, awaited: Awaited | None) -> None:
         self.waiting = True
         if awaited is None:
@@ -89,41 +101,39 @@ class _Round:
 
     def take(self, pod: PodObservation) -> bool:
         """Send to or collect from `pod`; False when its report restarted the gang or failed the job."""
-        step, row, epoch = self.step, self.row, self.step.status.epoch
+        step, row, epoch = self.step, self.row, self.epoch
         agent = step.agent(pod)
         if agent is None or not pod.running:
             self.wait(None)
             return True
-        awaited = Awaited(pod.name, agent.boot_id, epoch, row.action, row.evidence.awaited_as)
         cmd = agent.last_command
         if agent.epoch < epoch or cmd is None or cmd.epoch < epoch:
-            self.send(pod, agent, awaited)
+            self.send(pod, agent)
             return True
         if cmd.epoch > epoch or cmd.action != row.action:
             # The agent is ahead of our status: our status was rolled back. Never guess: restart the gang.
             recover(step, f"pod {pod.name} reports epoch {cmd.epoch} ({cmd.action.value}), job is at {epoch}")
             return False
-        return self.collect(pod, agent, cmd, awaited)
+        return self.collect(pod, agent, cmd)
 
-    def collect(self, pod: PodObservation, agent: AgentState, cmd: CommandStatus, awaited: Awaited) -> bool:
+    def collect(self, pod: PodObservation, agent: AgentState, cmd: CommandStatus) -> bool:
         """`pod` reports this epoch's command: it runs, failed, or finished with or without the evidence."""
-        evidence = self.row.evidence
         if cmd.state == CommandState.RUNNING:
-            self.wait(awaited)
+            self.wait(self._awaited(pod, agent))
         elif cmd.state == CommandState.FAILED:
             return self.failed(pod, agent, cmd)
-        elif not evidence.shown_by(agent, awaited.epoch, self.target):
-            self.wait(awaited if evidence.per_report else None)
+        elif not self.shown_by(agent, self.epoch, self.target):
+            self.wait(self._awaited(pod, agent) if self.per_report else None)
         else:
             self.finished.append(agent)
-            if self.step.role(pod) == Role.LEADER:
+            if role_of(pod.index, self.per_instance) == Role.LEADER:
                 self.leaders_done.add(pod.index)
         return True
 
-    def send(self, pod: PodObservation, agent: AgentState, awaited: Awaited) -> None:
+    def send(self, pod: PodObservation, agent: AgentState) -> None:
         """The row's command, unless `pod` is a follower whose leader has yet to show the evidence."""
-        role = self.step.role(pod)
-        leader = pod.index - pod.index % self.step.spec.rollout.pods_per_instance
+        role = role_of(pod.index, self.per_instance)
+        leader = pod.index - pod.index % self.per_instance
         if role == Role.FOLLOWER and self.row.after_leader and leader not in self.leaders_done:
             self.wait(None)
             return
@@ -132,7 +142,7 @@ class _Round:
         if command is None:
             command = self.built[key] = self.row.command(self.step, agent, role)
         self.step.send(pod, command)
-        self.wait(awaited)  # once it is accepted
+        self.wait(self._awaited(pod, agent))  # once it is accepted
 
     def failed(self, pod: PodObservation, agent: AgentState, cmd: CommandStatus) -> bool:
         if self.row.best_effort:
