@@ -68,8 +68,8 @@ cluster-status: ## is the local control plane running?
 demo: install binaries ## the whole loop on a real local API server with simulated GPUs
 	$(BIN)/python -m rljob.testing.demo
 
-bench: install binaries ## benchmarks: printed tables, not timed tests (agent overhead; control overhead 1 to 512 pods, 100 jobs x 8)
-	$(BIN)/python -m pytest -q -s -m bench tests/bench/bench_agent_overhead.py tests/bench/bench_control_overhead.py
+bench: install binaries ## benchmarks: printed tables, not timed tests (agent overhead; decision cost; control overhead 1 to 512 pods, 100 jobs x 8)
+	$(BIN)/python -m pytest -q -s -m bench tests/bench/bench_agent_overhead.py tests/bench/bench_decide.py tests/bench/bench_control_overhead.py
 
 chaos: install binaries ## chaos suite (a report, not timed tests; ~10 min): operator, agent, SGLang, standby, API server faults
 	$(BIN)/python tests/chaos/chaos.py
