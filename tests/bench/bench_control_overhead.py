@@ -30,9 +30,11 @@ Succeeded):
 - the floor, per pod count, after the job succeeded and its operator stopped, on the same agents
   (control_floor.py): one command fanned out to every agent, every report back over channels already open,
   one status merge-patch, all over the operator's own client code (AgentWatch, Kube.patch_status); wall
-  time minus the slowest agent's own time, as for the overhead; 10 drains and 10 resumes. A ratio to the
-  floor is printed only when the floor's own inputs match the run's (floor_refused: the agents' in-agent
-  time for drain and resume, and the machine's load by everything but the measured process);
+  time minus the slowest agent's own time, as for the overhead; 10 rounds of the operator's cycle (drain,
+  release, grant, refit, resume) with the job's trainers still running, each phase against the floor of
+  its own command. A ratio to the floor is printed only when the floor's own inputs match the run's
+  (floor_refused: the agents' in-agent time for each command, and the machine's load by everything but
+  the measured process);
 - per iteration: status writes (`rljob_status_writes_total`), operator API calls and their request bytes
   (`rljob_api_calls_total`, `rljob_api_request_bytes_total`; our calls only: kopf's own watches are not
   counted) and agent commands, from the operator's metrics endpoint scraped at both ends of the window (a
