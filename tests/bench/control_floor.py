@@ -7,12 +7,12 @@ A transition is the least any operator must do: send one small command to every 
 agent's report of the finished command, and write one status merge-patch once the last report came. The
 floor runs the operator's whole command cycle, so that each agent does for each command what it does in the
 job (a resume after a release resumes memory; a drain after a refit drains a fresh server): per round
-drain, release, grant, refit, resume, built from the job's spec as the operator builds them (epochs
-counting on from the job's). The job's trainers still run (they train until stopped): as in the job, a drain
-waits until every trainer asked for the GPU after its rollout, and a refit until every trainer published,
-and loads what each published. Those waits are not timed: they are the Rollout and Training phases.
-It runs on the operator's own path, so that the floor costs what the operator's transport and parsing cost
-and no more:
+drain, release, grant, refit, resume, each built by its row in lifecycle/lock_steps.py from the job's
+spec and status (epochs counting on from the job's). The job's trainers still run (they train until
+stopped): as in the job, a drain waits until every trainer asked for the GPU after its rollout, and a refit
+until every trainer published, and loads what each published. Those waits are not timed: they are the
+Rollout and Training phases. It runs on the operator's own path, so that the floor costs what the
+operator's transport and parsing cost and no more:
 - the agents: `controller/agent_client.py` (an `AgentWatch` per agent: its channel, `GET /v1/channel`,
   opened before the first command; each frame validated as the operator validates it; a command as one
   frame per distinct command, `command_frame`, as the conductor does);
@@ -24,7 +24,7 @@ Its floor is that wall time minus the slowest agent's own time for the command (
 the operator's overhead is the phase's wall time minus `agentSeconds`.
 
 REQUEST: {"agents": [[pod, ip, port], ...], "token": str,
-"job": the RLJob (its spec builds the commands; its status.epoch and weightVersion are the last), "rounds":
+"job": the RLJob (its spec and status build the commands; its status.epoch is the last), "rounds":
 int, "kubeconfig": path, "namespace": str, "name": str (an RLJob no operator watches: its status is patched),
 "status": the job's final status (the floor RLJob already carries it)}.
 RESULT: {"samples": [{"action", "wall", "in_agent", "patch"}], "cpu": seconds of this process over the
@@ -46,22 +46,16 @@ from typing import Any
 
 from rljob import event_loop
 from rljob.api import parse_job
-from rljob.api.agent import (
-    Action,
-    AgentState,
-    Command,
-    CommandState,
-    CommandStatus,
-    DrainCommand,
-    GrantCommand,
-    RefitCommand,
-    ReleaseCommand,
-    ResumeCommand,
-    Stage,
-)
+from rljob.api.agent import Action, AgentState, Command, CommandState, CommandStatus, Stage
+from rljob.api.resource import parse_status
+from rljob.api.status import CommittedWeights, Phase
 from rljob.controller.agent_client import AgentClient, AgentEndpoint, AgentWatch, command_frame
 from rljob.controller.kube import Kube, api_server
 from rljob.kubeclient.credentials import Credentials
+from rljob.lifecycle.lock_steps import LOCK_STEPS
+from rljob.lifecycle.model import Observation
+from rljob.lifecycle.roles import Role
+from rljob.lifecycle.step import Step
 
 COMMAND_SECONDS = 120.0  # a transition that takes longer fails the floor
 CYCLE = (Action.DRAIN, Action.RELEASE, Action.GRANT, Action.REFIT, Action.RESUME)  # the operator's order
@@ -94,7 +88,8 @@ class Floor:
         self.endpoints = [AgentEndpoint(pod, "", ip, port) for pod, ip, port in req["agents"]]
         self.kube = Kube(api_server(Credentials.from_kubeconfig(req["kubeconfig"])))
         self.spec = parse_job(req["job"])
-        self.epoch = int(req["job"]["status"]["epoch"])
+        self.status = parse_status(req["job"]["status"])
+        self.epoch = self.status.epoch
         self.watches: list[AgentWatch] = []
         self.done = asyncio.Event()
         self.until: Callable[[AgentState], bool] = self._finished  # what `done` waits for on every agent
@@ -115,23 +110,17 @@ class Floor:
         await asyncio.wait_for(self.done.wait(), COMMAND_SECONDS)
 
     def _command(self, action: Action, agent: AgentState) -> Command:
-        """What lifecycle/lock_steps.py sends a leader for `action`, from the job's spec."""
-        spec, epoch = self.spec, self.epoch
-        if action == Action.DRAIN:
-            drain = spec.rollout.drain
-            return DrainCommand(epoch=epoch, mode=drain.mode, timeout_seconds=drain.timeout_seconds)
-        if action == Action.RELEASE:
-            return ReleaseCommand(epoch=epoch, tags=list(spec.release.tags), verify=spec.release.verify)
-        if action == Action.GRANT:
-            return GrantCommand(epoch=epoch)
+        """What the phase's row in lifecycle/lock_steps.py sends a leader, at the floor's epoch; a refit
+        targets the version the pod's own trainer published (so it loads that trainer's path)."""
+        status = self.status.model_copy(update={"epoch": self.epoch})
         if action == Action.REFIT:
-            published = agent.trainer  # each pod loads what its own trainer published (lock_steps._refit)
-            assert published.published_version is not None
-            return RefitCommand(
-                epoch=epoch, version=published.published_version, path=published.published_path,
-                source=spec.refit.source, timeout_seconds=spec.refit.timeout_seconds,
-            )  # fmt: skip
-        return ResumeCommand(epoch=epoch, timeout_seconds=float(spec.phase_timeout_seconds.resuming or 300))
+            version = agent.trainer.published_version
+            assert version is not None
+            status.target_weights = CommittedWeights(version=version, iteration=status.iteration + 1)
+        step = Step(
+            job_spec=self.spec, status=status, obs=Observation(now=datetime.now(UTC)), rows=LOCK_STEPS
+        )
+        return LOCK_STEPS[Phase(PHASE[action])].command(step, agent, Role.LEADER)
 
     async def transition(self, action: Action) -> dict[str, Any]:
         self.epoch += 1
