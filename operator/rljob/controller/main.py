@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import os
+import resource
 
 from prometheus_client import start_http_server
 
@@ -18,6 +19,8 @@ from rljob.controller.kube import Kube, api_server
 from rljob.controller.leader import ElectionOptions, LeaderElector
 from rljob.controller.namespace_watch import keep_watching_terminating_namespaces
 from rljob.kubeclient.apiserver import ApiServer
+
+log = logging.getLogger("rljob")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -91,7 +94,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _native_sidecar(choice: str, server: ApiServer) -> bool:
     """`auto`: ask the API server's /version (a failure to ask is not fatal: a regular container works
     on every server, it only restarts the gang when the agent exits)."""
-    log = logging.getLogger("rljob")
     if choice != "auto":
         return choice == "native"
     try:
@@ -110,6 +112,24 @@ def _native_sidecar(choice: str, server: ApiServer) -> bool:
     return native
 
 
+NOFILE_CEILING = 1 << 20  # the soft limit asked for when the hard one is unlimited (Linux's default nr_open)
+
+
+def raise_open_file_limit() -> tuple[int, int]:
+    """The soft limit on open files raised to the hard one, as Go's runtime does at start: the operator
+    holds a channel to every agent it conducts, and a common soft default, 1,024, is one RLJob's largest
+    gang (spec.replicas). Returns (before, after)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = NOFILE_CEILING if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError) as err:  # a ceiling above the kernel's nr_open: keep the soft limit
+            log.warning("open files: soft limit %d kept (%s)", soft, err)
+            return soft, soft
+    return soft, resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import kopf
@@ -121,6 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("rljob").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     if not args.verbose:  # "Handler 'x' succeeded" per watch event drowns the phase log
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    before, after = raise_open_file_limit()
+    log.info("open files: soft limit %d (was %d)", after, before)
     server = api_server()
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.metrics_address)
