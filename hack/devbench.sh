@@ -6,7 +6,8 @@
 #   there: bash hack/devbench.sh setup   -> the wheels under /tmp/site, the binaries where ensure_binaries
 #                                           looks; run it in each call, carrying .whl + .devbench/a in the
 #                                           first and .devbench/b in the second (both under 64 MiB).
-# Both read .devbench/versions, written by pack from the versions this checkout pins.
+# Both read .devbench/versions, written by pack from the versions this checkout pins. The image has
+# uvloop (the package's loop) already; py-spy is carried for --profile.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${RLJOB_BIN_CACHE:-$HOME/.cache/rljob/bin}
@@ -31,7 +32,7 @@ pack() {
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl kopf kubernetes pydantic pydantic_core annotated-types typing-inspection typing_extensions \
     iso8601 jsonpatch jsonpointer python-json-logger durationpy oauthlib requests-oauthlib \
-    websocket-client aiohttp-retry aiohttp
+    websocket-client aiohttp-retry aiohttp py-spy
   du -sh .whl .devbench/a .devbench/b
 }
 

@@ -45,9 +45,13 @@ Succeeded):
 - a projection of the per-iteration figures to 1,024 and 4,096 pods, fitted as a + b x pods on 64 and
   128 pods (FIT_SIZES) and checked against the larger sizes;
 - many jobs: `--many-jobs` RLJobs of `--many-pods` pods, 2 iterations each, at once under one operator:
-  every job must succeed within `--many-seconds`; the operator's VmHWM (the kernel's peak RSS) and CPU.
+  every job must succeed within `--many-seconds`; the operator's VmHWM (the kernel's peak RSS) and CPU;
+  past the window, what holds the unfinished jobs (their reasons, their pods' phases and scheduling).
 
-`--profile DIR` attaches py-spy to the operator for each measured window (DIR/operator-<pods>.txt,
+The first line names the event loop the operator runs on (uvloop, a dependency of the package, as in its
+image; where it is missing, asyncio's, which is not what a user runs) and the open-file limit the host
+processes inherit (raised to the hard limit first, as the operator raises its own). `--profile DIR`
+attaches py-spy to the operator for each measured window (DIR/operator-<pods>.txt,
 collapsed stacks) and prints the top frames; `--gc-stats` times the operator's garbage collections
 (gc.callbacks, tests/bench/gcstats/sitecustomize.py); `--operator-source DIR` runs the operator from
 another source tree (DIR/operator), e.g. an earlier commit, for a before/after comparison.
@@ -60,10 +64,12 @@ import base64
 import collections
 import contextlib
 import copy
+import importlib.util
 import json
 import math
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -86,6 +92,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rljob.api import parse_job
 from rljob.controller.children import token_secret_name
+from rljob.controller.main import raise_open_file_limit
 from rljob.testing.cluster import LocalControlPlane, ensure_binaries, free_port
 from rljob.testing.harness import ROOT, OperatorProcess, rljob_path
 from rljob.testing.kubeaccess import ApiError, KubeApi, Kubectl, create_namespace, delete_namespace
@@ -563,6 +570,7 @@ class Bench:
                     raise RuntimeError(f"{jobs} jobs x {pods} pods: {dict(phases)}")
                 if time.monotonic() > deadline:  # the RSS so far stands; the table says how many finished
                     print(f"[many jobs: timed out after {timeout:.0f}s: {dict(phases)}]", flush=True)
+                    print(f"[many jobs: where the unfinished ones are: {self._stuck(ns, items)}]", flush=True)
                     break
                 time.sleep(MANY_POLL_SECONDS)
             end, peak = rss_bytes(_pid(operator))  # VmHWM: the kernel's peak, not a sample
@@ -575,6 +583,28 @@ class Bench:
                 jobs, pods, time.monotonic() - began, peak, end, cpu_seconds(_pid(operator)) - cpu0,
                 restarts, phases.get("Succeeded", 0),
             )  # fmt: skip
+
+    def _stuck(self, ns: str, jobs: list[dict[str, Any]]) -> dict[str, Any]:
+        """What holds the unfinished jobs: their reasons, and their pods' phases and scheduling."""
+        try:
+            pods = self.api.get(f"/api/v1/namespaces/{ns}/pods", resourceVersion="0")["items"]
+        except (ApiError, requests.RequestException) as err:
+            return {"pods": repr(err)}
+        unfinished = [o for o in jobs if (o.get("status") or {}).get("phase") != "Succeeded"]
+        states: collections.Counter[str] = collections.Counter()
+        for pod in pods:
+            st = pod.get("status") or {}
+            scheduled = next((c for c in st.get("conditions", []) if c.get("type") == "PodScheduled"), {})
+            waiting = [
+                c["state"]["waiting"].get("reason", "?")
+                for c in st.get("containerStatuses", []) + st.get("initContainerStatuses", [])
+                if "waiting" in (c.get("state") or {})
+            ]
+            state = f"{st.get('phase')} scheduled={scheduled.get('status')} waiting={sorted(set(waiting))}"
+            states[state] += 1
+        reasons = collections.Counter((o.get("status") or {}).get("reason") for o in unfinished)
+        first = (unfinished[0].get("status") or {}).get("message") if unfinished else None
+        return {"reasons": dict(reasons), "first message": first, "pods": dict(states)}
 
     def _gc_stats(self, work: Path) -> dict[str, Any]:
         path = work / "gc-stats.json"
@@ -719,7 +749,8 @@ class Bench:
             return None
         self.options.profile_dir.mkdir(parents=True, exist_ok=True)
         out = self.options.profile_dir / name
-        spy = Path(sys.executable).parent / "py-spy"
+        beside = Path(sys.executable).parent / "py-spy"  # a virtualenv's; else the PATH's
+        spy = beside if beside.exists() else Path(shutil.which("py-spy") or beside)
         # --gil: only the thread holding the GIL, i.e. where the operator's Python CPU goes.
         cmd = [str(spy), "record", "-p", str(pid), "-r", "200", "-f", "raw", "-o", str(out)]
         cmd += ["--gil", "--nonblocking"]
@@ -1084,6 +1115,15 @@ def profile_table(path: str, top: int = 20) -> list[str]:
     return rows
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo): per-pod CPU figures hold for that CPU only."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "an unknown CPU"
+
+
 def run(
     sizes: Sequence[int],
     iterations: Sequence[int],
@@ -1093,7 +1133,13 @@ def run(
 ) -> tuple[list[SizeResult], dict[str, list[float]], ManyResult | None]:
     work = Path(tempfile.mkdtemp(prefix="rljob-bench-overhead-"))
     load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
-    print(f"[machine: {os.cpu_count()} cores; load average before the run {load}]", flush=True)
+    # The host processes inherit this process's limit: 100 pods' sockets a host exceed a soft 1,024.
+    _, files = raise_open_file_limit()
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio's (no uvloop: not the operator's)"
+    print(
+        f"[machine: {os.cpu_count()} cores of {cpu_model()}; load average before the run {load}; "
+        f"event loop {loop}; open files {files}]", flush=True,
+    )  # fmt: skip
     results = []
     many_result = None
     with LocalControlPlane(work / "cluster", ensure_binaries(build=True)) as plane:
