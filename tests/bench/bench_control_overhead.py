@@ -1133,7 +1133,7 @@ def run(
 ) -> tuple[list[SizeResult], dict[str, list[float]], ManyResult | None]:
     work = Path(tempfile.mkdtemp(prefix="rljob-bench-overhead-"))
     load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
-    # The host processes inherit this process's limit: 100 pods' sockets a host exceed a soft 1,024.
+    # The host processes inherit this process's open-file limit: raised as the operator raises its own.
     _, files = raise_open_file_limit()
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio's (no uvloop: not the operator's)"
     print(
