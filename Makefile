@@ -23,7 +23,7 @@ install: $(BIN)/python ## create .venv and install the package with the testing,
 	bash hack/sglang-wheels.sh $(BIN)/python
 
 test: install binaries ## unit, agent, e2e (real control plane), images (buildah); GPU tier skipped without a GPU
-	$(BIN)/python -m pytest -q --durations=25 tests/unit tests/agent tests/e2e tests/images tests/gpu
+	$(BIN)/python -m pytest -q --durations=25 -n 2 --dist loadfile tests/unit tests/agent tests/e2e tests/images tests/gpu
 
 test-unit: install ## pure tests only (seconds)
 	$(BIN)/python -m pytest -q tests/unit
