@@ -203,6 +203,45 @@ def test_c_drain_timing_continue_waits_for_the_abort_drain(emu: Emulator, versio
 
 
 @_params()
+def test_c_drain_abort_first(emu: Emulator, version: str) -> None:
+    """C-DRAIN-ABORT-FIRST: abort_request(abort_all) answers at once and ends what runs without pausing;
+    once a flush passes, pause(abort) answers at once, where with the same requests in flight it sleeps
+    1 s (C-DRAIN-TIMING)."""
+    jobs = [_running(emu) for _ in range(3)]
+    started = time.monotonic()
+    assert emu.call("POST", "/abort_request", {"abort_all": True}).status == 200
+    assert time.monotonic() - started < 0.5
+    wait_until(lambda: emu.call("POST", "/flush_cache").status == 200, 5, "the aborted requests to leave")
+    assert not emu.stats()["paused"]
+    started = time.monotonic()
+    assert emu.call("POST", "/pause_generation", {"mode": "abort"}).status == 200
+    assert time.monotonic() - started < 0.5, "the pause slept: a request was still in flight"
+    for job in jobs:
+        job["thread"].join(5)
+        assert job["result"].body["meta_info"]["finish_reason"]["type"] == "abort"
+    emu.call("POST", "/continue_generation", {})
+    jobs = [_running(emu) for _ in range(3)]
+    started = time.monotonic()
+    assert emu.call("POST", "/pause_generation", {"mode": "abort"}).status == 200
+    assert time.monotonic() - started >= 0.9  # in flight: the abort loop's 1 s
+    for job in jobs:
+        job["thread"].join(5)
+
+
+@_params()
+def test_c_pause_generate_waits(emu: Emulator, version: str) -> None:
+    """C-PAUSE-GENERATE-WAITS: a /generate sent while paused waits in the tokenizer (the scheduler never
+    sees it) and answers after continue_generation."""
+    assert emu.call("POST", "/pause_generation", {"mode": "abort"}).status == 200
+    job = _background(lambda: _generate(emu, 2))
+    time.sleep(0.5)
+    assert job["thread"].is_alive() and emu.stats()["running"] == 0 and emu.stats()["waiting"] == 0
+    assert emu.call("POST", "/continue_generation", {}).status == 200
+    job["thread"].join(5)
+    assert job["result"].status == 200
+
+
+@_params()
 def test_c_idle_after_reply_release(emu: Emulator, version: str) -> None:
     """C-IDLE-AFTER-REPLY: a request is released and filtered out of the batch before its reply leaves
     the tokenizer, so a release sent as soon as /generate answered passes the idle assert on every
@@ -666,6 +705,21 @@ def test_c_metric_load_route(emu: Emulator, version: str) -> None:
 
 
 # --- auth ------------------------------------------------------------------------------------------
+
+
+def test_c_metric_load_asgi(start_emulator: Callable[..., Emulator]) -> None:
+    """C-METRIC-LOAD-ASGI: under FastAPI >= 0.137 (`--fastapi-lazy-routers`) with --enable-metrics,
+    0.5.15.post1 answers /v1/loads with 500 and /get_load with 200; 0.5.20 on read the route's path with a
+    default (200); 0.5.6 has no /v1/loads. Without --enable-metrics the middleware is not there: 200."""
+    flags = ("--enable-metrics", "--fastapi-lazy-routers")
+    specs = {v: (v, flags) for v in VERSIONS} | {"off": ("0.5.15.post1", flags[1:])}
+    emus = _start_all(start_emulator, specs)
+    want = {"0.5.6": 404, "0.5.15.post1": 500, "off": 200}
+    for name, emu in emus.items():
+        r = emu.call("GET", "/v1/loads?include=core")
+        assert r.status == want.get(name, 200), (name, r.status, r.text[:200])
+        if r.status == 500:
+            assert r.text == "Internal Server Error" and emu.call("GET", "/get_load").status == 200
 
 
 def test_c_route_auth(start_emulator: Callable[..., Emulator]) -> None:

@@ -35,8 +35,9 @@ def test_metrics_after_an_iteration(
         "release_memory_occupation",
         "resume_memory_occupation",
         "update_weights_from_disk",
+        "abort_request",
         "continue_generation",
-        "health_generate",
+        "generate_probe",
         "weight_version",
     ):
         assert _value(text, f'rljob_agent_sglang_operation_seconds_count{{operation="{op}"}}') >= 1, op

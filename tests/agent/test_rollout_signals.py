@@ -140,3 +140,22 @@ def test_agent_without_metrics_reports_the_rates_and_counts_not_measured(
     assert set(unmeasured) == {"cacheHitRate", "generationTokensPerSecond", "tokenCounts"}, report
     for entry in unmeasured.values():
         assert entry["reason"] == "MetricsDisabled" and "--enable-metrics" in entry["message"], entry
+
+
+def test_agent_reads_get_load_where_v1_loads_answers_500(
+    start_emulator: Callable[..., Emulator], start_agent: Callable[..., Agent]
+) -> None:
+    """C-METRIC-LOAD-ASGI: 0.5.15.post1 with --enable-metrics under FastAPI >= 0.137 answers /v1/loads with
+    500 (seen on a GPU, tests/gpu/RESULTS.md). The agent reads the 0.5.15 `/get_load` shim from then on:
+    the rollout report still has its running and waiting counts."""
+    emu = start_emulator("0.5.15.post1", "--enable-metrics", "--fastapi-lazy-routers", tps=100)
+    emu.wait_ready()
+    r = emu.call("GET", "/v1/loads")
+    assert (r.status, r.text) == (500, "Internal Server Error"), r.text
+    agent = start_agent(emu, "--rollout-sample-seconds", "0.05")
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda i: _generate(emu, [f"q{i}"] * 2, 40), range(2)))
+    AgentDriver(agent).ok("drain")
+    report = agent.state()["rollout"]
+    assert report["samples"] >= 1 and report["meanRunningRequests"] > 0, report
+    assert "reading /get_load from now on (C-METRIC-LOAD-ASGI)" in agent.log_text()

@@ -49,7 +49,7 @@ log = logging.getLogger("rljob.agent")
 
 RESUME_ORDER = (ReleaseTag.CUDA_GRAPH, ReleaseTag.WEIGHTS, ReleaseTag.KV_CACHE)
 FLUSH_SERVER_WAIT_CAP_S = 30.0
-HEALTH_ATTEMPT_CAP_S = 25.0  # SGLang's own health timeout is 20 s
+ABORT_SETTLE_S = 0.5  # half the 1 s an abort pause sleeps when it finds a request in flight
 VERIFY_FIRST_POLL_S, VERIFY_MAX_POLL_S = 0.002, 0.1
 RELEASE_SHORTFALL = "ReleaseShortfall"
 FREED_STABLE_S = 1.0  # freed memory unchanged this long when verification times out: nothing is coming
@@ -135,9 +135,28 @@ class Operations:
         dl = Deadline(cmd.timeout_seconds)
         if self.before_drain is not None:
             await self.before_drain()  # last rollout sample, while requests still run
+        if cmd.mode == DrainMode.ABORT:
+            await self._abort_in_flight(dl)
         await self._pause(cmd.mode, dl)
         await self._idle_barrier(dl, "drain")
         return None
+
+    async def _abort_in_flight(self, dl: Deadline) -> None:
+        """C-DRAIN-ABORT-FIRST: an abort pause that finds a request still in flight sleeps 1 s before it
+        looks again. Aborting first and giving the scheduler up to ABORT_SETTLE_S to go idle lets the pause
+        find none. Best effort: traffic that keeps coming (the engine is not paused yet), a slow or refused
+        call, all leave the stopping to the pause, which the drain makes in any case."""
+        settle = Deadline(min(ABORT_SETTLE_S, dl.remaining()))
+        backoff = VERIFY_FIRST_POLL_S
+        try:
+            await self.client.abort_all(timeout=max(0.001, settle.remaining()))
+            while not await self.client.flush_cache(0.0, timeout=max(0.001, settle.remaining())):
+                if settle.remaining() <= 0:
+                    return
+                await asyncio.sleep(min(backoff, settle.remaining()))
+                backoff = min(backoff * 2, 0.05)
+        except (TimeoutError, SGLangError) as e:
+            log.info("drain: abort before the pause did not settle (%s); the pause stops what runs", e)
 
     async def _pause(self, mode: DrainMode, dl: Deadline) -> None:
         with self.store.change() as s:
@@ -204,7 +223,7 @@ class Operations:
             if running > 0 or (waiting > 0 and not ignore_waiting)
         ]
         if len({rank for rank, _, _ in ranks}) < facts.dp_size:
-            busy.append(f"{quirks.load_route} reports {len(ranks)} of {facts.dp_size} DP ranks")
+            busy.append(f"{self.client.load_route} reports {len(ranks)} of {facts.dp_size} DP ranks")
         return "; ".join(busy)
 
     # --- release ---------------------------------------------------------------------------------
@@ -384,7 +403,9 @@ class Operations:
         if unpaused:  # rejoin after recovery: drain first
             await self._pause(DrainMode.ABORT, dl)
         # ≤0.5.21 kills the server if the post-refit flush finds work: refit only while paused and idle.
-        await self._idle_barrier(dl, "refit")
+        # A release asserted idleness and the engine stayed paused since (nothing can have started).
+        if unpaused or not self.store.state.released_tags:
+            await self._idle_barrier(dl, "refit")
         if unpaused:
             with self.store.change(stage=Stage.DRAINED):
                 pass
@@ -488,40 +509,45 @@ class Operations:
     async def resume(self, cmd: ResumeCommand) -> Record:
         dl = Deadline(cmd.timeout_seconds)
         await self._resume_tags(self._released(*RESUME_ORDER), dl)
+        # C-RESUME-PROBE: the resumed engine must generate a token before rollout opens. The probe goes out
+        # first and waits in the paused tokenizer (C-PAUSE-GENERATE-WAITS), so it runs as soon as
+        # continue_generation lets it, and the served version is read meanwhile.
+        probe = asyncio.create_task(self.client.generate_probe(timeout=max(1.0, dl.remaining())))
         try:
             await self.client.continue_generation(timeout=dl.remaining())
-        except TimeoutError as e:
-            raise CommandFailed("continue_generation did not answer before the deadline") from e
-        except SGLangError as e:
-            raise CommandFailed(str(e)) from e
+        except BaseException as e:
+            probe.cancel()
+            if isinstance(e, TimeoutError):
+                raise CommandFailed("continue_generation did not answer before the deadline") from e
+            if isinstance(e, SGLangError):
+                raise CommandFailed(str(e)) from e
+            raise
         self.pause_mode = None
         with self.store.change() as s:
             s.sglang.paused = False
-        # C-HEALTH-GENERATE / C-HEALTH-RELEASED: /health_generate only now, after continue_generation: while
-        # paused it 503s after 20 s and sets UnHealthy, which 0.5.23's /ping reports (C-HEALTH-PING).
-        await self._wait_healthy(dl)
         expected = self.store.state.sglang.served_version
-        try:
-            served = await self.client.served_version(timeout=max(1.0, dl.remaining()))
-        except (SGLangError, TimeoutError) as e:
-            raise CommandFailed(f"cannot read the served weight_version: {e}") from e
+        served = await self._served_after_probe(probe, dl)
         if served != expected:
             raise CommandFailed(f"SGLang serves weight_version {served!r}, expected {expected!r}")
         if self.before_serving is not None:
             await self.before_serving()  # the rollout's baseline, before any rollout request can finish
         return _new_rollout
 
-    async def _wait_healthy(self, dl: Deadline) -> None:
-        while True:
-            remaining = dl.remaining()
-            if remaining <= 0:
-                raise CommandFailed(f"SGLang did not pass /health_generate within {dl.seconds:g}s")
-            try:
-                if await self.client.health_generate(timeout=min(HEALTH_ATTEMPT_CAP_S, remaining)):
-                    return
-            except TimeoutError:
-                continue
-            await asyncio.sleep(min(0.2, dl.remaining()))
+    async def _served_after_probe(self, probe: asyncio.Task[None], dl: Deadline) -> str:
+        """The probe's token and the served weight_version, read concurrently."""
+        reading = asyncio.create_task(self.client.served_version(timeout=max(1.0, dl.remaining())))
+        try:
+            await probe
+        except TimeoutError as e:
+            reading.cancel()
+            raise CommandFailed(f"SGLang generated no token within {dl.seconds:g}s of the resume") from e
+        except SGLangError as e:
+            reading.cancel()
+            raise CommandFailed(f"SGLang cannot generate after the resume: {e}") from e
+        try:
+            return await reading
+        except (SGLangError, TimeoutError) as e:
+            raise CommandFailed(f"cannot read the served weight_version: {e}") from e
 
 
 def freed_target(verify: ReleaseVerify, used_before: dict[int, int]) -> dict[int, int]:

@@ -44,6 +44,13 @@ class SGLangQuirks:
         return "/get_load" if self.key < (0, 5, 8) else "/v1/loads"
 
     @property
+    def has_get_load_shim(self) -> bool:
+        """C-METRIC-LOAD-ASGI: up to 0.5.20 `/get_load` still answers (from 0.5.15 a shim over the load
+        snapshots `/v1/loads` reads); removed in 0.5.21. The agent falls back to it when `/v1/loads` answers
+        500, as 0.5.15.post1 does with --enable-metrics under FastAPI >= 0.137."""
+        return (0, 5, 8) <= self.key < (0, 5, 21)
+
+    @property
     def weight_update_session(self) -> bool:
         """C-ROUTE-SESSION: tensor/distributed refits sit between /begin_weight_update and
         /end_weight_update from 0.5.21."""

@@ -4,6 +4,7 @@ every call timed by operation, and transport failures told apart from SGLang's a
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -13,9 +14,12 @@ import aiohttp
 from rljob.agent.quirks import SGLangQuirks
 from rljob.agent.timing import add_external
 
+log = logging.getLogger("rljob.agent")
+
 # Lifecycle routes SGLang guards as ADMIN_OPTIONAL (docs/sglang-conformance.md, C-ROUTE-AUTH).
 ADMIN_OPTIONAL_ROUTES = frozenset(
     {
+        "/abort_request",
         "/pause_generation",
         "/continue_generation",
         "/flush_cache",
@@ -152,6 +156,7 @@ class SGLangClient:
         self.control_in_flight = 0
         self.control_started = 0
         self._get_load_outstanding = False  # 0.5.6's /get_load hangs once the scheduler is dead
+        self._load_route: str | None = None  # /get_load after /v1/loads answered 500 (C-METRIC-LOAD-ASGI)
 
     async def start(self) -> None:
         # No connection pool limit: long-polling SGLang routes must not starve the probe or the liveness ping.
@@ -264,6 +269,10 @@ class SGLangClient:
         assert mode in ("abort", "retract"), "in_place keeps KV held: a later release would kill SGLang"
         await self._ok("pause_generation", "POST", "/pause_generation", body={"mode": mode}, timeout=timeout)
 
+    async def abort_all(self, timeout: float | None = None) -> None:
+        """C-DRAIN-ABORT-FIRST: every request in flight ends with finish_reason abort; answers at once."""
+        await self._ok("abort_request", "POST", "/abort_request", body={"abort_all": True}, timeout=timeout)
+
     async def continue_generation(self, timeout: float | None = None) -> None:
         await self._ok("continue_generation", "POST", "/continue_generation", body={}, timeout=timeout)
 
@@ -355,16 +364,44 @@ class SGLangClient:
 
     # --- health and load -------------------------------------------------------------------------
 
-    async def health_generate(self, timeout: float) -> bool:
-        status, _, _ = await self._call("health_generate", "GET", "/health_generate", timeout=timeout)
-        return status == 200
+    async def generate_probe(self, timeout: float) -> None:
+        """C-RESUME-PROBE: one greedy token from token id 0, what `/health_generate` submits, without its
+        1 s sleep (C-HEALTH-GENERATE); `log_metrics: false` keeps it out of the rollout's token counters.
+        Sent while paused it waits in the tokenizer until continue_generation (C-PAUSE-GENERATE-WAITS)."""
+        body = {
+            "input_ids": [0],
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+            "log_metrics": False,
+        }
+        reply = await self._ok("generate_probe", "POST", "/generate", body=body, timeout=timeout)
+        if not isinstance(reply, dict) or not reply.get("output_ids"):
+            raise SGLangError("generate_probe", 200, f"no token generated: {str(reply)[:200]}")
+
+    @property
+    def load_route(self) -> str:
+        """C-METRIC-LOAD-ROUTE's route, or `/get_load` once `/v1/loads` answered 500 on a version that still
+        has the shim (C-METRIC-LOAD-ASGI)."""
+        return self._load_route or self._q().load_route
+
+    async def _loads(self, operation: str, timeout: float | None, *, core: bool) -> tuple[str, Any]:
+        route = self.load_route
+        params = {"include": "core"} if core and route == "/v1/loads" else None
+        status, body, text = await self._call(operation, "GET", route, params=params, timeout=timeout)
+        if status == 500 and route == "/v1/loads" and self._q().has_get_load_shim:
+            log.warning(
+                "/v1/loads answered 500 (%s): reading /get_load from now on (C-METRIC-LOAD-ASGI)",
+                _message(body, text)[:200],
+            )
+            self._load_route = "/get_load"
+            return await self._loads(operation, timeout, core=core)
+        if status != 200:
+            raise SGLangError(operation, status, _message(body, text))
+        return route, body
 
     async def rank_loads(self, timeout: float | None = None) -> list[tuple[int, int, int]]:
         """(dp_rank, running, waiting) per DP rank (C-METRIC-LOAD-ROUTE): `/v1/loads?include=core` entries,
         or 0.5.6's `/get_load` list, whose `num_reqs` is running + waiting."""
-        route = self._q().load_route
-        params = {"include": "core"} if route == "/v1/loads" else None
-        body = await self._ok("rank_loads", "GET", route, params=params, timeout=timeout)
+        route, body = await self._loads("rank_loads", timeout, core=True)
         items = body.get("loads") if isinstance(body, dict) else body
         if not isinstance(items, list) or not items:
             raise SGLangError("rank_loads", 200, f"{route} returned no per-rank loads")
@@ -399,17 +436,17 @@ class SGLangClient:
         """cache_hit_rate (mean), gen_throughput, running and waiting requests (sums) over the DP ranks; None
         where the version has none (0.5.6's /get_load has counts only). Without --enable-metrics the two
         rates are SGLang's 0.0 defaults, not measurements (C-METRIC-OFF): the caller asks `metrics`."""
-        route = self._q().load_route
         keys = ("cache_hit_rate", "gen_throughput", "running", "waiting")
         none: dict[str, float | None] = dict.fromkeys(keys)
-        if route == "/get_load":  # scheduler-bound: share the one-outstanding rule with the probe
+        scheduler_bound = self._q().load_route == "/get_load"  # 0.5.6: share the probe's one-outstanding rule
+        if scheduler_bound:
             if self._get_load_outstanding:
                 return none
             self._get_load_outstanding = True
         try:
-            body = await self._ok("load", "GET", route, timeout=timeout)
+            _, body = await self._loads("load", timeout, core=False)
         finally:
-            if route == "/get_load":
+            if scheduler_bound:
                 self._get_load_outstanding = False
         loads = body.get("loads", []) if isinstance(body, dict) else body
         if not isinstance(loads, list) or not loads:

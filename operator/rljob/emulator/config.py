@@ -33,6 +33,7 @@ class EmulatorConfig:
     enable_weights_cpu_backup: bool
     weight_cache_mode: str
     enable_metrics: bool
+    fastapi_lazy_routers: bool  # FastAPI >= 0.137 installed beside SGLang (C-METRIC-LOAD-ASGI)
     api_key: str | None
     admin_api_key: str | None
     tp_size: int
@@ -135,14 +136,21 @@ def _parser() -> argparse.ArgumentParser:
         default="NVIDIA H100 80GB HBM3",
         help="the device name the emulator's GPU probe reports (what NVML's nvmlDeviceGetName says)",
     )
+    e.add_argument(
+        "--fastapi-lazy-routers",
+        action="store_true",
+        help="the server runs under FastAPI >= 0.137 (include_router keeps an _IncludedRouter): with "
+        "--enable-metrics, /v1/loads answers 500 where SGLang's metrics middleware reads route.path "
+        "(C-METRIC-LOAD-ASGI)",
+    )
     e.add_argument("--startup-seconds", type=float, default=0.0, help="delay before the port opens")
     e.add_argument("--health-check-timeout", type=float, default=None, help="default: env or 20 s")
     e.add_argument(
         "--health-poll-seconds",
         type=float,
-        default=0.1,
-        help="how often /health looks for scheduler output; SGLang sleeps 1 s between looks "
-        "(http_server.py:778-780@0.5.23), the default is shorter so that test tiers do not wait for it",
+        default=1.0,
+        help="how often /health looks for scheduler output: SGLang sleeps 1 s before each look, so /health "
+        "answers after 1 s at the earliest (C-HEALTH-GENERATE)",
     )
     e.add_argument(
         "--weight-update-group-timeout",
@@ -207,6 +215,7 @@ def parse_config(argv: list[str]) -> EmulatorConfig:
         and (args.weight_cache_mode or "off") == "off",
         weight_cache_mode=args.weight_cache_mode or "off",
         enable_metrics=args.enable_metrics,
+        fastapi_lazy_routers=args.fastapi_lazy_routers,
         api_key=args.api_key,
         admin_api_key=args.admin_api_key,
         tp_size=args.tp_size,

@@ -127,6 +127,10 @@ async def v1_loads(request: web.Request) -> web.Response:
     """Read from the snapshots the schedulers publish, not a scheduler call (tokenizer_control_mixin.py:
     1001-1029@0.5.23); one entry per DP rank, `?dp_rank=` filters."""
     eng = engine_of(request)
+    cfg = eng.cfg
+    if cfg.fastapi_lazy_routers and cfg.enable_metrics and eng.profile.metrics_middleware_reads_route_path:
+        # AttributeError in the middleware: Starlette's ServerErrorMiddleware answers (C-METRIC-LOAD-ASGI)
+        return web.Response(status=500, text="Internal Server Error", content_type="text/plain")
     include = [x.strip() for x in request.query.get("include", "core").split(",") if x.strip()]
     bad = [x for x in include if x not in LOAD_INCLUDES]
     if bad:

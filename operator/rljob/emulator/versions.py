@@ -95,6 +95,14 @@ class VersionProfile:
         return self._at_least(8)
 
     @property
+    def metrics_middleware_reads_route_path(self) -> bool:
+        """C-METRIC-LOAD-ASGI: with --enable-metrics SGLang's request-metrics middleware reads `route.path` of
+        every route in order; under FastAPI >= 0.137 the included router that holds `/v1/loads` is an
+        `_IncludedRouter` without one, so that route answers 500. 0.5.20 reads it with a default."""
+        # utils/common.py:2379-2387@0.5.15.post1; getattr(route, "path", ...) in utils/common.py:2742@0.5.20
+        return self.has_v1_loads and not self._at_least(20)
+
+    @property
     def loads_frozen_while_paused(self) -> bool:
         """C-DP-LOADS-PAUSED: the load route reads snapshots each scheduler publishes from its loop, and a
         paused (retract / in_place) scheduler skips the publish: its counts stay at their pre-pause values.
