@@ -7,6 +7,7 @@ import hashlib
 import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -94,3 +95,16 @@ def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def while_alive(proc: Any, predicate: Callable[[dict[str, Any]], bool]) -> Callable[[dict[str, Any]], bool]:
+    """`predicate` for Agent.wait_state, failing the wait at once when `proc` (a process the test started)
+    has exited with an error: a dead trainer never asks for the GPU."""
+
+    def check(state: dict[str, Any]) -> bool:
+        rc = proc.returncode()
+        if rc not in (None, 0):
+            raise AssertionError(f"{proc.name} exited {rc}:\n{proc.log_text()[-4000:]}")
+        return predicate(state)
+
+    return check

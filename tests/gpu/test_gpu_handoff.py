@@ -24,6 +24,7 @@ from gpu_helpers import (
     sha256_file,
     tms_events,
     wait_used_below,
+    while_alive,
 )
 
 from rljob.emulator.tokens import GARBAGE_MARKER
@@ -33,11 +34,13 @@ pytestmark = pytest.mark.gpu
 GRAPH_BYTES = 1 * GiB
 
 
-def region_sizes(total: int) -> dict[str, int]:
+def region_sizes(total: int, reserve: int = 0) -> dict[str, int]:
     """A 7B model in bf16 on one GPU: ~15 GiB of weights; the KV pool takes what SGLang's static fraction
-    leaves (RLJOB_GPU_STATIC_FRACTION, default 0.80 of the GPU); 1 GiB of CUDA graphs."""
+    leaves (RLJOB_GPU_STATIC_FRACTION, default 0.80 of the GPU), and never more than leaves `reserve` bytes
+    to what else holds memory beside the regions all along (a tensor trainer's weights and buckets); 1 GiB
+    of CUDA graphs. Sized from the card: 80 GB and 141 GB both fit."""
     weights = int(float(os.environ.get("RLJOB_GPU_WEIGHTS_GIB", "15")) * GiB)
-    static = int(float(os.environ.get("RLJOB_GPU_STATIC_FRACTION", "0.80")) * total)
+    static = min(int(float(os.environ.get("RLJOB_GPU_STATIC_FRACTION", "0.80")) * total), total - reserve)
     kv = (static - weights - GRAPH_BYTES) // GiB * GiB
     assert kv > 0, f"GPU of {gib(total)} too small for {gib(weights)} of weights"
     return {"weights": weights, "kv_cache": kv, "cuda_graph": GRAPH_BYTES}
@@ -104,7 +107,7 @@ def test_release_train_refit_resume_on_real_gpu(
     )
     procs.append(trainer)
     assert generate(emu)["meta_info"]["weight_version"] == "1"  # rollout on the launch weights
-    agent.wait_state(lambda s: s["trainer"]["requested"], 180, "the trainer to ask for the GPU")
+    agent.wait_state(while_alive(trainer, lambda s: s["trainer"]["requested"]), 180, "the trainer to ask")
 
     phases: dict[str, dict[str, Any]] = {}
     phases["drain"] = c.ok("drain")

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 from agent_procs import ALL_TAGS, PY, Agent, AgentDriver, Emulator, Proc, write_weights
-from gpu_helpers import gib, markdown_table, nvml_total, sha256_file, tms_events
+from gpu_helpers import GiB, gib, markdown_table, nvml_total, sha256_file, tms_events, while_alive
 from test_gpu_handoff import generate, region_sizes, size_flags, wait_trained
 
 from rljob.emulator.tokens import GARBAGE_MARKER
@@ -94,7 +94,9 @@ def test_tensor_refit_through_the_agent(
     start_nvml_agent: Callable[..., Agent],
 ) -> None:
     total = nvml_total()
-    sizes = region_sizes(total)
+    # Beside the regions all along: the trainer's 14.96 GiB of weights, two buckets of the largest size
+    # (4 GiB) and both processes' CUDA contexts.
+    sizes = region_sizes(total, reserve=27 * GiB)
     footprint = sum(sizes.values())
     emu = start_gpu_emulator(
         *size_flags(sizes),
@@ -120,7 +122,7 @@ def test_tensor_refit_through_the_agent(
     for i, step in enumerate(PLAN):
         kind = step.partition("@")[0]
         version = str(2 + i)
-        agent.wait_state(lambda s: s["trainer"]["requested"], 300, "the trainer to ask for the GPU")
+        agent.wait_state(while_alive(trainer, lambda s: s["trainer"]["requested"]), 300, "the trainer to ask")
         it: dict[str, Any] = {"kind": kind, "version": version, "tms_from": len(tms_events(emu.log_text()))}
         it["step"] = step
         it["drain"] = run(agent, c, "drain", 60)

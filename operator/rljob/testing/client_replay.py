@@ -85,8 +85,13 @@ class Context:
 
     tmp: Path
     values: dict[str, str] = field(default_factory=dict)
+    # Builders by kind that replace the stand-ins (real CUDA tensors where a real server opens the handles).
+    builders: dict[str, Callable[[], str]] = field(default_factory=dict)
 
     def build(self, name: str, kind: str) -> None:
+        if kind in self.builders:
+            self.values[name] = self.builders[kind]()
+            return
         builders: dict[str, Callable[[], str]] = {
             "flattened_bucket_b64": flattened_bucket_b64,
             "local_serialized_named_tensors_b64": local_serialized_named_tensors_b64,
@@ -99,7 +104,8 @@ class Context:
 
     def build_all(self, seq: dict[str, Any]) -> None:
         for name, spec in seq.get("placeholders", {}).items():
-            self.build(name, spec["kind"])
+            if name not in self.values:
+                self.build(name, spec["kind"])
 
     def fill(self, text: str) -> str:
         for name, value in self.values.items():

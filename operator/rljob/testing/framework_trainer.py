@@ -166,7 +166,14 @@ def _log(**fields: Any) -> None:
 
 
 class FrameworkTrainer:
-    def __init__(self, url: str, seq: dict[str, Any], weights_dir: Path, step_timeout: float) -> None:
+    def __init__(
+        self,
+        url: str,
+        seq: dict[str, Any],
+        weights_dir: Path,
+        step_timeout: float,
+        real_payloads: bool = False,
+    ) -> None:
         client = seq["client"]
         if client not in ITERATIONS:
             raise ValueError(f"no iteration defined for client {client!r} (known: {sorted(ITERATIONS)})")
@@ -178,6 +185,10 @@ class FrameworkTrainer:
         self.step_timeout = step_timeout
         self.weights_dir = weights_dir
         self.ctx = Context(weights_dir)
+        if real_payloads:  # real SGLang opens the IPC handles: real CUDA tensors (needs torch and sglang)
+            from rljob.testing.real_payloads import BUILDERS
+
+            self.ctx.builders.update(BUILDERS)
         self.checkpoints: list[str] = []  # weights_dir placeholders: a checkpoint written per iteration
         for name, spec in seq.get("placeholders", {}).items():
             if spec["kind"] == "weights_dir":
@@ -258,6 +269,11 @@ def parser() -> argparse.ArgumentParser:
         help="stop after N iterations (default: env RLJOB_ITERATIONS; 0: forever)",
     )
     p.add_argument(
+        "--real-payloads",
+        action="store_true",
+        help="tensor pushes carry real CUDA tensors: real SGLang behind the endpoint (a GPU, torch, sglang)",
+    )
+    p.add_argument(
         "--step-timeout",
         type=float,
         default=600.0,
@@ -273,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         print("RLJOB_ENGINE_URL is not set (the agent's SGLang-compatible endpoint)", file=sys.stderr)
         return 1
     weights_dir = Path(os.environ.get("RLJOB_WEIGHTS_DIR", "/tmp/rljob-weights"))
-    trainer = FrameworkTrainer(url, load(args.replay), weights_dir, args.step_timeout)
+    trainer = FrameworkTrainer(url, load(args.replay), weights_dir, args.step_timeout, args.real_payloads)
     try:
         trainer.wait_for_server()
         i = 0

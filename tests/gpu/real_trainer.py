@@ -1,0 +1,177 @@
+"""The trainer process of test_real_sglang.py: a real torch trainer beside real SGLang, through rljob.trainer.
+
+Per iteration of `--plan` (`disk` or `tensor`), version `first + i`, weights TinyLlama().weights(seed_base+i):
+take the lease (Handoff.train); measure the memory free at the grant and allocate most of it (a tensor
+filled on the GPU: the trainer's footprint in the memory SGLang released); on the first iteration time
+torch_memory_saver's own pause and resume of a region as large as SGLang's freed memory (the floor of a
+release and a resume); load the weights into transformers' LlamaForCausalLM and compute the reference:
+each prompt's token logprobs and next greedy token; then publish by path (disk: the checkpoint written
+with tiny_model) or by version and push the tensors through the refit window (tensor: the SDK's CUDA-IPC
+packing). Writes `<result-dir>/iteration-<i>.json` and `<result-dir>/reference-<version>.json`.
+
+python tests/gpu/real_trainer.py --plan disk,tensor,disk --model-dir DIR --prompts FILE --result-dir DIR"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rljob.testing.tiny_model import TinyLlama
+from rljob.trainer import Handoff
+
+FILL_FRACTION = 0.9  # of the memory free at the grant
+
+
+def cuda_weights(model: TinyLlama, seed: int) -> dict[str, torch.Tensor]:
+    return {
+        name: torch.from_numpy(bits.view(np.int16).reshape(shape).copy()).view(torch.bfloat16).cuda()
+        for name, (shape, bits) in model.weights(seed).items()
+    }
+
+
+def reference(
+    model_dir: Path, weights: dict[str, torch.Tensor], prompts: dict[str, list[int]]
+) -> dict[str, Any]:
+    """transformers' Llama forward of `weights` (bf16 on this GPU): per prompt, the logprob of each token
+    after the first given the ones before it, and the greedy next token with its logprob."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    net = LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
+    missing, unexpected = net.load_state_dict(weights, strict=False)
+    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    out: dict[str, Any] = {}
+    with torch.no_grad():
+        for name, ids in prompts.items():
+            logits = net(torch.tensor([ids], device="cuda")).logits[0].float()
+            logp = torch.log_softmax(logits, dim=-1)
+            token_lp = logp[:-1].gather(1, torch.tensor(ids[1:], device="cuda")[:, None])[:, 0]
+            nxt = int(logp[-1].argmax())
+            out[name] = {
+                "input_logprobs": token_lp.tolist(),
+                "next_token": nxt,
+                "next_logprob": float(logp[-1, nxt]),
+            }
+    del net
+    torch.cuda.empty_cache()
+    return out
+
+
+def tms_floor(nbytes: int, repeats: int = 3) -> dict[str, Any]:
+    """torch_memory_saver's pause and resume of one region of `nbytes`, devices synchronised around each:
+    what any release or resume of that much memory costs at least."""
+    from torch_memory_saver import torch_memory_saver as tms
+
+    tms.hook_mode = "torch"
+    with tms.region(tag="floor"):
+        block = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    block.fill_(1)
+    pauses, resumes = [], []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        tms.pause("floor")
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        tms.resume("floor")
+        torch.cuda.synchronize()
+        pauses.append(t1 - t0)
+        resumes.append(time.perf_counter() - t1)
+    del block
+    torch.cuda.empty_cache()
+    return {"bytes": nbytes, "pause_seconds": pauses, "resume_seconds": resumes}
+
+
+def occupy(fraction: float) -> dict[str, Any]:
+    """Most of the free memory in one tensor, written on the GPU: what the trainer could use."""
+    free, total = torch.cuda.mem_get_info()
+    nbytes = int(free * fraction)
+    t0 = time.perf_counter()
+    block = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    block.fill_(7)
+    torch.cuda.synchronize()
+    rec = {
+        "free_at_grant": free,
+        "total": total,
+        "allocated": nbytes,
+        "fill_seconds": time.perf_counter() - t0,
+    }
+    rec["max_allocated"] = torch.cuda.max_memory_allocated()
+    del block
+    torch.cuda.empty_cache()
+    return rec
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--plan", default="disk,tensor,disk")
+    p.add_argument("--first-version", type=int, default=1)
+    p.add_argument("--seed-base", type=int, default=100)
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--weights-dir", required=True)
+    p.add_argument("--prompts", required=True)
+    p.add_argument("--floor-bytes-file", required=True, help="JSON {bytes}: written by the test at release")
+    p.add_argument("--result-dir", required=True)
+    args = p.parse_args()
+    out = Path(args.result_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = json.loads(Path(args.prompts).read_text())
+    model = TinyLlama()
+    handoff = Handoff()
+    for i, kind in enumerate(args.plan.split(",")):
+        version, seed = str(args.first_version + i), args.seed_base + i
+        rec: dict[str, Any] = {"iteration": i, "kind": kind, "version": version, "seed": seed}
+        weights = cuda_weights(model, seed)
+        with handoff.train(timeout=600) as lease:
+            rec["occupy"] = occupy(FILL_FRACTION)
+            if i == 0:
+                rec["tms_floor"] = tms_floor(
+                    int(json.loads(Path(args.floor_bytes_file).read_text())["bytes"])
+                )
+            t0 = time.perf_counter()
+            (out / f"reference-{version}.json").write_text(
+                json.dumps(reference(Path(args.model_dir), weights, prompts))
+            )
+            rec["reference_seconds"] = time.perf_counter() - t0
+            if kind == "disk":
+                path = model.write(Path(args.weights_dir) / f"v{version}", seed)
+                rec["path"] = str(path)
+                lease.publish(version, str(path))
+            else:
+                lease.publish(version)
+        if kind == "tensor":
+            nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            flat = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            off = 0
+            for t in weights.values():
+                n = t.numel() * t.element_size()
+                flat[off : off + n].copy_(t.reshape(-1).view(torch.uint8))
+                off += n
+            torch.cuda.synchronize()
+            rec["d2d_copy_seconds"] = time.perf_counter() - t0
+            del flat
+            opened = time.perf_counter()
+            with handoff.refit_window(timeout=600) as window:
+                entered = time.perf_counter()
+                report = window.push_named_tensors(weights.items())
+            rec["window_wait_seconds"] = entered - opened
+            rec["window_seconds"] = time.perf_counter() - entered  # packed, pushed, answered, closed
+            rec["push_bytes"] = nbytes
+            rec["report"] = dataclasses.asdict(report)
+        (out / f"iteration-{i}.json").write_text(json.dumps(rec, indent=1))
+        print(f"iteration {i} ({kind}, version {version}) done", flush=True)
+        del weights
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
