@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -124,6 +125,33 @@ def wait_running(server: RealSGLang, n: int, timeout: float = 10) -> None:
     raise AssertionError(f"{n} requests not running within {timeout}s")
 
 
+def verify_refit(
+    server: RealSGLang,
+    prompts: dict[str, list[int]],
+    cached: str,
+    version: str,
+    ref: dict[str, Any],
+    prev: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """After a refit to `version`: no stale KV (the prompt `cached` was served and cached before the refit;
+    now it is computed anew, with the new weights), and SGLang's logprobs for every prompt equal the
+    trainer's forward of the weights it pushed (`ref`); the previous version's (`prev`) are far off."""
+    out: dict[str, Any] = {}
+    after = generate(server, prompts[cached])
+    out["cached_tokens_after_refit"] = after["meta_info"]["cached_tokens"]
+    assert out["cached_tokens_after_refit"] == 0, after["meta_info"]
+    assert after["output_ids"][0] == ref[cached]["next_token"], (after, ref[cached])
+    assert after["meta_info"]["weight_version"] == version
+    out["logprobs"] = {name: logprob_check(server, ids, ref[name]) for name, ids in prompts.items()}
+    out["logprob_max_abs_diff"] = max(x["max_abs_diff"] for x in out["logprobs"].values())
+    assert out["logprob_max_abs_diff"] <= LOGPROB_TOLERANCE, out["logprobs"]
+    assert all(x["next_token"] == x["ref_next_token"] for x in out["logprobs"].values()), out["logprobs"]
+    if prev is not None:
+        out["previous_version_diff"] = logprob_check(server, prompts["fixed"], prev["fixed"])["max_abs_diff"]
+        assert out["previous_version_diff"] > 10 * LOGPROB_TOLERANCE
+    return out
+
+
 def run(agent: Agent, c: AgentDriver, action: str, timeout: float, **fields: Any) -> dict[str, Any]:
     c.epoch += 1
     epoch = c.epoch
@@ -195,7 +223,11 @@ def _drive(server: RealSGLang, tmp: Path, model: TinyLlama, results_dir: Path, p
     # The weights SGLang's own iterations load (seeds far from the agent's).
     own_ckpts = [model.write(tmp / f"own-{j}", seed=900 + j) for j in range(len(PLAN))]
 
-    agent = Agent(tmp, server.url, "--record", str(tmp / "agent-record.json"), probe="nvml")
+    # The record on tmpfs, as the chart's emptyDir (medium: Memory) holds it in a pod.
+    state_dir = Path(
+        tempfile.mkdtemp(prefix="rljob-agent-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
+    )
+    agent = Agent(tmp, server.url, "--state-dir", str(state_dir), probe="nvml")
     procs.append(agent)
     agent.wait_stage("Ready", timeout=120)
     c = AgentDriver(agent)
@@ -259,24 +291,11 @@ def _drive(server: RealSGLang, tmp: Path, model: TinyLlama, results_dir: Path, p
         it["resume"] = run(agent, c, "resume", 60)
         served_version = version
         assert agent.state()["sglang"]["servedVersion"] == version
-        # No stale KV: the prompt cached before the refit is computed anew, and with the new weights.
         ref = json.loads((tmp / "trainer" / f"reference-{version}.json").read_text())
-        after = generate(server, cached[f"cached-{i + 1}"])
-        it["cached_tokens_after_refit"] = after["meta_info"]["cached_tokens"]
-        assert it["cached_tokens_after_refit"] == 0, after["meta_info"]
-        assert after["output_ids"][0] == ref[f"cached-{i + 1}"]["next_token"], (after, ref[f"cached-{i + 1}"])
-        assert after["meta_info"]["weight_version"] == version
-        it["logprobs"] = {
-            name: logprob_check(server, ids, ref[name]) for name, ids in (fixed | cached).items()
-        }
-        worst = max(x["max_abs_diff"] for x in it["logprobs"].values())
-        it["logprob_max_abs_diff"] = worst
-        assert worst <= LOGPROB_TOLERANCE, it["logprobs"]
-        assert all(x["next_token"] == x["ref_next_token"] for x in it["logprobs"].values()), it["logprobs"]
-        if i > 0:  # the check tells versions apart: the previous version's forward is far off
+        prev = None
+        if i > 0:
             prev = json.loads((tmp / "trainer" / f"reference-{int(version) - 1}.json").read_text())
-            it["previous_version_diff"] = logprob_check(server, fixed["fixed"], prev["fixed"])["max_abs_diff"]
-            assert it["previous_version_diff"] > 10 * LOGPROB_TOLERANCE
+        it |= verify_refit(server, fixed | cached, f"cached-{i + 1}", version, ref, prev)
         iterations.append(it)
         # SGLang's own calls for the same phases, the agent idle meanwhile; then SGLang is put back on the
         # agent's version (the weights the trainer made for it), as the agent left it.
@@ -321,7 +340,7 @@ def summarize(
             agent_s = it[phase]["seconds"]
             rows.append([str(i + 1), it["kind"] if phase == "refit" else "", phase, f"{agent_s * 1e3:.1f}",
                          f"{(it[phase]['sglangSeconds'] or 0) * 1e3:.1f}", f"{o[own_key] * 1e3:.1f}",
-                         f"{agent_s / o[own_key]}"])  # fmt: skip
+                         f"{agent_s / o[own_key]:.2f}"])  # fmt: skip
     phases = markdown_table(
         ["iter", "refit", "phase", "agent ms", "in SGLang ms", "SGLang's own ms", "ratio"], rows
     )
@@ -347,7 +366,7 @@ def summarize(
     floor = tr[0]["tms_floor"]
     pause_ms = statistics.median(floor["pause_seconds"]) * 1e3
     resume_ms = statistics.median(floor["resume_seconds"]) * 1e3
-    tensor = next(t for t in tr if t["kind"] == "tensor")
+    tensors = [t for t in tr if t["kind"] == "tensor"]
     text = "\n".join(
         [
             f"Real SGLang {VERSION}, start {server.start_seconds:.1f} s, flags {' '.join(LAUNCH_FLAGS)}",
@@ -358,9 +377,11 @@ def summarize(
             "",
             f"torch_memory_saver floor ({_gib(floor['bytes'])} GiB region): pause {pause_ms:.1f} ms, "
             f"resume {resume_ms:.1f} ms",
-            f"tensor push {tensor['push_bytes'] / 2**20:.1f} MiB: "
-            f"window {tensor['window_seconds'] * 1e3:.1f} ms, "
-            f"device copy of the same bytes {tensor['d2d_copy_seconds'] * 1e3:.2f} ms",
+        ]
+        + [
+            f"tensor push {t['push_bytes'] / 2**20:.1f} MiB: window {t['window_seconds'] * 1e3:.1f} ms, "
+            f"device copy of the same bytes {t['d2d_copy_seconds'] * 1e3:.2f} ms"
+            for t in tensors
         ]
     )
     return {
