@@ -19,6 +19,11 @@ if compgen -G ".whl/*.whl" > /dev/null; then  # carried wheels that override the
 fi
 export PYTHONPATH="$PWD/operator:$PYTHONPATH"
 export PYTHONUNBUFFERED=1 RLJOB_GPU_RESULTS_DIR=/tmp/devgpu-results
+# Triton's compiled kernels (SGLang's first CUDA-graph capture compiles them: about a minute) from an
+# earlier run on this kind of card, carried as .triton-cache.tgz; this run's goes back in $OUT.
+export TRITON_CACHE_DIR=/tmp/triton-cache
+mkdir -p "$TRITON_CACHE_DIR"
+[ -f .triton-cache.tgz ] && tar -xzf .triton-cache.tgz -C "$TRITON_CACHE_DIR"
 rm -rf /tmp/devgpu-results /tmp/devgpu-pt && mkdir -p /tmp/devgpu-results
 python3 -c 'import sglang, fastapi, transformers, tokenizers, pydantic
 print("sglang", sglang.__version__, "fastapi", fastapi.__version__, "transformers", transformers.__version__,
@@ -32,5 +37,6 @@ echo "== pytest exit $rc after $((SECONDS - started)) s"
 # Figures and every process log the tests left (SGLang's, the agents', the trainers').
 find /tmp/devgpu-pt -name '*.log' -size -20M -exec cp --parents {} /tmp/devgpu-results/ \; 2>/dev/null
 tar -czf "$OUT/results.tgz" -C /tmp/devgpu-results .
+tar -czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" . && du -sh "$OUT/triton-cache.tgz"
 ls -la /tmp/devgpu-results | head -40
 exit "$rc"

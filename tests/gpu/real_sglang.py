@@ -48,6 +48,8 @@ def sglang_missing() -> str | None:
 class RealSGLang(Proc):
     def __init__(self, tmp: Path, model_dir: Path, *flags: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
+        while self.port > 60000:  # SGLang derives ports above its own: SGLANG_GRPC_PORT must be < 65536
+            self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.version = VERSION
         argv = [PY, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--host", "127.0.0.1",

@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -89,6 +91,18 @@ def tms_floor(nbytes: int, repeats: int = 3) -> dict[str, Any]:
     return {"bytes": nbytes, "pause_seconds": pauses, "resume_seconds": resumes}
 
 
+def in_child(floor_bytes: int) -> dict[str, Any]:
+    """occupy (and tms_floor of `floor_bytes`, if any) in a process of its own: what it holds is the driver's
+    again when it exits (torch_memory_saver's pool keeps a resumed region until then), before SGLang's next
+    resume needs it."""
+    r = subprocess.run(
+        [sys.executable, __file__, "--child", str(floor_bytes)], capture_output=True, text=True, timeout=300
+    )
+    if r.returncode != 0:
+        raise RuntimeError(f"child failed: {r.stderr[-2000:]}")
+    return dict(json.loads(r.stdout.strip().splitlines()[-1]))
+
+
 def occupy(fraction: float) -> dict[str, Any]:
     """Most of the free memory in one tensor, written on the GPU: what the trainer could use."""
     free, total = torch.cuda.mem_get_info()
@@ -110,6 +124,12 @@ def occupy(fraction: float) -> dict[str, Any]:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--child"]:
+        out: dict[str, Any] = {"occupy": occupy(FILL_FRACTION)}
+        if int(sys.argv[2]):
+            out["tms_floor"] = tms_floor(int(sys.argv[2]))
+        print(json.dumps(out), flush=True)
+        return
     p = argparse.ArgumentParser()
     p.add_argument("--plan", default="disk,tensor,disk")
     p.add_argument("--first-version", type=int, default=1)
@@ -130,16 +150,14 @@ def main() -> None:
         rec: dict[str, Any] = {"iteration": i, "kind": kind, "version": version, "seed": seed}
         weights = cuda_weights(model, seed)
         with handoff.train(timeout=600) as lease:
-            rec["occupy"] = occupy(FILL_FRACTION)
-            if i == 0:
-                rec["tms_floor"] = tms_floor(
-                    int(json.loads(Path(args.floor_bytes_file).read_text())["bytes"])
-                )
+            floor = int(json.loads(Path(args.floor_bytes_file).read_text())["bytes"]) if i == 0 else 0
+            rec |= in_child(floor)
             t0 = time.perf_counter()
             (out / f"reference-{version}.json").write_text(
                 json.dumps(reference(Path(args.model_dir), weights, prompts))
             )
             rec["reference_seconds"] = time.perf_counter() - t0
+            rec["free_at_publish"], _ = torch.cuda.mem_get_info()
             if kind == "disk":
                 path = model.write(Path(args.weights_dir) / f"v{version}", seed)
                 rec["path"] = str(path)
