@@ -428,12 +428,12 @@ class Operations:
     async def _reload(self, cmd: RefitCommand, discarded: bool, dl: Deadline) -> str | None:
         """A lease given back without new weights: the committed version again. Weights the release kept,
         or SGLang's CPU backup restored (the resume before this), need nothing more; weights it discarded
-        come from a disk load of the command's path, else of the checkpoint SGLang last loaded that version
-        from. The path loaded, if any."""
+        come from a disk load of the checkpoint SGLang last loaded that version from (its own path for it),
+        else of the command's path. The path loaded, if any."""
         if not discarded:
             return None
         known = self.store.state.sglang.model_path if self.store.path_version == cmd.version else None
-        path = cmd.path or known
+        path = known or cmd.path
         if path is None:
             raise PermanentFailure(
                 "WeightsNotReloadable",
