@@ -50,6 +50,7 @@ def framework_job(
     trainer_args: tuple[str, ...] = (),
     pod_sim_args: dict[int, str] | None = None,
     source: str | None = None,
+    sglang_version: str | None = None,
 ) -> dict[str, Any]:
     replay = json.loads((REPLAYS / f"{framework}.json").read_text())
     manifest = copy.deepcopy(EXAMPLE)
@@ -64,7 +65,10 @@ def framework_job(
         flags.append("--enable-memory-saver")
     sglang["args"] = [*BASE_ARGS, *flags]
     sglang["env"] = [
-        {"name": SIM_ARGS_ENV, "value": f"--tokens-per-second 0 --sglang-version {replay['sglang_version']}"},
+        {
+            "name": SIM_ARGS_ENV,
+            "value": f"--tokens-per-second 0 --sglang-version {sglang_version or replay['sglang_version']}",
+        },
         {"name": CALL_LOG_ENV, "value": str(calls)},
         *({"name": f"{SIM_ARGS_ENV}_POD_{i}", "value": v} for i, v in (pod_sim_args or {}).items()),
     ]
@@ -210,3 +214,40 @@ def test_a_refused_push_is_in_the_rljob_after_the_framework_exits(rl: RL, tmp_pa
     assert refusal in " ".join(described.split()), described
     events = [e for e in rl.events(name) if refusal in e["message"]]
     assert events, [e["message"] for e in rl.events(name)]
+
+
+# The SGLang each client runs against: AReaL 1.0.4's pin (its `sglang` extra), and for verl the version whose
+# modules its adapter imports here (rljob.testing.framework_clients: 0.9.1's pin, 0.5.12, is not unpacked).
+CLIENT_SGLANG = {"verl": "0.5.20", "areal": "0.5.10.post1"}
+
+
+@pytest.mark.parametrize("framework", ["verl", "areal"])
+def test_the_frameworks_own_client_classes_drive_a_job_to_succeeded(
+    rl: RL, framework: str, tmp_path: Path
+) -> None:
+    """verl's AsyncHttpServerAdapter and AReaL's RemoteSGLangEngine, installed from the package index, drive
+    a 2-pod RLJob for 3 iterations through their own methods (rljob.testing.framework_clients): AReaL's
+    start-up offload included, each client's trainer ending after its last call."""
+    name = f"fw-client-{framework}"
+    calls = tmp_path / "calls.jsonl"
+    claim = tmp_path / "kubelet-0" / rl.namespace / "claims" / f"{name}-weights"
+    checkpoint_dir(claim / "base", "0")  # the checkpoint SGLang launches from (AReaL's start-up reloads it)
+    module = "rljob.testing.framework_clients"
+    command = [sys.executable, "-u", "-m", module, "--framework", framework, "--iterations", "3"]
+    rl.apply(framework_job(name, framework, calls, command=command, sglang_version=CLIENT_SGLANG[framework]))
+    obj = rl.wait(name, "Succeeded", "Failed", timeout=300)
+    status = obj["status"]
+    assert status["phase"] == "Succeeded", (status.get("reason"), status.get("message"))
+    assert versions(obj) == ["0", "1", "2", "3"], status.get("weightHistory")
+    assert status["restarts"] == 0
+    for pod in rl.pods(name):
+        assert rl.emulator(pod, "/model_info")["weight_version"] == "3"
+    lines = _call_lines(calls)
+    assert [c for c in lines if c.get("repeat")] == [], "a non-idempotent SGLang call was repeated"
+    done = [
+        json.loads(line)
+        for log in tmp_path.glob("kubelet-*/*/*/logs/trainer.log")
+        for line in log.read_text().splitlines()
+        if line.startswith('{"ts"') and '"event": "done"' in line
+    ]
+    assert len(done) == 2, "each pod's client ran its 3 iterations to the end"
