@@ -6,6 +6,7 @@ error shape for the route and reach SGLang with nothing."""
 from __future__ import annotations
 
 import threading
+import urllib.error
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -217,3 +218,23 @@ def test_the_trainers_last_refusal_is_in_the_state_until_it_asks_again(
     ), st
     _to_granted(agent, c, fw)  # the next lease request clears it
     assert "lastRefusal" not in agent.state()["trainer"]
+
+
+def test_a_release_sent_again_after_the_client_gave_up_waits_on_the_same_request(
+    pod: tuple[Emulator, Agent, Framework],
+) -> None:
+    """verl's adapter gives a call 60 s and sends it again on a timeout (3 attempts): the lease request
+    outlives the first attempt, and the attempt that is waiting when the gang's lease is granted gets it."""
+    _, agent, fw = pod
+    c = AgentDriver(agent)
+    with pytest.raises((TimeoutError, urllib.error.URLError)):  # the client gives up on its first attempt
+        fw.call("POST", "/release_memory_occupation", {}, timeout=1)
+    epoch = agent.state()["trainer"]["requestEpoch"]
+    fw.start("retry", "POST", "/release_memory_occupation", {})
+    c.ok("drain")
+    c.ok("release", tags=ALL_TAGS)
+    c.ok("grant")
+    r = fw.reply("retry")
+    assert (r.status, r.text) == (200, "null"), r.text
+    st = agent.state()["trainer"]
+    assert st["leaseHeld"] and st["requestEpoch"] == epoch, st  # one request, the first attempt's
