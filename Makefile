@@ -18,8 +18,13 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-install: $(BIN)/python ## create .venv and install the package with the testing, train (torch) + dev extras, and SGLang's wheels
-	$(BIN)/pip install -q -e '.[testing,dev,train]'
+# The frameworks' client packages, without their dependencies (pyproject.toml's `frameworks` extra says why
+# and holds what their client modules import).
+FRAMEWORK_CLIENTS := verl==0.9.1 areal==1.0.4 tensordict==0.10.0 pyvers==0.1.0
+
+install: $(BIN)/python ## create .venv and install the package with the testing, train (torch), frameworks + dev extras, and SGLang's wheels
+	$(BIN)/pip install -q -e '.[testing,dev,train,frameworks]'
+	$(BIN)/pip install -q --no-deps $(FRAMEWORK_CLIENTS)
 	bash hack/sglang-wheels.sh $(BIN)/python
 
 test: install binaries ## unit, agent, e2e (real control plane), images (buildah); GPU tier skipped without a GPU

@@ -6,6 +6,7 @@ error shape for the route and reach SGLang with nothing."""
 from __future__ import annotations
 
 import threading
+import urllib.error
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -166,3 +167,74 @@ def test_refusals_come_back_in_sglang_shapes(pod: tuple[Emulator, Agent, Framewo
     r = fw.reply("push")
     assert r.status == 400 and r.body["success"] is False and "InvalidPush" in r.body["message"], r.text
     assert emu.alive()
+
+
+@pytest.mark.parametrize("cpu_backup", [False, True])
+def test_a_resume_with_nothing_pushed_gives_the_lease_back_and_serves_the_committed_weights_again(
+    start_emulator: Callable[..., Emulator],
+    start_agent: Callable[..., Agent],
+    tmp_path: Path,
+    cpu_backup: bool,
+) -> None:
+    """AReaL's start-up offload and onload: release, then resume with no weights. The lease goes back
+    without weights; the refit the operator sends (reload) brings back what the release discarded: a
+    disk load of the checkpoint SGLang launched from, or nothing where SGLang restores its CPU backup."""
+    write_weights(tmp_path / "launch-model", "0")  # the checkpoint the emulator launches from
+    flags = ["--enable-memory-saver", *(["--enable-weights-cpu-backup"] if cpu_backup else [])]
+    emu = start_emulator("0.5.23", *flags)
+    port = free_port()
+    agent = start_agent(emu, "--engine-listen", f"127.0.0.1:{port}")
+    fw = Framework(f"http://127.0.0.1:{port}")
+    c = AgentDriver(agent)
+    served = agent.state()["sglang"]["servedVersion"]
+    _to_granted(agent, c, fw)
+    fw.start("resume", "POST", "/resume_memory_occupation", {})
+    st = agent.wait_state(lambda s: s["stage"] == "Trained", 10, "the lease to come back")
+    assert st["trainer"]["returnedEpoch"] == c.epoch and not st["trainer"]["leaseHeld"], st["trainer"]
+    assert "publishedVersion" not in st["trainer"], st["trainer"]
+    assert fw.waiting("resume"), "the resume answered before the gang served again"
+    c.ok("refit", version=served, reload=True)
+    c.ok("resume")
+    r = fw.reply("resume")
+    assert (r.status, r.text) == (200, "null"), r.text
+    assert agent.state()["sglang"]["servedVersion"] == served
+    calls = _lifecycle_calls(emu)
+    assert calls["repeats"] == [], calls
+    assert calls["routes"].get("/update_weights_from_disk", 0) == (0 if cpu_backup else 1), calls["routes"]
+    r = fw.call("POST", "/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
+    assert r.status == 200 and r.body["meta_info"]["weight_version"] == served, r.text
+
+
+def test_the_trainers_last_refusal_is_in_the_state_until_it_asks_again(
+    pod: tuple[Emulator, Agent, Framework],
+) -> None:
+    _, agent, fw = pod
+    c = AgentDriver(agent)
+    push = {"serialized_named_tensors": [_bucket()], "load_format": "flattened_bucket"}
+    assert fw.call("POST", "/update_weights_from_tensor", push).status == 400
+    st = agent.wait_state(lambda s: "lastRefusal" in s["trainer"], 10, "the refusal")
+    assert st["trainer"]["lastRefusal"].startswith(
+        "POST /update_weights_from_tensor: rljob: the trainer holds"
+    ), st
+    _to_granted(agent, c, fw)  # the next lease request clears it
+    assert "lastRefusal" not in agent.state()["trainer"]
+
+
+def test_a_release_sent_again_after_the_client_gave_up_waits_on_the_same_request(
+    pod: tuple[Emulator, Agent, Framework],
+) -> None:
+    """verl's adapter gives a call 60 s and sends it again on a timeout (3 attempts): the lease request
+    outlives the first attempt, and the attempt that is waiting when the gang's lease is granted gets it."""
+    _, agent, fw = pod
+    c = AgentDriver(agent)
+    with pytest.raises((TimeoutError, urllib.error.URLError)):  # the client gives up on its first attempt
+        fw.call("POST", "/release_memory_occupation", {}, timeout=1)
+    epoch = agent.state()["trainer"]["requestEpoch"]
+    fw.start("retry", "POST", "/release_memory_occupation", {})
+    c.ok("drain")
+    c.ok("release", tags=ALL_TAGS)
+    c.ok("grant")
+    r = fw.reply("retry")
+    assert (r.status, r.text) == (200, "null"), r.text
+    st = agent.state()["trainer"]
+    assert st["leaseHeld"] and st["requestEpoch"] == epoch, st  # one request, the first attempt's

@@ -17,6 +17,7 @@ import test_operator
 from test_operator import EXAMPLE, RL, versions
 
 from rljob.emulator.call_log import CALL_LOG_ENV
+from rljob.testing.client_replay import checkpoint_dir
 from rljob.testing.harness import ROOT, wait_rljob
 from rljob.testing.pods import SIM_ARGS_ENV
 
@@ -40,14 +41,23 @@ BASE_ARGS = [
 
 
 def framework_job(
-    name: str, framework: str, calls: Path, *, command: list[str] | None = None
+    name: str,
+    framework: str,
+    calls: Path,
+    *,
+    command: list[str] | None = None,
+    iterations: int = 3,
+    trainer_args: tuple[str, ...] = (),
+    pod_sim_args: dict[int, str] | None = None,
+    source: str | None = None,
+    sglang_version: str | None = None,
 ) -> dict[str, Any]:
     replay = json.loads((REPLAYS / f"{framework}.json").read_text())
     manifest = copy.deepcopy(EXAMPLE)
     manifest["metadata"] = {"name": name}
     spec = manifest["spec"]
-    spec.update(replicas=2, iterations=3, backoffLimit=0, podsAfterFinished="Keep")
-    spec["refit"] = {"source": SOURCE[framework]}
+    spec.update(replicas=2, iterations=iterations, backoffLimit=0, podsAfterFinished="Keep")
+    spec["refit"] = {"source": source or SOURCE[framework]}
     spec["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] = f"{name}-weights"
     sglang, trainer = spec["template"]["spec"]["containers"]
     flags = [f for f in replay["emulator_args"]]
@@ -55,8 +65,12 @@ def framework_job(
         flags.append("--enable-memory-saver")
     sglang["args"] = [*BASE_ARGS, *flags]
     sglang["env"] = [
-        {"name": SIM_ARGS_ENV, "value": f"--tokens-per-second 0 --sglang-version {replay['sglang_version']}"},
+        {
+            "name": SIM_ARGS_ENV,
+            "value": f"--tokens-per-second 0 --sglang-version {sglang_version or replay['sglang_version']}",
+        },
         {"name": CALL_LOG_ENV, "value": str(calls)},
+        *({"name": f"{SIM_ARGS_ENV}_POD_{i}", "value": v} for i, v in (pod_sim_args or {}).items()),
     ]
     trainer["command"] = command or [
         sys.executable,
@@ -65,6 +79,7 @@ def framework_job(
         "rljob.testing.framework_trainer",
         "--replay",
         str(REPLAYS / f"{framework}.json"),
+        *trainer_args,
     ]
     trainer.pop("args", None)
     return manifest
@@ -75,15 +90,26 @@ def _call_lines(path: Path) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("framework", ["slime", "verl", "areal"])
-def test_framework_sequence_runs_three_iterations_in_lock_step(
+def test_framework_sequence_runs_three_iterations_in_lock_step_and_its_exit_ends_the_job(
     rl: RL, framework: str, tmp_path: Path
 ) -> None:
+    """The framework's trainer exits 0 right after its last call of iteration 3 (slime, verl: their last
+    resume; AReaL: its last refit) while pod 1's SGLang resumes 3 s slower than pod 0's: pod 0's trainer
+    has ended while the iteration in flight still resumes on pod 1. The job commits it and ends Succeeded
+    because every trainer finished, before spec.iterations (5)."""
     name = f"fw-{framework}"
     calls = tmp_path / "calls.jsonl"
-    rl.apply(framework_job(name, framework, calls))
-    obj = rl.wait(name, "Succeeded", "Failed", timeout=240)
+    slow = {1: "--fault-slow /resume_memory_occupation=3"}
+    job = framework_job(
+        name, framework, calls, iterations=5, trainer_args=("--iterations", "3"), pod_sim_args=slow
+    )
+    rl.apply(job)
+    obj = rl.wait(name, "Succeeded", "Failed", timeout=300)
     status = obj["status"]
     assert status["phase"] == "Succeeded", (status.get("reason"), status.get("message"))
+    assert status["reason"] == "TrainersFinished", status
+    assert status["message"] == "every trainer finished after 3 of 5 iterations, serving weights 3", status
+    assert status["iteration"] == 3
     assert versions(obj) == ["0", "1", "2", "3"], status.get("weightHistory")
     assert status["restarts"] == 0
     pods = rl.pods(name)
@@ -142,3 +168,86 @@ def test_a_framework_that_releases_on_one_pod_only_waits_and_status_names_the_ot
     releases = [c for c in _call_lines(calls) if c.get("route") == "/release_memory_occupation"]
     assert releases == [], "a pod released before every trainer asked"
     assert rl.get(name)["status"]["phase"] == "Rollout"
+
+
+def test_areal_start_up_offload_and_onload_run_unchanged(rl: RL, tmp_path: Path) -> None:
+    """AReaL offloads and onloads once before its first step: release, then resume with nothing pushed
+    (areal/trainer/rl_trainer.py:502-504,560-561@4aef98d8d818). The lease ends without weights, the gang
+    serves the committed version 0 again (reloaded from the checkpoint SGLang launched from: the release
+    discarded its weights), no version is recorded, and the three steps after it commit 1, 2, 3."""
+    name = "fw-areal-startup"
+    calls = tmp_path / "calls.jsonl"
+    claim = tmp_path / "kubelet-0" / rl.namespace / "claims" / f"{name}-weights"
+    checkpoint_dir(claim / "base", "0")  # the base model on the volume: SGLang's --model-path /weights/base
+    rl.apply(framework_job(name, "areal", calls, trainer_args=("--startup",)))
+    obj = rl.wait(name, "Succeeded", "Failed", timeout=300)
+    status = obj["status"]
+    assert status["phase"] == "Succeeded", (status.get("reason"), status.get("message"))
+    assert versions(obj) == ["0", "1", "2", "3"], status.get("weightHistory")
+    assert status["restarts"] == 0
+    for pod in rl.pods(name):
+        assert rl.emulator(pod, "/model_info")["weight_version"] == "3"
+    reasons = [e["reason"] for e in rl.events(name)]
+    assert reasons.count("NoNewWeights") == 1, reasons
+    lines = _call_lines(calls)
+    assert [c for c in lines if c.get("repeat")] == [], "a non-idempotent SGLang call was repeated"
+    # Each pod's SGLang loaded from disk 4 times: the committed 0 once, then versions 1, 2 and 3.
+    loads = [c for c in lines if c.get("route") == "/update_weights_from_disk"]
+    assert len(loads) == 2 * 4, loads
+
+
+def test_a_refused_push_is_in_the_rljob_after_the_framework_exits(rl: RL, tmp_path: Path) -> None:
+    """AReaL's disk refit to a job that refits from tensors: the endpoint refuses it with a 400, AReaL
+    exits on it (without logging the body), and the reason is in the RLJob for its user to read."""
+    name = "fw-refused"
+    calls = tmp_path / "calls.jsonl"
+    rl.apply(framework_job(name, "areal", calls, source="tensor"))
+    obj = rl.wait(name, "Succeeded", "Failed", timeout=240)
+    status = obj["status"]
+    refusal = (
+        "POST /update_weights_from_disk: rljob: this RLJob refits from tensor (spec.refit.source), not disk"
+    )
+    assert status["phase"] == "Failed", status
+    assert "container trainer terminated (exit 2, Error)" in status["message"], status["message"]
+    assert f"the agent last refused its trainer: {refusal}" in status["message"], status["message"]
+    described = rl.kubectl("describe", "rljob", name, namespace=rl.namespace).stdout
+    assert refusal in " ".join(described.split()), described
+    events = [e for e in rl.events(name) if refusal in e["message"]]
+    assert events, [e["message"] for e in rl.events(name)]
+
+
+# The SGLang each client runs against: AReaL 1.0.4's pin (its `sglang` extra), and for verl the version whose
+# modules its adapter imports here (rljob.testing.framework_clients: 0.9.1's pin, 0.5.12, is not unpacked).
+CLIENT_SGLANG = {"verl": "0.5.20", "areal": "0.5.10.post1"}
+
+
+@pytest.mark.parametrize("framework", ["verl", "areal"])
+def test_the_frameworks_own_client_classes_drive_a_job_to_succeeded(
+    rl: RL, framework: str, tmp_path: Path
+) -> None:
+    """verl's AsyncHttpServerAdapter and AReaL's RemoteSGLangEngine, installed from the package index, drive
+    a 2-pod RLJob for 3 iterations through their own methods (rljob.testing.framework_clients): AReaL's
+    start-up offload included, each client's trainer ending after its last call."""
+    name = f"fw-client-{framework}"
+    calls = tmp_path / "calls.jsonl"
+    claim = tmp_path / "kubelet-0" / rl.namespace / "claims" / f"{name}-weights"
+    checkpoint_dir(claim / "base", "0")  # the checkpoint SGLang launches from (AReaL's start-up reloads it)
+    module = "rljob.testing.framework_clients"
+    command = [sys.executable, "-u", "-m", module, "--framework", framework, "--iterations", "3"]
+    rl.apply(framework_job(name, framework, calls, command=command, sglang_version=CLIENT_SGLANG[framework]))
+    obj = rl.wait(name, "Succeeded", "Failed", timeout=300)
+    status = obj["status"]
+    assert status["phase"] == "Succeeded", (status.get("reason"), status.get("message"))
+    assert versions(obj) == ["0", "1", "2", "3"], status.get("weightHistory")
+    assert status["restarts"] == 0
+    for pod in rl.pods(name):
+        assert rl.emulator(pod, "/model_info")["weight_version"] == "3"
+    lines = _call_lines(calls)
+    assert [c for c in lines if c.get("repeat")] == [], "a non-idempotent SGLang call was repeated"
+    done = [
+        json.loads(line)
+        for log in tmp_path.glob("kubelet-*/*/*/logs/trainer.log")
+        for line in log.read_text().splitlines()
+        if line.startswith('{"ts"') and '"event": "done"' in line
+    ]
+    assert len(done) == 2, "each pod's client ran its 3 iterations to the end"

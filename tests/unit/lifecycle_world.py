@@ -68,6 +68,8 @@ class FakeAgent:
     published_path: str | None = None
     published_epoch: int | None = None
     held: float | None = None  # the last lease's seconds with the trainer, as the agent timed them
+    returned_epoch: int | None = None  # the grant whose lease the trainer gave back without weights
+    last_refusal: str | None = None  # why the agent refused the trainer's last refused call
     kv_flushed_after_refit: bool = True
     fatal: str | None = None
     revision: int = 1
@@ -100,6 +102,8 @@ class FakeAgent:
                 published_path=self.published_path,
                 published_epoch=self.published_epoch,
                 held_seconds=self.held,
+                returned_epoch=self.returned_epoch,
+                last_refusal=self.last_refusal,
             ),
             rollout=RolloutReport(samples=3, cache_hit_rate=0.5, generation_tokens_per_second=100.0),
             fatal=self.fatal,
@@ -193,6 +197,12 @@ class FakeAgent:
             self.requested, self.request_epoch = True, self.epoch
             self.revision += 1
 
+    def trainer_return_unchanged(self) -> None:
+        """The endpoint's resume with nothing pushed: the lease goes back without weights."""
+        if self.stage == Stage.GRANTED and self.lease:
+            self.returned_epoch, self.lease, self.stage = self.epoch, False, Stage.TRAINED
+            self.revision += 1
+
     def trainer_publish(self, version: str, held: float | None = None) -> None:
         if self.stage == Stage.GRANTED and self.lease:
             self.held = held
@@ -208,6 +218,7 @@ class FakePod:
     gang: int
     phase: str = "Pending"
     broken: str | None = None
+    completed: tuple[str, ...] = ()  # containers that exited 0
     deleting: bool = False  # deletionTimestamp set, still terminating
     unschedulable: str | None = None  # the scheduler's PodScheduled message when no node fits
 
@@ -247,6 +258,7 @@ class World:
                 ready=p.phase == "Running",
                 deleting=p.deleting,
                 broken=p.broken,
+                completed=p.completed,
                 unschedulable=p.unschedulable,
             )
             for p in self.pods.values()

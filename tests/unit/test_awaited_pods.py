@@ -27,6 +27,7 @@ REPORTS = st.sampled_from(
 ACTIONS = {
     Evidence.COMMAND_SUCCEEDED: Action.DRAIN,
     Evidence.PUBLISHED: Action.GRANT,
+    Evidence.LEASE_RETURNED: Action.GRANT,
     Evidence.TRAINER_REQUESTED: Action.RESUME,
 }
 
@@ -36,10 +37,11 @@ def report(kind: str, revision: int, evidence: Evidence = Evidence.COMMAND_SUCCE
     epoch = EPOCH + 1 if kind == "epoch" else EPOCH
     cmd = CommandStatus(epoch=epoch, action=ACTIONS[evidence], state=state)
     shown = kind == "shown"
+    published = shown and evidence in (Evidence.PUBLISHED, Evidence.LEASE_RETURNED)
     trainer = TrainerReport(
         requested=shown and evidence == Evidence.TRAINER_REQUESTED,
-        published_epoch=epoch if shown and evidence == Evidence.PUBLISHED else None,
-        published_version="2" if shown and evidence == Evidence.PUBLISHED else None,
+        published_epoch=epoch if published else None,
+        published_version="2" if published else None,
     )
     return AgentState(
         revision=revision,

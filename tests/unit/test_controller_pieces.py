@@ -106,6 +106,17 @@ def test_broken_reason_names_the_container_that_lost_its_state(
     assert broken_reason(pod(*statuses)) == expected
 
 
+def test_a_container_that_exited_0_completed_and_is_not_broken() -> None:
+    """The lifecycle decides what an exit 0 means (lifecycle/finishing.py): the trainer's finished."""
+    done = {"name": "trainer", "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}}
+    assert broken_reason(pod(RUNNING, done)) is None
+    assert pod_observation(pod(RUNNING, done)).completed == ("trainer",)
+    assert pod_observation(pod(RUNNING)).completed == ()
+    restarted = {**done, "restartCount": 1}  # an exit 0 after a restart: the restart broke the member
+    assert broken_reason(pod(RUNNING, restarted)) == "container trainer restarted 1 time(s)"
+    assert pod_observation(pod(RUNNING, restarted)).completed == ()
+
+
 def test_a_pod_without_status_is_not_broken() -> None:
     assert broken_reason({"metadata": {"name": "j-0"}}) is None
     assert broken_reason({"metadata": {"name": "j-0"}, "status": {"containerStatuses": None}}) is None

@@ -34,6 +34,8 @@ ITERATION_STEPS = {
     "verl": (None, range(5, 12)),
     "areal": (0, range(5, 14)),
 }
+# The final iteration stops at the framework's last call: AReaL's last refit (its next onload never comes).
+LAST_STEPS = {"slime": range(9, 21), "verl": range(5, 12), "areal": range(5, 12)}
 
 
 @dataclass
@@ -174,7 +176,7 @@ def test_sends_the_recorded_bodies_byte_for_byte(
     steps = client_replay.load(REPLAYS / f"{client}.json")["steps"]
     launch, iteration = ITERATION_STEPS[client]
     planned = [(0, steps[launch])] if launch is not None else []
-    planned += [(i, steps[s]) for i in (1, 2) for s in iteration]
+    planned += [(1, steps[s]) for s in iteration] + [(2, steps[s]) for s in LAST_STEPS[client]]
 
     assert run_trainer(monkeypatch, url, tmp_path, client, 2) == 0
 
@@ -186,6 +188,21 @@ def test_sends_the_recorded_bodies_byte_for_byte(
     assert lines[-1]["event"] == "done"
     if client == "areal":  # a real checkpoint per iteration, at the path the disk update names
         assert [checkpoint_version(tmp_path / f"v{i}") for i in (1, 2)] == ["1", "2"]
+
+
+def test_areal_start_up_offload_and_onload_come_before_iteration_1(
+    stand_in: tuple[StandIn, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--startup: AReaL's offload (pause, release) and its first step's onload (resume, continue), with no
+    weights pushed between them (areal/trainer/rl_trainer.py:502-504,560-561@4aef98d8d818)."""
+    state, url = stand_in
+    steps = client_replay.load(REPLAYS / "areal.json")["steps"]
+    planned = [(0, steps[i]) for i in range(0, 5)] + [(1, steps[s]) for s in range(5, 12)]
+    monkeypatch.setenv("RLJOB_ENGINE_URL", url)
+    monkeypatch.setenv("RLJOB_WEIGHTS_DIR", str(tmp_path))
+    monkeypatch.delenv("RLJOB_POD_INDEX", raising=False)
+    assert main(["--replay", str(REPLAYS / "areal.json"), "--iterations", "1", "--startup"]) == 0
+    assert_sent(state.requests, planned, "areal", tmp_path)
 
 
 def test_a_reply_failing_expect_exits_2_naming_the_step(

@@ -143,6 +143,14 @@ def test_each_predicate() -> None:
     assert not Evidence.PUBLISHED.shown_by(granted.model_copy(update={"trainer": early}), 5, None)
     now = TrainerReport(published_version="2", published_epoch=5)
     assert Evidence.PUBLISHED.shown_by(granted.model_copy(update={"trainer": now}), 5, None)
+    # The lease ends with weights published, or given back without any, under this epoch's grant.
+    assert not Evidence.LEASE_RETURNED.shown_by(granted, 5, None)
+    assert Evidence.LEASE_RETURNED.shown_by(granted.model_copy(update={"trainer": now}), 5, None)
+    back = TrainerReport(returned_epoch=5)
+    assert Evidence.LEASE_RETURNED.shown_by(granted.model_copy(update={"trainer": back}), 5, None)
+    assert not Evidence.PUBLISHED.shown_by(granted.model_copy(update={"trainer": back}), 5, None)
+    earlier = TrainerReport(returned_epoch=4)  # given back under an earlier grant
+    assert not Evidence.LEASE_RETURNED.shown_by(granted.model_copy(update={"trainer": earlier}), 5, None)
     refitted = succeeded(Action.REFIT, stage=Stage.REFITTED, sglang=SGLangInfo(served_version="2"))
     assert Evidence.SERVES_TARGET.shown_by(refitted, 5, "2")
     assert not Evidence.SERVES_TARGET.shown_by(refitted, 5, "1")
@@ -160,13 +168,14 @@ def test_each_kind_is_declared_once_and_the_rows_name_theirs() -> None:
     assert {e for e in Evidence if e.per_report} == {
         Evidence.COMMAND_SUCCEEDED,
         Evidence.PUBLISHED,
+        Evidence.LEASE_RETURNED,
         Evidence.TRAINER_REQUESTED,
     }
     assert all(e.awaited_as.per_report for e in Evidence)
     assert {phase: row.evidence for phase, row in LOCK_STEPS.items()} == {
         Phase.DRAINING: Evidence.COMMAND_SUCCEEDED,
         Phase.RELEASING: Evidence.MEMORY_VERIFIED,
-        Phase.TRAINING: Evidence.PUBLISHED,
+        Phase.TRAINING: Evidence.LEASE_RETURNED,
         Phase.REFITTING: Evidence.SERVES_TARGET,
         Phase.RESUMING: Evidence.SERVING_TARGET,
         Phase.SUSPENDING: Evidence.COMMAND_SUCCEEDED,

@@ -7,11 +7,14 @@ loopback: its lifecycle calls become the RLJob handoff, generation and read rout
   plus one) and waits for the refit window; each push goes through the window's guards to SGLang.
 - a disk update: publishes `model_path`; answered once this pod's agent refitted that version.
 - a resume with `kv_cache` (or every tag): the end of the refit; answered once this pod serves the new
-  version. A resume of `weights` or `cuda_graph` alone is the agent's own (its refit resumes them).
+  version. With no weights pushed since the release, the lease goes back without weights and it is
+  answered once the gang serves the committed version again. A resume of `weights` or `cuda_graph` alone
+  is the agent's own (its refit resumes them).
 - pause, continue and, off rollout, flush are answered here: the agent's drain, refit and resume make
   these calls themselves (the framework's would race them).
 Every reply has the shape SGLang gives that route (rows C-ROUTE-* of docs/sglang-conformance.md); a
-refusal carries "rljob:" and the reason in SGLang's error shape for the route."""
+refusal carries "rljob:" and the reason in SGLang's error shape for the route, and is kept as the
+trainer's last refusal (the operator shows it when the trainer ends)."""
 
 from __future__ import annotations
 
@@ -182,7 +185,7 @@ class EngineEndpoint:
         if version is None:
             if self.store.state.stage == Stage.SERVING and not self.store.state.trainer.lease_held:
                 raise _memory_error("nothing is released: SGLang dies on a resume of a tag it holds")
-            raise _memory_error("no new weights since the release: push or load weights before resuming")
+            return await self._resume_unchanged()
         window = self.windows.view()
         if window.open and window.version == version:
             self.windows.trainer_close(None, versioned_by_agent=True)
@@ -196,6 +199,31 @@ class EngineEndpoint:
             raise _memory_error(why)
         self.published = None
         return web.json_response(None)
+
+    async def _resume_unchanged(self) -> web.Response:
+        """A resume with no weights pushed since the release (AReaL's start-up offload and onload): the
+        lease goes back without weights and the gang serves the committed version again."""
+        if self.store.state.trainer.lease_held:
+            try:
+                self.lease.return_unchanged()
+            except Refused as e:
+                raise _memory_error(e.reason) from e
+        elif self.store.state.stage not in (Stage.TRAINED, Stage.REFITTED):  # else: a call sent again
+            raise _memory_error("no new weights since the release: push or load weights before resuming")
+        why = await self._until(
+            lambda: self.store.state.stage == Stage.SERVING,
+            lambda: self._command_failed("refit")() or self._command_failed("resume")(),
+        )
+        if why is not None:
+            raise _memory_error(why)
+        return web.json_response(None)
+
+    def refused(self, request: web.Request, refusal: Refusal) -> None:
+        """What the endpoint refused, for the operator (TrainerReport.last_refusal)."""
+        body = refusal.body if isinstance(refusal.body, dict) else {}
+        error = body.get("error")
+        message = error.get("message") if isinstance(error, dict) else body.get("message")
+        self.lease.refused(f"{request.method} {request.path}: {message or refusal.body}")
 
     def _publish(self, version: str | None, path: str | None, source: RefitSource) -> str:
         """The first weights of a lease publish; later ones must name the same version."""
@@ -310,6 +338,7 @@ def build_engine_app(endpoint: EngineEndpoint) -> web.Application:
         try:
             return await handler(request)  # type: ignore[no-any-return]
         except Refusal as e:
+            endpoint.refused(request, e)
             return web.Response(status=e.status, text=json.dumps(e.body), content_type="application/json")
 
     app = web.Application(middlewares=[refusals], client_max_size=256 << 20)

@@ -36,6 +36,7 @@ class LeaseDesk:
                 s.trainer.requested = True
                 s.trainer.request_epoch = s.epoch
                 s.trainer.error = None
+                s.trainer.last_refusal = None
         return self._report()
 
     def status(self) -> LeaseStatus:
@@ -69,6 +70,23 @@ class LeaseDesk:
             s.trainer.lease_held = False
             s.trainer.held_seconds = self._returned()
         return self._report()
+
+    def return_unchanged(self) -> TrainerReport:
+        """The trainer gives the lease back without new weights (a framework's release, then resume with
+        nothing pushed): the operator brings back the committed version and records none."""
+        if not self._store.state.trainer.lease_held:
+            raise conflict("NoLease", "no lease to give back")
+        with self._store.change(stage=Stage.TRAINED) as s:
+            s.trainer.returned_epoch = self._store.lease_epoch
+            s.trainer.lease_held = False
+            s.trainer.held_seconds = self._returned()
+        return self._report()
+
+    def refused(self, reason: str) -> None:
+        """The agent refused a call of the trainer: kept for the operator until the trainer asks again."""
+        if self._store.state.trainer.last_refusal != reason[:1024]:
+            with self._store.change() as s:
+                s.trainer.last_refusal = reason[:1024]
 
     def abandon(self, reason: str) -> TrainerReport:
         if not self._store.state.trainer.lease_held:

@@ -409,10 +409,17 @@ class Operations:
         if unpaused:
             with self.store.change(stage=Stage.DRAINED):
                 pass
+        facts = self.store.facts
+        discarded = bool(self._released(ReleaseTag.WEIGHTS)) and not (facts and facts.weights_cpu_backup)
         # Multi-stage resume: weights (and graphs) now, kv_cache only at resume; the engine stays paused.
         await self._resume_tags(self._released(ReleaseTag.CUDA_GRAPH, ReleaseTag.WEIGHTS), dl)
+        reloaded: str | None = None
         try:
-            recorded = await self._load(cmd, path, dl)
+            if cmd.reload:
+                reloaded = await self._reload(cmd, discarded, dl)
+                recorded = True
+            else:
+                recorded = await self._load(cmd, path, dl)
             quirks = self.client.quirks
             if not recorded or (quirks is not None and not quirks.refit_while_paused_records_version):
                 # C-REFIT-WV-PAUSED: the agent always refits paused, and 0.5.6 then drops weight_version;
@@ -428,12 +435,44 @@ class Operations:
                 f"SGLang serves weight_version {served!r} after the refit, expected {cmd.version!r}"
             )
 
+        loaded = reloaded if cmd.reload else (path if cmd.source == RefitSource.DISK else None)
+
         def record(s: AgentState) -> None:
             s.sglang.served_version = served
-            if cmd.source == RefitSource.DISK:
-                s.sglang.model_path = path
+            if loaded is not None:
+                s.sglang.model_path = loaded
+            if loaded is not None or not cmd.reload:  # a pushed version is in no checkpoint SGLang read
+                self.store.path_version = served if loaded is not None else None
 
         return record
+
+    async def _reload(self, cmd: RefitCommand, discarded: bool, dl: Deadline) -> str | None:
+        """A lease given back without new weights: the committed version again. Weights the release kept,
+        or SGLang's CPU backup restored (the resume before this), need nothing more; weights it discarded
+        come from a disk load of the checkpoint SGLang last loaded that version from (its own path for it),
+        else of the command's path. The path loaded, if any."""
+        if not discarded:
+            return None
+        known = self.store.state.sglang.model_path if self.store.path_version == cmd.version else None
+        path = known or cmd.path
+        if path is None:
+            raise PermanentFailure(
+                "WeightsNotReloadable",
+                f"the release discarded weights {cmd.version} (SGLang runs without "
+                "--enable-weights-cpu-backup) and no checkpoint of them is known: push weights before "
+                "resuming, launch SGLang with --enable-weights-cpu-backup, or leave weights out of "
+                "spec.release.tags",
+            )
+        self.store.announce(Intent("refit", cmd.epoch, version=cmd.version, path=path))
+        try:
+            await self.client.update_weights_from_disk(path, cmd.version, timeout=dl.remaining())
+        except SGLangError:
+            with self.store.outcome():
+                pass  # SGLang answered: the load failed, and nothing is unknown
+            raise
+        with self.store.outcome():
+            self.store.refit_done = cmd.version
+        return path
 
     async def _load(self, cmd: RefitCommand, path: str | None, dl: Deadline) -> bool:
         """The new weights into SGLang, once: a re-run after the agent's restart skips a recorded load.

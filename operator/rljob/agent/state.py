@@ -83,6 +83,7 @@ class StateStore:
         self.pause_mode: DrainMode | None = None
         self.release_before: dict[int, int] = {}  # per-GPU used bytes before the last release
         self.refit_done: str | None = None  # the running refit's load call returned, loading this version
+        self.path_version: str | None = None  # the version SGLang's model_path holds (None: unknown)
         self.intent: Intent | None = None  # a non-idempotent call announced and not closed
 
     # --- the record ------------------------------------------------------------------------------
@@ -100,6 +101,7 @@ class StateStore:
             "pauseMode": self.pause_mode.value if self.pause_mode is not None else None,
             "releaseBefore": {str(k): v for k, v in self.release_before.items()},
             "refitDone": self.refit_done,
+            "pathVersion": self.path_version,
             "intent": self.intent.wire() if self.intent is not None else None,
         }
 
@@ -146,6 +148,7 @@ class StateStore:
         self.pause_mode = DrainMode(data["pauseMode"]) if data.get("pauseMode") else None
         self.release_before = {int(k): int(v) for k, v in (data.get("releaseBefore") or {}).items()}
         self.refit_done = data.get("refitDone")
+        self.path_version = data.get("pathVersion")
         self.intent = Intent.from_wire(data["intent"]) if data.get("intent") else None
 
     @property

@@ -6,8 +6,10 @@ from __future__ import annotations
 from aiohttp import web
 from pydantic import TypeAdapter
 
+from rljob.agent.errors import Refused
 from rljob.agent.http_util import (
     MAX_WAIT_S,
+    Handler,
     make_error_middleware,
     query_enum,
     query_number,
@@ -95,7 +97,16 @@ def build_trainer_app(
                 await store.wait_stage(int(since), stage, wait)
         return reply(store.state)
 
-    app = web.Application(middlewares=[make_error_middleware(metrics)], client_max_size=256 << 20)
+    @web.middleware
+    async def note_refusals(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except Refused as e:  # kept for the operator (TrainerReport.last_refusal), then answered
+            lease.refused(f"{request.method} {request.path}: {e.error}: {e.reason}")
+            raise
+
+    middlewares = [make_error_middleware(metrics), note_refusals]
+    app = web.Application(middlewares=middlewares, client_max_size=256 << 20)
     r = app.router
     r.add_post("/v1/trainer/request", request_gpu)
     r.add_get("/v1/trainer/lease", get_lease)

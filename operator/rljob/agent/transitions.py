@@ -131,7 +131,7 @@ def refit_guards(cmd: RefitCommand, state: AgentState, facts: ServerFacts) -> No
             f"SGLang runs --weight-cache-mode {facts.weight_cache_mode}: every refit kills it. Launch "
             "SGLang with --weight-cache-mode off.",
         )
-    if cmd.source == RefitSource.DISK and refit_path(cmd, state) is None:
+    if cmd.source == RefitSource.DISK and not cmd.reload and refit_path(cmd, state) is None:
         raise conflict(
             "NoPath", "disk refit needs a path: none in the command and none published by the trainer"
         )

@@ -124,6 +124,7 @@ class SGLangWatch:
         if self._store.recovering and self.on_recover is not None:
             await self.on_recover(seen)
             return not self._failed()
+        self._store.path_version = served  # the launch checkpoint holds the launch version
         with self._store.change(stage=Stage.READY) as s:  # not Serving: the operator verifies it first
             s.sglang = seen
         log.info("SGLang %s is up, serving weight_version %s", quirks.version, served)

@@ -84,6 +84,12 @@ class RefitCommand(_CommandBase):
     path: str | None = Field(default=None, max_length=1024)
     source: RefitSource = RefitSource.DISK
     timeout_seconds: float = Field(default=600, gt=0, le=86400)
+    reload: bool = Field(
+        default=False,
+        description="The trainers gave the lease back without new weights: bring back the committed "
+        "`version` the release discarded (SGLang's CPU weight backup where it runs with one, else a disk "
+        "load of `path` or of the checkpoint SGLang last loaded that version from); no window opens.",
+    )
 
 
 class ResumeCommand(_CommandBase):
@@ -189,6 +195,18 @@ class TrainerReport(WireModel):
         ge=0,
         description="The last lease as this agent timed it: from its grant to the trainer's publish (or "
         "abandon). None while it is held, and when the agent restarted while it was.",
+    )
+    returned_epoch: int | None = Field(
+        default=None,
+        description="Grant epoch under which the trainer gave the lease back without new weights (a "
+        "framework's release then resume with nothing pushed): the gang serves the committed version again.",
+    )
+    last_refusal: str | None = Field(
+        default=None,
+        max_length=1024,
+        description="Why the agent refused the trainer's last refused call (its SGLang-compatible endpoint "
+        "or the SDK's routes); cleared when the trainer next asks for the GPU. The operator puts it in the "
+        "RLJob's status message and an Event when the trainer ends.",
     )
     refit_window_version: WeightVersion | None = Field(
         default=None, description="Set while a tensor/distributed refit window is open for this version."

@@ -38,6 +38,23 @@ def fail(step: Step, reason: EventReason, message: str) -> None:
     clean_up_finished(step)
 
 
+def succeed_if_trainers_finished(step: Step, ran: int) -> bool:
+    """Every trainer of the gang finished (exited 0; finishing.py) once `ran` iterations were committed:
+    the job succeeded, also before spec.iterations, and says how many ran. True when it did."""
+    st, spec = step.status, step.spec
+    if len(step.finished_trainers()) < spec.replicas:
+        return False
+    st.iteration = ran
+    st.completion_time = step.now
+    of = f" of {spec.iterations}" if spec.iterations is not None else ""
+    message = (
+        f"every trainer finished after {ran}{of} iteration{'' if ran == 1 else 's'}, "
+        f"serving weights {step.committed().version}"
+    )
+    step.enter(Phase.SUCCEEDED, EventReason.TRAINERS_FINISHED, message)
+    return True
+
+
 def fail_on_permanent_refusal(step: Step, refusal: AgentRefusal) -> None:
     """An agent refused a command that no retry and no new gang can change (its SGLang's version or launch
     flags forbid it): the job fails now, with the agent's reason and what to change, and no restart."""
@@ -85,17 +102,19 @@ def continue_if_iterations_raised(step: Step) -> bool:
     """spec.iterations raised above the iterations a Succeeded job did: the job continues from its
     committed weights rather than ignoring the edit. True when it does.
 
-    - The gang was kept (podsAfterFinished: Keep) and every member still runs with its agent Serving
-      the committed version: rollout of the next iteration opens on those pods at once.
+    - The gang was kept (podsAfterFinished: Keep) and every member still runs, its trainer too, with its
+      agent Serving the committed version: rollout of the next iteration opens on those pods at once.
     - Otherwise (the pods were deleted, or one of them stopped): the remaining pods go and a fresh gang
       is created; it loads the committed weights exactly as a gang recreated after a lost member does
       (Initializing -> Refitting -> Resuming -> Rollout), without counting a restart against
       backoffLimit: nothing failed.
 
     Condition Complete turns False again; the reason IterationsRaised and the message say so. A Failed
-    job stays Failed."""
+    job stays Failed, and so does one that succeeded because its trainers finished (TrainersFinished)."""
     st, spec = step.status, step.spec
     if st.phase != Phase.SUCCEEDED or spec.iterations is None or spec.iterations <= st.iteration:
+        return False
+    if st.reason == EventReason.TRAINERS_FINISHED:  # the trainers said they are done: nothing to continue
         return False
     committed = step.committed()
     st.completion_time = None
@@ -119,6 +138,8 @@ def _kept_gang_serves(step: Step, version: str) -> bool:
     """The gang was kept (podsAfterFinished: Keep), whole, every agent Serving `version`."""
     spec = step.spec
     if spec.pods_after_finished != PodsAfterFinished.KEEP or step.lost_member() is not None:
+        return False
+    if step.finished_trainers():  # a trainer that exited takes no further iteration: a fresh gang does
         return False
     serving = [
         a for a in step.gang_agents() if a.stage == Stage.SERVING and a.sglang.served_version == version

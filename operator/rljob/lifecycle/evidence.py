@@ -20,6 +20,7 @@ class Evidence(StrEnum):
     COMMAND_SUCCEEDED = "CommandSucceeded"
     MEMORY_VERIFIED = "MemoryVerified"
     PUBLISHED = "Published"
+    LEASE_RETURNED = "LeaseReturned"
     SERVES_TARGET = "ServesTarget"
     SERVING_TARGET = "ServingTarget"
     TRAINER_REQUESTED = "TrainerRequested"
@@ -61,6 +62,16 @@ def published(agent: AgentState, epoch: int, target: str | None) -> bool:
     return _succeeded(agent, epoch) and shown
 
 
+def returned_unchanged(agent: AgentState, epoch: int) -> bool:
+    """The trainer gave the lease of `epoch` back without new weights (agent/lease.py return_unchanged)."""
+    return agent.trainer.returned_epoch == epoch
+
+
+def lease_returned(agent: AgentState, epoch: int, target: str | None) -> bool:
+    """Published, or gave the lease back without new weights: the trainer is done with this lease."""
+    return _succeeded(agent, epoch) and (published(agent, epoch, target) or returned_unchanged(agent, epoch))
+
+
 def serves_target(agent: AgentState, epoch: int, target: str | None) -> bool:
     return _succeeded(agent, epoch) and agent.sglang.served_version == target
 
@@ -86,6 +97,7 @@ KINDS: dict[Evidence, EvidenceKind] = {
     Evidence.COMMAND_SUCCEEDED: EvidenceKind(command_succeeded, per_report=True),
     Evidence.MEMORY_VERIFIED: EvidenceKind(memory_verified, per_report=False),
     Evidence.PUBLISHED: EvidenceKind(published, per_report=True),
+    Evidence.LEASE_RETURNED: EvidenceKind(lease_returned, per_report=True),
     Evidence.SERVES_TARGET: EvidenceKind(serves_target, per_report=False),  # needs the target
     Evidence.SERVING_TARGET: EvidenceKind(serving_target, per_report=False),  # needs the target
     Evidence.TRAINER_REQUESTED: EvidenceKind(trainer_requested, per_report=True, of_command=False),

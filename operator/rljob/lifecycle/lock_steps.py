@@ -16,13 +16,14 @@ from rljob.api.agent import (
     RefitCommand,
     ReleaseCommand,
     ResumeCommand,
+    Stage,
 )
 from rljob.api.spec import PhaseTimeouts
 from rljob.api.status import MAX_WEIGHT_HISTORY, CommittedWeights, ConditionType, Phase
 from rljob.lifecycle import timeline
 from rljob.lifecycle.conditions import set_condition
-from rljob.lifecycle.endings import fail
-from rljob.lifecycle.evidence import Evidence
+from rljob.lifecycle.endings import fail, succeed_if_trainers_finished
+from rljob.lifecycle.evidence import Evidence, returned_unchanged
 from rljob.lifecycle.model import EventReason
 from rljob.lifecycle.profile import record_iteration
 from rljob.lifecycle.roles import Role
@@ -85,6 +86,8 @@ def _refit(step: Step, agent: AgentState, role: Role) -> Command:
         path=path,
         source=step.spec.refit.source,
         timeout_seconds=step.spec.refit.timeout_seconds,
+        # The same pods, whose trainers gave the lease back without weights: what the release discarded.
+        reload=rejoin and agent.stage == Stage.TRAINED,
     )
 
 
@@ -104,7 +107,27 @@ def _advance_to(phase: Phase, message: str | None = None) -> Callable[[Step, lis
 
 def _refit_published_version(step: Step, agents: list[AgentState]) -> None:
     """Training done: every trainer published; refit that version, or fail if they disagree or it does
-    not move forward (invariant 6)."""
+    not move forward (invariant 6). Every trainer gave the lease back without weights: the gang goes back
+    to the committed version, and no version is recorded."""
+    epoch = step.status.epoch
+    unchanged = [a for a in agents if returned_unchanged(a, epoch)]
+    if unchanged and len(unchanged) < len(agents):
+        fail(
+            step,
+            EventReason.TRAINER_VERSION_MISMATCH,
+            f"{len(agents) - len(unchanged)} of {len(agents)} trainers published weights and "
+            f"{len(unchanged)} gave the lease back without any: every trainer must publish, or none",
+        )
+        return
+    if unchanged:
+        committed = step.committed()
+        step.status.target_weights = committed.model_copy(update={"committed_at": None})
+        step.enter(
+            Phase.REFITTING,
+            EventReason.NO_NEW_WEIGHTS,
+            f"every trainer gave the lease back without new weights: back to committed {committed.version}",
+        )
+        return
     versions = sorted({str(a.trainer.published_version) for a in agents})
     if len(versions) != 1:
         fail(step, EventReason.TRAINER_VERSION_MISMATCH, f"trainers published different versions: {versions}")
@@ -157,6 +180,8 @@ def _commit_and_open_rollout(step: Step, agents: list[AgentState]) -> None:
             EventReason.COMPLETED,
             f"{st.iteration} iterations done, serving weights {target.version}",
         )
+        return
+    if succeed_if_trainers_finished(step, ran=st.iteration):
         return
     st.iteration += 1
     step.enter(
@@ -222,7 +247,7 @@ LOCK_STEPS: dict[Phase, LockStep] = {
         action=Action.GRANT,
         deadline=lambda t: t.training,
         command=_grant,
-        evidence=Evidence.PUBLISHED,
+        evidence=Evidence.LEASE_RETURNED,
         then=_refit_published_version,
         record=timeline.record_trainer_seconds,
     ),

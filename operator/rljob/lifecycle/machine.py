@@ -22,6 +22,7 @@ from rljob.lifecycle.endings import (
     fail_on_permanent_refusal,
     recover,
     restart_gang_if_timed_out,
+    succeed_if_trainers_finished,
 )
 from rljob.lifecycle.evidence import Evidence
 from rljob.lifecycle.lock_steps import LOCK_STEPS
@@ -248,6 +249,9 @@ def _rollout(step: Step) -> None:
         return
     if restart_gang_if_timed_out(step, step.spec.phase_timeout_seconds.rollout):
         return
+    if step.finished_trainers():
+        _some_trainers_finished(step)
+        return
     epoch = step.status.epoch
     asking: list[Awaited] = []  # pods whose trainers have yet to ask (Decision.awaiting)
     for pod in step.gang().values():
@@ -265,6 +269,38 @@ def _rollout(step: Step) -> None:
         step.awaiting = asking
         return
     step.enter(Phase.DRAINING, EventReason.PHASE_CHANGED, "every trainer asked for the GPU")
+
+
+def _some_trainers_finished(step: Step) -> None:
+    """A trainer finished in Rollout: the job succeeds once every trainer did; a trainer that asks for the
+    GPU meanwhile wants an iteration the finished ones will never train, so the job fails."""
+    st = step.status
+    if succeed_if_trainers_finished(step, ran=st.iteration - 1):
+        return
+    finished = [p.name for p in step.finished_trainers()]
+    done = set(finished)
+    pending = [p for _, p in sorted(step.gang().items()) if p.name not in done]
+    asked = [p.name for p in pending if (a := step.agent(p)) is not None and a.trainer.requested]
+    if asked:
+        fail(
+            step,
+            EventReason.TRAINER_FINISHED_EARLY,
+            f"the trainers of {_names(finished)} finished while those of {_names(asked)} asked for the GPU "
+            f"for iteration {st.iteration}: an iteration needs every pod's trainer (they finish together, "
+            "after the same iteration)",
+        )
+        return
+    total = len(step.gang())
+    message = (
+        f"{len(finished)} of {total} trainers finished after {st.iteration - 1} iterations; waiting for the "
+        f"trainers of {_names([p.name for p in pending])} to finish"
+    )
+    st.message = message[:MAX_MESSAGE]
+
+
+def _names(pods: list[str]) -> str:
+    more = f" and {len(pods) - 8} more" if len(pods) > 8 else ""
+    return ", ".join(pods[:8]) + more
 
 
 NOTICE_SECONDS = 30.0  # a Rollout this old, some of whose trainers asked, names the others in status

@@ -22,7 +22,8 @@ class PodObservation:
     phase: str = "Pending"  # Pending | Running | Succeeded | Failed | Unknown
     ready: bool = False
     deleting: bool = False
-    broken: str | None = None  # a container terminated or restarted: the member lost its state
+    broken: str | None = None  # a container failed or restarted: the member lost its state
+    completed: tuple[str, ...] = ()  # containers that exited 0 (the trainer's: it finished; step.py)
     unschedulable: str | None = None  # the scheduler's words when it found no node for the pod
 
     @property
@@ -105,6 +106,9 @@ class EventReason(StrEnum):
     ADMITTED = "Admitted"  # the queue admitted the whole gang
     UNSCHEDULABLE = "Unschedulable"  # the scheduler cannot place a member: the placed ones wait, unstarted
     GANG_PLACED = "GangPlaced"  # the scheduler placed every member after one had been Unschedulable
+    TRAINERS_FINISHED = "TrainersFinished"  # every trainer container exited 0: the job is done
+    TRAINER_FINISHED_EARLY = "TrainerFinishedEarly"  # a trainer exited 0 while another wants an iteration
+    NO_NEW_WEIGHTS = "NoNewWeights"  # the trainers returned the lease without weights: committed again
 
 
 @dataclass(frozen=True)

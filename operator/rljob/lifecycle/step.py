@@ -14,6 +14,7 @@ from rljob.api.spec import RLJobSpec
 from rljob.api.status import MAX_MESSAGE, CommittedWeights, Phase, RLJobStatus
 from rljob.lifecycle import timeline
 from rljob.lifecycle.clock import parse, stamp
+from rljob.lifecycle.finishing import trainer_finished, unclean_finish, with_refusal
 from rljob.lifecycle.model import (
     Admission,
     Awaited,
@@ -125,12 +126,22 @@ class Step:
                 return f"pod {pod.name} is being deleted"
             if pod.phase in ("Failed", "Succeeded"):
                 return f"pod {pod.name} is {pod.phase}"
-            if pod.broken:
-                return f"pod {pod.name}: {pod.broken}"
             agent = self.agent(pod)
+            trainer = self.spec.trainer.container
+            if pod.broken:
+                return with_refusal(f"pod {pod.name}: {pod.broken}", pod, agent, trainer)
+            st = self.status
+            unclean = unclean_finish(pod, agent, trainer, st.phase, st.epoch, st.stopping)
+            if unclean:
+                return with_refusal(f"pod {pod.name}: {unclean}", pod, agent, trainer)
             if agent is not None and (agent.fatal or agent.stage == Stage.FAILED):
                 return f"pod {pod.name}: {agent.fatal or 'agent reports Failed'}"
         return None
+
+    def finished_trainers(self) -> list[PodObservation]:
+        """The gang's pods whose trainer container exited 0 (finishing.py), by index."""
+        trainer = self.spec.trainer.container
+        return [p for _, p in sorted(self.gang().items()) if trainer_finished(p, trainer)]
 
     # --- the queue --------------------------------------------------------------------------------
 

@@ -56,14 +56,21 @@ def named_tensors() -> list[tuple[str, Call]]:
     ]
 
 
-def local_serialized_named_tensors_b64() -> str:
+def local_serialized_named_tensors(module: str = LOCAL_SERIALIZED_TENSOR.module) -> bytes:
     """verl (sglang.srt.weight_sync.utils.update_weights): [(name, LocalSerializedTensor(values=[one pickled
-    tensor per TP rank]))], pickled, base64."""
+    tensor per TP rank]))], pickled: the bytes verl's HTTP adapter base64-encodes. `module`: where the SGLang
+    version defines LocalSerializedTensor (model_runner up to 0.5.15.post1; from 0.5.20
+    model_runner_components.weight_updater)."""
+    cls = Global(module, LOCAL_SERIALIZED_TENSOR.name)
     items = [
-        (name, Instance(LOCAL_SERIALIZED_TENSOR, {"values": [packing.dumps(reduction)]}))
-        for name, reduction in named_tensors()
+        (name, Instance(cls, {"values": [packing.dumps(reduction)]})) for name, reduction in named_tensors()
     ]
-    return packing.to_wire(packing.dumps(items))
+    return packing.dumps(items)
+
+
+def local_serialized_named_tensors_b64() -> str:
+    """local_serialized_named_tensors(), base64: the string on the wire."""
+    return packing.to_wire(local_serialized_named_tensors())
 
 
 def named_tensors_b64() -> str:

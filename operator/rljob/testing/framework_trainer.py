@@ -8,9 +8,11 @@ path:line@commit), against the agent's SGLang-compatible endpoint.
 
 It waits for the server as the framework does (the sequence's launch-wait step), then for i = 1..N runs
 the framework's iteration: its rollout at the served weights, then its handoff (release ... resume), the
-steps named per framework in ITERATIONS, a contiguous run of the recorded sequence. The startup steps
-before that run (slime's and AReaL's startup offload, slime's and verl's first weight sync) are not sent:
-in an RLJob the pods start serving the launch weights and iteration 1's handoff is the first.
+steps named per framework in ITERATIONS, a contiguous run of the recorded sequence. With --startup it first
+sends AReaL's start-up offload and first onload (a lease that ends without weights); slime's startup
+offload and slime's and verl's first weight sync are not sent: in an RLJob the pods start serving the
+launch weights and iteration 1's handoff is the first. The final iteration stops at the framework's last
+call (AReaL: its last refit; the onload after it belongs to a step it never runs), and the trainer exits 0.
 
 Only the version changes between iterations: slime names it (the push body's `weight_version`, recorded as
 the rollout id; here i, and its rollout reads back i - 1 from iteration 2 on); verl and AReaL name none.
@@ -29,7 +31,7 @@ HTTP in the real framework, or its in-process call replayed over HTTP (the step'
 
 One JSON line per step on stdout (event, iteration, part, name, wire, status, seconds). A reply that fails
 the step's `expect` exits 2 with the step's name, citation and the reply; exits 0 after the last
-iteration's resume.
+iteration's last call.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ class Iteration:
     rollout: tuple[str, ...]
     handoff: tuple[str, ...]  # release ... the resume that brings the KV cache back
     launch_wait: str | None = None
+    startup: tuple[str, ...] = ()  # sent once before iteration 1 with --startup (AReaL's offload, onload)
+    last_call: str | None = None  # the framework's last call: the final iteration stops after it
     version_field: str | None = None  # the field of a handoff body that names the version
     version_read: str | None = None  # the reply field the rollout's expect checks against that version
 
@@ -92,9 +96,18 @@ ITERATIONS: dict[str, Iteration] = {
             "resume_memory_occupation kv_cache",
         ),
     ),
-    # rl_trainer.py's step: rollout, offload (pause, release), train, disk refit, next step's onload.
+    # rl_trainer.py's step: rollout, offload (pause, release), train, disk refit, next step's onload. Its
+    # start-up offloads once and each step onloads first (502-504, 560-561); after its last step's refit
+    # the trainer ends: no onload follows.
     "areal": Iteration(
         launch_wait="health (launch wait)",
+        startup=(
+            "pause_generation",
+            "release_memory_occupation (no tags)",
+            "resume_memory_occupation (tags unset)",
+            "continue_generation",
+        ),
+        last_call="continue_generation (refit)",
         rollout=("generate (sample 0)", "generate (sample 1)"),
         handoff=(
             "pause_generation",
@@ -182,6 +195,7 @@ class FrameworkTrainer:
         self.steps: list[Step] = seq["steps"]
         run = select(self.steps, self.plan.rollout + self.plan.handoff)
         self.rollout, self.handoff = run[: len(self.plan.rollout)], run[len(self.plan.rollout) :]
+        self.startup = select(self.steps, self.plan.startup) if self.plan.startup else []
         self.step_timeout = step_timeout
         self.weights_dir = weights_dir
         self.ctx = Context(weights_dir)
@@ -214,10 +228,18 @@ class FrameworkTrainer:
                     raise StepFailed(f"no server accepts at {self.url}: {e}") from e
                 time.sleep(0.5)
 
-    def iteration(self, i: int) -> None:
+    def start(self) -> None:
+        """The framework's start-up calls (AReaL: offload, then the first step's onload, no weights)."""
+        for step in self.startup:
+            self.send(step, 0, "startup")
+
+    def iteration(self, i: int, last: bool = False) -> None:
+        """Iteration `i`; the `last` one stops after the framework's last call (Iteration.last_call)."""
         for part, steps in (("rollout", self.rollout), ("handoff", self.handoff)):
             for step in steps:
                 self.send(at_version(step, self.plan, i, part), i, part)
+                if last and part == "handoff" and step["name"] == self.plan.last_call:
+                    return
 
     def send(self, step: Step, i: int, part: str) -> None:
         self._write_checkpoints(step, i)
@@ -274,6 +296,11 @@ def parser() -> argparse.ArgumentParser:
         help="tensor pushes carry real CUDA tensors: real SGLang behind the endpoint (a GPU, torch, sglang)",
     )
     p.add_argument(
+        "--startup",
+        action="store_true",
+        help="send the framework's start-up calls first (AReaL's offload and onload, with no weights)",
+    )
+    p.add_argument(
         "--step-timeout",
         type=float,
         default=600.0,
@@ -292,10 +319,12 @@ def main(argv: list[str] | None = None) -> int:
     trainer = FrameworkTrainer(url, load(args.replay), weights_dir, args.step_timeout, args.real_payloads)
     try:
         trainer.wait_for_server()
+        if args.startup:
+            trainer.start()
         i = 0
         while args.iterations == 0 or i < args.iterations:
             i += 1
-            trainer.iteration(i)
+            trainer.iteration(i, last=i == args.iterations)
     except StepFailed as e:
         print(f"STEP FAILED: {e}", file=sys.stderr, flush=True)
         return 2
