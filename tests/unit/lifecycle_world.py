@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 from rljob.agent.actions import check_follower, check_leader
+from rljob.agent.commands import is_new
 from rljob.agent.errors import Refused
 from rljob.agent.state import ServerFacts
 from rljob.api.agent import (
@@ -123,19 +124,11 @@ class FakeAgent:
         """POST /v1/commands."""
         epoch = cmd.epoch  # type: ignore[attr-defined]
         action = cmd.action  # type: ignore[attr-defined]
-        if self.last is not None and epoch == self.last.epoch:
-            if action != self.last.action:
-                self._refuse(f"epoch {epoch} reused for {action}")
-            return  # idempotent repeat
-        if epoch < self.epoch:
-            self._refuse(f"stale epoch {epoch} < {self.epoch}")
-            return
-        if self.last is not None and self.last.state == CommandState.RUNNING:
-            self._refuse("busy")
-            return
-        # The agent's own guards (legal stage, double release, weight cache, grant before verification,
-        # ...): the world refuses exactly what the real agent refuses.
+        # The desk's epoch rules and the agent's own guards (legal stage, double release, weight cache,
+        # grant before verification, ...): the world refuses exactly what the real agent refuses.
         try:
+            if not is_new(cmd, self.epoch, self.last):  # type: ignore[arg-type]
+                return  # idempotent repeat
             if self.node_rank > 0:
                 check_follower(cmd, self.report())  # type: ignore[arg-type]
             else:
