@@ -18,6 +18,7 @@ from rljob.agent.state import ServerFacts
 from rljob.api.agent import (
     Action,
     AgentState,
+    Command,
     CommandState,
     CommandStatus,
     MemoryReport,
@@ -117,29 +118,25 @@ class FakeAgent:
             dp_size=1,
         )
 
-    def _refuse(self, why: str) -> None:
-        self.refusals.append(why)
-
-    def accept(self, cmd: object) -> None:
-        """POST /v1/commands."""
-        epoch = cmd.epoch  # type: ignore[attr-defined]
-        action = cmd.action  # type: ignore[attr-defined]
-        # The desk's epoch rules and the agent's own guards (legal stage, double release, weight cache,
-        # grant before verification, ...): the world refuses exactly what the real agent refuses.
+    def accept(self, cmd: Command) -> Refused | None:
+        """POST /v1/commands: None when taken (anew, or a replay of the last command), else the refusal.
+        The desk's epoch rules and the agent's own guards (legal stage, double release, weight cache,
+        grant before verification, ...): the world refuses exactly what the real agent refuses."""
         try:
-            if not is_new(cmd, self.epoch, self.last):  # type: ignore[arg-type]
-                return  # idempotent repeat
+            if not is_new(cmd, self.epoch, self.last):
+                return None  # idempotent repeat
             if self.node_rank > 0:
-                check_follower(cmd, self.report())  # type: ignore[arg-type]
+                check_follower(cmd, self.report())
             else:
-                check_leader(cmd, self.report(), self.facts())  # type: ignore[arg-type]
+                check_leader(cmd, self.report(), self.facts())
         except Refused as refused:
-            self._refuse(f"{refused.error}: {refused.reason}")
-            return
-        self.epoch = epoch
+            self.refusals.append(f"{refused.error}: {refused.reason}")
+            return refused
+        self.epoch = cmd.epoch
         self.pending = cmd
-        self.last = CommandStatus(epoch=epoch, action=action, state=CommandState.RUNNING)
+        self.last = CommandStatus(epoch=cmd.epoch, action=cmd.action, state=CommandState.RUNNING)
         self.revision += 1
+        return None
 
     def finish(
         self, ok: bool = True, permanent: bool = False, reason: str | None = None, error: str | None = None

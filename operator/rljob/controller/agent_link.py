@@ -11,7 +11,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rljob.api.agent import AgentState
+from rljob.api.agent import AgentState, Command
 from rljob.api.spec import RLJobSpec
 from rljob.controller.agent_client import (
     AgentClient,
@@ -32,6 +32,21 @@ class Sent:
 
     progressed: bool  # an agent accepted a command, or refused one for the first time
     not_taken: bool  # some command was not accepted: the next decision sends it again
+
+
+class Channel(Protocol):
+    """One agent as the link follows it: its latest state, and commands sent to it (AgentWatch)."""
+
+    endpoint: AgentEndpoint
+    latest: AgentState | None
+
+    async def send(self, command: Command, frame: str | None = None) -> CommandOutcome: ...
+
+    async def close(self) -> None: ...
+
+
+# Opens a channel to the agent at an endpoint; the callable is called on each new report.
+OpenChannel = Callable[[AgentClient, AgentEndpoint, Callable[[], None]], Channel]
 
 
 class AgentLink(Protocol):
@@ -64,11 +79,13 @@ class AgentLink(Protocol):
 
 
 class AgentChannels:
-    """An AgentLink over one AgentWatch per agent (its channel, a POST while it is not open)."""
+    """An AgentLink over one channel per agent: an AgentWatch (the agent's channel, a POST while it is not
+    open), or what `open_channel` opens instead (tests/unit/test_conductor_agents.py)."""
 
-    def __init__(self, client: AgentClient | None = None) -> None:
+    def __init__(self, client: AgentClient | None = None, open_channel: OpenChannel = AgentWatch) -> None:
         self._client = client or AgentClient()
-        self._watches: dict[str, AgentWatch] = {}
+        self._open_channel = open_channel
+        self._watches: dict[str, Channel] = {}
         self._watched: tuple[int, RLJobSpec | None] | None = None  # (pods.version, spec) watches follow
         self._placed: set[int] = set()  # gangs (status.restarts) the scheduler placed whole
         self._accepted: set[CommandKey] = set()  # commands an agent took
@@ -98,7 +115,8 @@ class AgentChannels:
         self._client.open()
         for name, endpoint in wanted.items():
             if name not in self._watches:
-                self._watches[name] = AgentWatch(self._client, endpoint, functools.partial(reported, name))
+                wake = functools.partial(reported, name)
+                self._watches[name] = self._open_channel(self._client, endpoint, wake)
 
     def _wanted(self, pods: PodCache, spec: RLJobSpec) -> dict[str, AgentEndpoint]:
         """The agents of live pods of placed gangs, by pod name."""
