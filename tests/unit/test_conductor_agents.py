@@ -65,10 +65,12 @@ class FakeChannel:
             self.report()
         return CommandOutcome(self.endpoint.pod, True)
 
-    def report(self) -> None:
-        """The agent reports (a new revision of its state)."""
+    def report(self, state: AgentState | None = None) -> None:
+        """The agent reports its state, or `state` (one from before its latest change) with a new
+        revision."""
         self.agent.revision += 1
-        self.latest = self.agent.report()
+        now = self.agent.report()
+        self.latest = now if state is None else state.model_copy(update={"revision": now.revision})
         self._wake()
 
     async def close(self) -> None:
@@ -192,9 +194,9 @@ def test_a_permanent_refusal_fails_the_job(monkeypatch: Any) -> None:
 
 
 def test_an_accepted_command_waits_for_its_report(monkeypatch: Any) -> None:
-    """The agents take the resume; a report that does not show it yet (the agent's state moved for
-    another reason) wakes no decision: the link knows the command was taken. Nothing is due meanwhile
-    (the tick and the quiet decision are 30 s away)."""
+    """The agents take the resume; a report that does not show it yet (sent before the agent took it,
+    read after the answer) wakes no decision: the link knows the command was taken. Nothing is due
+    meanwhile (the tick and the quiet decision are 30 s away)."""
     c = conductor(monkeypatch, FakeAgents(), tick=30, quiet=30)
 
     async def scenario() -> None:
@@ -202,7 +204,8 @@ def test_an_accepted_command_waits_for_its_report(monkeypatch: Any) -> None:
         await asyncio.sleep(0.3)
         settled = len(c.decisions)
         for channel in c.agents.channels.values():
-            channel.report()  # a new revision of the same state: the resume not shown yet
+            assert channel.latest is not None and channel.latest.last_command is None
+            channel.report(channel.latest)  # the state before the resume, a new revision
         await asyncio.sleep(0.3)
         assert len(c.decisions) == settled, c.decisions[settled:]
         for channel in c.agents.channels.values():  # the resume finished everywhere: decided on
