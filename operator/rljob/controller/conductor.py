@@ -30,7 +30,14 @@ from rljob.controller.children import (
 from rljob.controller.kube import ChildRefused, Kube, NamespaceTerminating, PodList
 from rljob.controller.pacer import QUIET_SECONDS, TICK_SECONDS, Pacer, Skip
 from rljob.controller.pod_cache import PodCache
-from rljob.controller.queueing import AdmissionView, JobQueue, Workloads, queue_name, workload_manifest
+from rljob.controller.queueing import (
+    AdmissionView,
+    JobQueue,
+    Workloads,
+    job_facts,
+    queue_name,
+    workload_manifest,
+)
 from rljob.controller.status_writer import StatusNotStored, StatusWriter
 from rljob.lifecycle.machine import decide
 from rljob.lifecycle.model import Admission, Decision, Observation
@@ -339,15 +346,10 @@ class Conductor:
     async def _settle_workload(self, status: RLJobStatus) -> bool:
         """Tell Kueue what the job did this round: quota given back after an eviction, finished. True
         when it wrote something."""
-        queue = queue_name(self.body)
-        if queue is None or self._queue is None:
+        if self._queue is None:
             return False
         spec = self._parsed.spec if self._parsed is not None else None
-        suspend = spec is not None and spec.suspend
-        ready = status.replicas > 0 and status.ready_replicas == status.replicas
-        return await self._queue.settle(
-            queue, status.phase, status.message or "", suspend, self._pods_left, ready
-        )
+        return await self._queue.settle(job_facts(self.body, spec, status, self._pods_left))
 
     def _pod(self, spec: RLJobSpec, index: int, gang: int) -> dict[str, Any]:
         manifest = gang_pod(self.name, self.uid, spec, index, gang, self.options.agent, spec.iterations)
