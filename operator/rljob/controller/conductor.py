@@ -8,58 +8,32 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import Enum
 from typing import Any
 
-from rljob.api import InvalidObject, parse_job, parse_status
+from rljob.api import parse_status
 from rljob.api.spec import RLJobSpec
-from rljob.api.status import Phase, RLJobStatus
+from rljob.api.status import RLJobStatus
 from rljob.controller import heap, metrics
 from rljob.controller.agent_link import AgentChannels, AgentLink
-from rljob.controller.children import (
-    AgentOptions,
-    gang_pod,
-    headless_service,
-    new_token,
-    refusal_spec_error,
-    token_secret,
-)
+from rljob.controller.children import AgentOptions
+from rljob.controller.job_events import EventPoster
 from rljob.controller.kube import ChildRefused, Kube, NamespaceTerminating, PodList
 from rljob.controller.pacer import QUIET_SECONDS, TICK_SECONDS, Pacer, Skip
 from rljob.controller.pod_cache import PodCache
-from rljob.controller.queueing import (
-    AdmissionView,
-    JobQueue,
-    Workloads,
-    job_facts,
-    queue_name,
-    workload_manifest,
-)
+from rljob.controller.queueing import AdmissionView, JobQueue, Workloads, job_facts, queue_name
+from rljob.controller.spec_check import ParsedSpec, SpecCheck
 from rljob.controller.status_writer import StatusNotStored, StatusWriter
 from rljob.lifecycle.machine import decide
 from rljob.lifecycle.model import Admission, Decision, Observation
 
 log = logging.getLogger(__name__)
-MAX_SPEC_ERROR = 1000  # the status message is bounded (api/status.py)
 _POD_EVENT_LIFECYCLE = metrics.POD_EVENTS.labels(change="lifecycle")
 _POD_EVENT_READINESS = metrics.POD_EVENTS.labels(change="readiness")
 _POD_EVENT_NONE = metrics.POD_EVENTS.labels(change="none")
-
-
-@dataclass
-class _Parsed:
-    """One generation of the RLJob as the operator reads it: the spec, or why it cannot be run."""
-
-    generation: int | None
-    spec: RLJobSpec | None
-    error: str | None = None  # Observation.spec_error: the models refuse it, or the API server a child
-    pods_checked: bool = False  # a pod of this spec passed a server-side dry run
-
-    def refused(self, refused: ChildRefused) -> None:
-        self.error = refusal_spec_error(refused.refusal)[:MAX_SPEC_ERROR]
 
 
 @dataclass(frozen=True)
@@ -114,11 +88,10 @@ class Conductor:
         self.options = options
         self.clock = clock
         self.wake = asyncio.Event()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self.events = EventPoster(kube, self.namespace, body)
         self.pods = PodCache()  # from the pod watch (pod_seen), a list at the start and now and then
         self.pacer = Pacer(options.tick_seconds, options.quiet_seconds)  # when to decide again
-        self._parsed: _Parsed | None = None
-        self._children_ready = False  # the token Secret and the Service exist
+        self.spec_check = SpecCheck(kube, body, options.agent)  # the spec parsed, checked, made into pods
         self._workloads = workloads
         self._queue: JobQueue | None = None  # the job's Kueue Workload, once it names a queue
         self._pods_left = 0  # pods seen by the last round, before its deletions
@@ -150,38 +123,6 @@ class Conductor:
         if self.pacer.reported(pod, self.agents.latest(pod), self.agents.took):
             self.poke()
 
-    def _parse(self) -> _Parsed:
-        """The validated spec, parsed again only when metadata.generation moves (every spec edit does)."""
-        generation = self.body.get("metadata", {}).get("generation")
-        if self._parsed is None or self._parsed.generation != generation:
-            try:
-                self._parsed = _Parsed(generation, parse_job(self.body))
-            except InvalidObject as err:
-                self._parsed = _Parsed(generation, None, str(err)[:MAX_SPEC_ERROR])
-        return self._parsed
-
-    async def _checked_spec(self, status: RLJobStatus) -> _Parsed:
-        """The spec, with what the API server says about its children: the token Secret and Service
-        (created once), and the pods (a server-side dry run of the last pod, once per generation, while
-        the job runs). A refusal is the spec's error: decide() fails the job before any pod exists."""
-        parsed = self._parse()
-        if parsed.spec is None or parsed.error is not None:
-            return parsed
-        try:
-            if not self._children_ready:
-                self.agents.authorize(await self._ensure_token_and_service(parsed.spec))
-                self._children_ready = True
-            if not parsed.pods_checked and not status.phase.terminal:
-                await self.kube.create(
-                    self.namespace,
-                    self._pod(parsed.spec, parsed.spec.replicas - 1, status.restarts),
-                    dry_run=True,
-                )
-                parsed.pods_checked = True
-        except ChildRefused as refused:
-            parsed.refused(refused)
-        return parsed
-
     def deleting(self) -> bool:
         """The RLJob is marked for deletion: kopf's finalizer handler (handlers.clean_up) removes what is
         left of it, and the conductor creates and sends nothing more."""
@@ -210,7 +151,7 @@ class Conductor:
             while not stopped() and not self.deleting():
                 self.wake.clear()
                 due = self.pacer.due(loop.time())
-                parsed = await self._checked_spec(status)
+                parsed = await self.spec_check.check(status, self.agents.authorize)
                 decision = await self._decide(parsed, status, due)
                 done = _Done.NOTHING
                 if decision is not None:  # persist first, then act (see Decision)
@@ -224,7 +165,7 @@ class Conductor:
         finally:
             await self._close()
 
-    async def _decide(self, parsed: _Parsed, status: RLJobStatus, due: bool) -> Decision | None:
+    async def _decide(self, parsed: ParsedSpec, status: RLJobStatus, due: bool) -> Decision | None:
         """Observe, and the next decision; None when the pacer skips it (a decision that is `due` is made
         anyway: time is an input too)."""
         loop = asyncio.get_running_loop()
@@ -258,7 +199,7 @@ class Conductor:
         metrics.DECISIONS.labels(outcome="decided").inc()
         return decision
 
-    async def _observe(self, parsed: _Parsed, status: RLJobStatus) -> AdmissionView:
+    async def _observe(self, parsed: ParsedSpec, status: RLJobStatus) -> AdmissionView:
         """The pods (listed when the pacer says), the agents' watches, and Kueue's word on the job."""
         loop = asyncio.get_running_loop()
         if not self.pods.listed_once or self.pacer.list_due(loop.time()):
@@ -267,17 +208,20 @@ class Conductor:
             self.pacer.listed(loop.time(), len(pods))
         self.agents.follow(self.pods, parsed.spec if parsed.error is None else None, self._reported)
         self._pods_left = len(self.pods)
-        return await self._admission(parsed, status)
+        if queue_name(self.body) is None:  # no Workload, and no Kueue client made
+            return AdmissionView(Admission.NOT_QUEUED)
+        spec = parsed.spec if parsed.error is None else None
+        return await self.job_queue().admit(self.body, spec, status, self.spec_check.pod)
 
     async def _write_and_act(
-        self, writer: StatusWriter, parsed: _Parsed, status: RLJobStatus, decision: Decision
+        self, writer: StatusWriter, parsed: ParsedSpec, status: RLJobStatus, decision: Decision
     ) -> tuple[RLJobStatus, _Done]:
         """Store the decision's status, then carry it out; the status the next round compares with, and
         what was done."""
         stored = await self._write(writer, status, decision)
         if stored is _Stored.NOT_STORED:  # nothing of the decision is carried out: made again when due
             return status, _Done.NOT_CARRIED_OUT
-        self._observe_metrics(status, decision.status)
+        metrics.observe_status(self.namespace, self.name, status, decision.status)
         if stored is _Stored.WRITTEN:  # else the same status: keep the object the next round compares
             status = decision.status
         if self.deleting():  # seen while deciding: nothing of the decision is carried out
@@ -324,37 +268,15 @@ class Conductor:
 
     async def _close(self) -> None:
         await self.agents.close()
-        if self._tasks:
-            await asyncio.wait(self._tasks, timeout=5)
-
-    async def _admission(self, parsed: _Parsed, status: RLJobStatus) -> AdmissionView:
-        """Kueue's word on the job (controller/queueing.py), creating its Workload when it has none."""
-        queue = queue_name(self.body)
-        if queue is None:
-            return AdmissionView(Admission.NOT_QUEUED)
-        spec = parsed.spec if parsed.error is None else None
-
-        def manifest() -> dict[str, Any]:
-            assert spec is not None and queue is not None
-            pod = self._pod(spec, 0, status.restarts)
-            return workload_manifest(
-                self.name, self.uid, self.namespace, queue, spec.replicas, pod, active=not spec.suspend
-            )
-
-        return await self.job_queue().admission(queue, manifest if spec else None, status.phase.terminal)
+        await self.events.close()
 
     async def _settle_workload(self, status: RLJobStatus) -> bool:
         """Tell Kueue what the job did this round: quota given back after an eviction, finished. True
         when it wrote something."""
         if self._queue is None:
             return False
-        spec = self._parsed.spec if self._parsed is not None else None
+        spec = self.spec_check.last.spec if self.spec_check.last is not None else None
         return await self._queue.settle(job_facts(self.body, spec, status, self._pods_left))
-
-    def _pod(self, spec: RLJobSpec, index: int, gang: int) -> dict[str, Any]:
-        manifest = gang_pod(self.name, self.uid, spec, index, gang, self.options.agent, spec.iterations)
-        manifest["metadata"]["namespace"] = self.namespace
-        return manifest
 
     async def _act(self, spec: RLJobSpec | None, decision: Decision) -> bool:
         """Carry out the decision's effects; True when any reached the API server or an agent (a command
@@ -373,13 +295,15 @@ class Conductor:
         if sent.not_taken:
             self.pacer.not_taken()  # the next decision sends it again
         if decision.events:  # events are for people: never on the lifecycle's critical path
-            self._background(self._post_events(decision))
+            self.events.post(decision.events)
         return sent.progressed or bool(doomed) or created
 
     async def _create_pods(self, spec: RLJobSpec, decision: Decision) -> None:
         """Create the decision's pods concurrently; raises the first refusal (ChildRefused first) after
         all are tried."""
-        manifests = [self._pod(spec, index, decision.status.restarts) for index in decision.create_pods]
+        manifests = [
+            self.spec_check.pod(spec, index, decision.status.restarts) for index in decision.create_pods
+        ]
         outcomes = await asyncio.gather(
             *(self.kube.create(self.namespace, m) for m in manifests), return_exceptions=True
         )
@@ -391,54 +315,3 @@ class Conductor:
         error = _first_error(outcomes)
         if error is not None:
             raise error
-
-    async def _post_events(self, decision: Decision) -> None:
-        body = dict(self.body)
-        for event in decision.events:  # in order, so `kubectl describe` reads like the timeline
-            await self.kube.post_event(
-                self.namespace, body, event.type.value, event.reason.value, event.message
-            )
-
-    def _background(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _ensure_token_and_service(self, spec: RLJobSpec) -> str:
-        token = await self.kube.read_token(self.namespace, self.name)
-        if token is None:
-            await self.kube.create(self.namespace, token_secret(self.name, self.uid, new_token()))
-            token = await self.kube.read_token(self.namespace, self.name)
-            assert token is not None
-        await self.kube.create(self.namespace, headless_service(self.name, self.uid, spec))
-        return token
-
-    def _observe_metrics(self, old: RLJobStatus, new: RLJobStatus) -> None:
-        labels = {"namespace": self.namespace, "job": self.name}
-        metrics.ITERATION.labels(**labels).set(new.iteration)
-        metrics.RESTARTS.labels(**labels).set(new.restarts)
-        if new.weight_version and new.weight_version.isdigit():
-            metrics.WEIGHT_VERSION.labels(**labels).set(int(new.weight_version))
-        if new.phase != old.phase:
-            self._observe_transition(old, new)
-        if new.last_iteration is not None and new.last_iteration != old.last_iteration:
-            metrics.CONTROL_OVERHEAD.observe(new.last_iteration.control_overhead_seconds)
-            metrics.observe_iteration(self.namespace, self.name, new)
-
-    def _observe_transition(self, old: RLJobStatus, new: RLJobStatus) -> None:
-        metrics.TRANSITIONS.labels(phase=new.phase.value).inc()
-        closed = [s for s in new.timeline if s.phase == old.phase and s.seconds is not None]
-        if closed:
-            metrics.PHASE_SECONDS.labels(phase=old.phase.value).observe(closed[-1].seconds or 0.0)
-        if new.phase in (Phase.RECOVERING, Phase.FAILED):
-            metrics.FAILURES.labels(phase=old.phase.value, reason=new.reason or "").inc()
-        log.info(
-            "%s/%s: %s -> %s (iteration %d, epoch %d): %s",
-            self.namespace,
-            self.name,
-            old.phase.value,
-            new.phase.value,
-            new.iteration,
-            new.epoch,
-            new.message,
-        )

@@ -415,6 +415,28 @@ class JobQueue:
                 return AdmissionView(Admission.PENDING, self.name, f"queued in LocalQueue {queue}: {why}")
         return admission_of(queue, self.workload)
 
+    async def admit(
+        self,
+        body: Mapping[str, Any],
+        spec: RLJobSpec | None,
+        status: RLJobStatus,
+        pod: Callable[[RLJobSpec, int, int], dict[str, Any]],
+    ) -> AdmissionView:
+        """Kueue's word on the job whose RLJob is `body` (`spec`: None while it is invalid), its Workload
+        made from `pod(spec, index, gang)` when it has none."""
+        queue = queue_name(body)
+        if queue is None:
+            return AdmissionView(Admission.NOT_QUEUED)
+
+        def manifest() -> dict[str, Any]:
+            assert spec is not None and queue is not None
+            one = pod(spec, 0, status.restarts)
+            return workload_manifest(
+                self.job, self.uid, self.namespace, queue, spec.replicas, one, active=not spec.suspend
+            )
+
+        return await self.admission(queue, manifest if spec else None, status.phase.terminal)
+
     async def settle(self, job: JobFacts | None) -> bool:
         """After the round's effects (`job`: None for a job that names no queue): spec.active follows
         suspend; with no pod left, a Suspended job gives back quota Kueue evicted and a finished job
