@@ -8,6 +8,7 @@ interleavings in seconds."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
@@ -32,8 +33,9 @@ from rljob.api.agent import (
 )
 from rljob.api.spec import RLJobSpec
 from rljob.api.status import Phase, RLJobStatus
+from rljob.lifecycle.awaiting import AwaitedReport, awaited_report
 from rljob.lifecycle.machine import decide
-from rljob.lifecycle.model import Decision, Observation, PodObservation
+from rljob.lifecycle.model import Awaited, Decision, Observation, PodObservation
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -345,3 +347,23 @@ class World:
 
 def release_commands(decision: Decision) -> list[ReleaseCommand]:
     return [pc.command for pc in decision.commands if isinstance(pc.command, ReleaseCommand)]
+
+
+def decides_nothing_new(
+    awaiting: Sequence[Awaited],
+    changed: Collection[str],
+    agents: Mapping[str, AgentState | None],
+    accepted: Collection[str],
+) -> bool:
+    """The pure answer the conductor's pacer keeps report by report (controller/pacer.py AwaitedPods):
+    after a decision that waits only on `awaiting`, True when the reports of the pods in `changed` since
+    then would make the same decision (nothing new sent, no status field changed): each is an awaited pod's
+    report, none says DECIDE, and one awaited pod still runs its command (its report says so, or it does not
+    show the command yet and the pod is in `accepted`). Anything else is decided: a failed command, another
+    epoch or boot, a Failed stage or `fatal`, the last awaited pod finishing, a pod not awaited, a command
+    not yet accepted (it is sent again)."""
+    awaited = {a.pod for a in awaiting}
+    if not awaited or not awaited.issuperset(changed):
+        return False
+    reports = [awaited_report(a, agents.get(a.pod), a.pod in accepted) for a in awaiting]
+    return AwaitedReport.DECIDE not in reports and AwaitedReport.RUNNING in reports

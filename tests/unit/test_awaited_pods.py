@@ -1,17 +1,17 @@
 """The pacer's AwaitedPods (controller/pacer.py) keeps, report by report as each comes, the answer
-of the pure lifecycle.awaiting.decides_nothing_new over all the reports since the decision (and decides at
+of the pure lifecycle_world.decides_nothing_new over all the reports since the decision (and decides at
 once after a command an agent did not take)."""
 
 from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
+from lifecycle_world import decides_nothing_new
 from test_conductor_refusals import FakeKube, body
 
 from rljob.api.agent import Action, AgentState, CommandState, CommandStatus, Stage, TrainerReport
 from rljob.controller.conductor import Conductor, ConductorOptions
 from rljob.controller.pacer import AwaitedPods
-from rljob.lifecycle.awaiting import decides_nothing_new
 from rljob.lifecycle.evidence import Evidence
 from rljob.lifecycle.model import Awaited
 
