@@ -17,11 +17,10 @@ from typing import Any
 
 from lifecycle_world import FakeAgent
 from test_conductor_refusals import body
-from test_pod_cache import ListingKube
+from test_pod_cache import ListingKube, counted_decisions
 
 from rljob.agent.state import ServerFacts
 from rljob.api.agent import AgentState, Command, GroupState
-from rljob.controller import conductor as conductor_module
 from rljob.controller.agent_client import AgentClient, AgentEndpoint, CommandOutcome
 from rljob.controller.agent_link import AgentChannels
 from rljob.controller.conductor import Conductor, ConductorOptions
@@ -120,14 +119,7 @@ class Conducted:
 
 
 def conductor(monkeypatch: Any, agents: FakeAgents, tick: float = 0.01, quiet: float = 0.02) -> Conducted:
-    decisions: list[Any] = []
-    real = conductor_module.decide
-
-    def counting(*args: Any) -> Any:
-        decisions.append(args[1].phase)
-        return real(*args)
-
-    monkeypatch.setattr(conductor_module, "decide", counting)
+    decisions = counted_decisions(monkeypatch)
     kube = RunningKube()
     job = body()
     job["spec"]["replicas"] = REPLICAS
