@@ -206,11 +206,11 @@ class Conductor:
             pods = await self.kube.list_pods(self.namespace, self.name)
             self.pods.listed(pods, pods.resource_version if isinstance(pods, PodList) else None)
             self.pacer.listed(loop.time(), len(pods))
-        self.agents.follow(self.pods, parsed.spec if parsed.error is None else None, self._reported)
+        spec = parsed.spec if parsed.error is None else None  # None: the job is failing
+        self.agents.follow(self.pods, spec, self._reported)
         self._pods_left = len(self.pods)
         if queue_name(self.body) is None:  # no Workload, and no Kueue client made
             return AdmissionView(Admission.NOT_QUEUED)
-        spec = parsed.spec if parsed.error is None else None
         return await self.job_queue().admit(self.body, spec, status, self.spec_check.pod)
 
     async def _write_and_act(
