@@ -9,7 +9,7 @@ NODES ?= 2
 GPUS_PER_NODE ?= 8
 HELM ?= $(HOME)/.cache/rljob/bin/helm-v3.22.0/helm
 
-.PHONY: help install test test-unit test-agent test-e2e lint crds chart-lint images openapi cluster-up cluster-down cluster-status binaries demo bench chaos gpu-test clean
+.PHONY: help install install-demo test test-unit test-agent test-e2e lint crds chart-lint images openapi cluster-up cluster-down cluster-status binaries demo bench chaos gpu-test clean
 
 help:
 	@grep -E '^[a-z-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -26,6 +26,9 @@ install: $(BIN)/python ## create .venv and install the package with the testing,
 	$(BIN)/pip install -q -e '.[testing,dev,train,frameworks]'
 	$(BIN)/pip install -q --no-deps $(FRAMEWORK_CLIENTS)
 	bash hack/sglang-wheels.sh $(BIN)/python
+
+install-demo: $(BIN)/python ## create .venv and install what the demo runs: the package and the testing extra (no torch, no SGLang wheels)
+	$(BIN)/pip install -q -e '.[testing]'
 
 test: install binaries ## unit, agent, e2e (real control plane), images (buildah); GPU tier skipped without a GPU
 	$(BIN)/python -m pytest -q --durations=25 -n 2 --dist loadfile tests/unit tests/agent tests/e2e tests/images tests/gpu
@@ -70,7 +73,7 @@ cluster-down: ## stop the local control plane
 cluster-status: ## is the local control plane running?
 	$(BIN)/python -m rljob.testing.cluster status --dir $(CLUSTER_DIR)
 
-demo: install binaries ## the whole loop on a real local API server with simulated GPUs
+demo: install-demo binaries ## the whole loop on a real local API server with simulated GPUs
 	$(BIN)/python -m rljob.testing.demo
 
 bench: install binaries ## benchmarks: printed tables, not timed tests (agent overhead; decision cost; control overhead 1 to 512 pods, 100 jobs x 8)

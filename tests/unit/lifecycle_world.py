@@ -8,15 +8,18 @@ interleavings in seconds."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 from rljob.agent.actions import check_follower, check_leader
+from rljob.agent.commands import is_new
 from rljob.agent.errors import Refused
 from rljob.agent.state import ServerFacts
 from rljob.api.agent import (
     Action,
     AgentState,
+    Command,
     CommandState,
     CommandStatus,
     MemoryReport,
@@ -30,8 +33,9 @@ from rljob.api.agent import (
 )
 from rljob.api.spec import RLJobSpec
 from rljob.api.status import Phase, RLJobStatus
+from rljob.lifecycle.awaiting import AwaitedReport, awaited_report
 from rljob.lifecycle.machine import decide
-from rljob.lifecycle.model import Decision, Observation, PodObservation
+from rljob.lifecycle.model import Awaited, Decision, Observation, PodObservation
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -120,37 +124,25 @@ class FakeAgent:
             dp_size=1,
         )
 
-    def _refuse(self, why: str) -> None:
-        self.refusals.append(why)
-
-    def accept(self, cmd: object) -> None:
-        """POST /v1/commands."""
-        epoch = cmd.epoch  # type: ignore[attr-defined]
-        action = cmd.action  # type: ignore[attr-defined]
-        if self.last is not None and epoch == self.last.epoch:
-            if action != self.last.action:
-                self._refuse(f"epoch {epoch} reused for {action}")
-            return  # idempotent repeat
-        if epoch < self.epoch:
-            self._refuse(f"stale epoch {epoch} < {self.epoch}")
-            return
-        if self.last is not None and self.last.state == CommandState.RUNNING:
-            self._refuse("busy")
-            return
-        # The agent's own guards (legal stage, double release, weight cache, grant before verification,
-        # ...): the world refuses exactly what the real agent refuses.
+    def accept(self, cmd: Command) -> Refused | None:
+        """POST /v1/commands: None when taken (anew, or a replay of the last command), else the refusal.
+        The desk's epoch rules and the agent's own guards (legal stage, double release, weight cache,
+        grant before verification, ...): the world refuses exactly what the real agent refuses."""
         try:
+            if not is_new(cmd, self.epoch, self.last):
+                return None  # idempotent repeat
             if self.node_rank > 0:
-                check_follower(cmd, self.report())  # type: ignore[arg-type]
+                check_follower(cmd, self.report())
             else:
-                check_leader(cmd, self.report(), self.facts())  # type: ignore[arg-type]
+                check_leader(cmd, self.report(), self.facts())
         except Refused as refused:
-            self._refuse(f"{refused.error}: {refused.reason}")
-            return
-        self.epoch = epoch
+            self.refusals.append(f"{refused.error}: {refused.reason}")
+            return refused
+        self.epoch = cmd.epoch
         self.pending = cmd
-        self.last = CommandStatus(epoch=epoch, action=action, state=CommandState.RUNNING)
+        self.last = CommandStatus(epoch=cmd.epoch, action=cmd.action, state=CommandState.RUNNING)
         self.revision += 1
+        return None
 
     def finish(
         self, ok: bool = True, permanent: bool = False, reason: str | None = None, error: str | None = None
@@ -367,3 +359,23 @@ class World:
 
 def release_commands(decision: Decision) -> list[ReleaseCommand]:
     return [pc.command for pc in decision.commands if isinstance(pc.command, ReleaseCommand)]
+
+
+def decides_nothing_new(
+    awaiting: Sequence[Awaited],
+    changed: Collection[str],
+    agents: Mapping[str, AgentState | None],
+    accepted: Collection[str],
+) -> bool:
+    """The pure answer the conductor's pacer keeps report by report (controller/pacer.py AwaitedPods):
+    after a decision that waits only on `awaiting`, True when the reports of the pods in `changed` since
+    then would make the same decision (nothing new sent, no status field changed): each is an awaited pod's
+    report, none says DECIDE, and one awaited pod still runs its command (its report says so, or it does not
+    show the command yet and the pod is in `accepted`). Anything else is decided: a failed command, another
+    epoch or boot, a Failed stage or `fatal`, the last awaited pod finishing, a pod not awaited, a command
+    not yet accepted (it is sent again)."""
+    awaited = {a.pod for a in awaiting}
+    if not awaited or not awaited.issuperset(changed):
+        return False
+    reports = [awaited_report(a, agents.get(a.pod), a.pod in accepted) for a in awaiting]
+    return AwaitedReport.DECIDE not in reports and AwaitedReport.RUNNING in reports

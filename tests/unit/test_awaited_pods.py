@@ -1,19 +1,17 @@
 """The pacer's AwaitedPods (controller/pacer.py) keeps, report by report as each comes, the answer
-of the pure lifecycle.awaiting.decides_nothing_new over all the reports since the decision (and decides at
+of the pure lifecycle_world.decides_nothing_new over all the reports since the decision (and decides at
 once after a command an agent did not take)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from hypothesis import given
 from hypothesis import strategies as st
+from lifecycle_world import decides_nothing_new
 from test_conductor_refusals import FakeKube, body
 
 from rljob.api.agent import Action, AgentState, CommandState, CommandStatus, Stage, TrainerReport
 from rljob.controller.conductor import Conductor, ConductorOptions
 from rljob.controller.pacer import AwaitedPods
-from rljob.lifecycle.awaiting import decides_nothing_new
 from rljob.lifecycle.evidence import Evidence
 from rljob.lifecycle.model import Awaited
 
@@ -106,21 +104,30 @@ def test_report_by_report_is_the_same_as_all_at_once(
                 return  # the conductor is woken and decides now: a new decision starts over
 
 
+class ReportingLink:
+    """The part of an AgentLink that Conductor._reported reads: each pod's latest report, and which
+    awaited commands its agent took."""
+
+    def __init__(self, latest: dict[str, AgentState], accepted: set[str]) -> None:
+        self.reports, self.accepted = latest, accepted
+
+    def latest(self, pod: str) -> AgentState | None:
+        return self.reports.get(pod)
+
+    def took(self, awaited: Awaited) -> bool:
+        return awaited.pod in self.accepted
+
+
 def test_a_report_that_decides_nothing_new_does_not_wake_the_conductor() -> None:
     """The wiring in Conductor._reported: only a report after which a decision must look wakes it."""
-    conductor = Conductor(FakeKube(), body(), ConductorOptions())  # type: ignore[arg-type]
     names = ["p-0", "p-1"]
-    watches = {
-        n: SimpleNamespace(latest=before(Evidence.COMMAND_SUCCEEDED), endpoint=SimpleNamespace(uid=n))
-        for n in names
-    }
-    conductor._watches = watches  # type: ignore[assignment]
-    conductor._accepted = {(n, Action.DRAIN.value, EPOCH) for n in names}
+    link = ReportingLink({n: before(Evidence.COMMAND_SUCCEEDED) for n in names}, set(names))
+    conductor = Conductor(FakeKube(), body(), ConductorOptions(), agents=link)  # type: ignore[arg-type]
     conductor.pacer.awaited.decided(tuple(Awaited(n, "b", EPOCH, Action.DRAIN) for n in names))
 
     def reports(name: str, kind: str) -> bool:
         conductor.wake.clear()
-        watches[name].latest = report(kind, 10)
+        link.reports[name] = report(kind, 10)
         conductor._reported(name)
         return conductor.wake.is_set()
 

@@ -99,7 +99,7 @@ def test_a_whole_run_posts_each_phase_change_once() -> None:
 
 
 def test_agent_refusals_become_one_warning_event_each_through_the_decision() -> None:
-    """The conductor hands each refusal to exactly one decision (controller/conductor.py); decide turns it
+    """The conductor hands each refusal to exactly one decision (controller/agent_link.py); decide turns it
     into a CommandRefused Warning, and a round without new refusals posts none."""
     world = World(make_spec(iterations=3))
     world.bring_up()

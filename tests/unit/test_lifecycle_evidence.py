@@ -31,7 +31,7 @@ from rljob.api.agent import (
 from rljob.api.spec import ReleaseTag
 from rljob.api.status import Phase
 from rljob.lifecycle.awaiting import awaited_report
-from rljob.lifecycle.evidence import KINDS, Evidence
+from rljob.lifecycle.evidence import KINDS, Evidence, Progress, command_progress
 from rljob.lifecycle.lock_steps import LOCK_STEPS
 from rljob.lifecycle.model import Awaited
 
@@ -180,3 +180,25 @@ def test_each_kind_is_declared_once_and_the_rows_name_theirs() -> None:
         Phase.RESUMING: Evidence.SERVING_TARGET,
         Phase.SUSPENDING: Evidence.COMMAND_SUCCEEDED,
     }
+
+
+def test_command_progress_judges_the_epochs_command_once() -> None:
+    """evidence.command_progress, for collect.py and awaiting.py: an older epoch or no command is not shown
+    yet, a later epoch or another action at this one is another command, else the command's state."""
+
+    def progress(agent_epoch: int, command: tuple[int, Action, CommandState] | None) -> Progress:
+        last = None
+        if command is not None:
+            last = CommandStatus(epoch=command[0], action=command[1], state=command[2])
+        agent = AgentState(revision=1, boot_id="b", stage=Stage.SERVING, epoch=agent_epoch, last_command=last)
+        return command_progress(agent, 5, Action.DRAIN)
+
+    drain, release = Action.DRAIN, Action.RELEASE
+    assert progress(4, (4, release, CommandState.SUCCEEDED)) == Progress.NOT_SHOWN
+    assert progress(5, None) == Progress.NOT_SHOWN
+    assert progress(5, (4, release, CommandState.SUCCEEDED)) == Progress.NOT_SHOWN
+    assert progress(6, (6, release, CommandState.RUNNING)) == Progress.OTHER
+    assert progress(5, (5, release, CommandState.SUCCEEDED)) == Progress.OTHER
+    assert progress(5, (5, drain, CommandState.RUNNING)) == Progress.RUNNING
+    assert progress(5, (5, drain, CommandState.FAILED)) == Progress.FAILED
+    assert progress(5, (5, drain, CommandState.SUCCEEDED)) == Progress.SUCCEEDED

@@ -13,11 +13,10 @@ from datetime import timedelta
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from lifecycle_world import FakeAgent, World, make_spec
+from lifecycle_world import FakeAgent, World, decides_nothing_new, make_spec
 
 from rljob.api.agent import CommandState, GrantCommand, RefitCommand, ReleaseCommand, ResumeCommand, Stage
 from rljob.api.status import Phase, RLJobStatus
-from rljob.lifecycle.awaiting import decides_nothing_new
 from rljob.lifecycle.lock_steps import LOCK_STEPS
 from rljob.lifecycle.model import Decision, Observation
 
@@ -141,9 +140,9 @@ class LifecycleMachine(RuleBasedStateMachine):
         return decision
 
     def check_skippable(self, given: RLJobStatus, obs: Observation, decision: Decision) -> None:
-        """A decision the conductor skips (machine.decides_nothing_new after the last one's awaiting) is
-        one that would have waited on: nothing created, deleted or said, the same status, and commands
-        only to pods that accepted them already."""
+        """A decision the conductor skips (lifecycle_world.decides_nothing_new after the last one's
+        awaiting) is one that would have waited on: nothing created, deleted or said, the same status, and
+        commands only to pods that accepted them already."""
         last = getattr(self, "last", None)
         # The conductor compares a round's inputs with those of the last decision, the status it was
         # given among them: a decision that changed the status is always followed by another. The world

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from rljob.api.status import Phase
+from rljob.api.spec import RLJobSpec
+from rljob.api.status import Phase, RLJobStatus
 from rljob.controller import queueing as q
 
 NOW = datetime(2026, 12, 1, 10, 0, 30, tzinfo=UTC)
@@ -240,6 +241,12 @@ def manifest() -> dict[str, Any]:
     return q.workload_manifest("job", UID, "ns", "lq", 2, pod, active=True)
 
 
+def facts(
+    phase: Phase, message: str = "", suspend: bool = False, pods_left: int = 0, pods_ready: bool = False
+) -> q.JobFacts:
+    return q.JobFacts("lq", phase, message, suspend, pods_left, pods_ready)
+
+
 def test_job_queue_creates_once_gives_quota_back_after_eviction_and_finishes() -> None:
     fake = FakeWorkloads()
     jq = q.JobQueue(fake, "ns", "job", UID, clock=lambda: 0.0)  # type: ignore[arg-type]
@@ -260,10 +267,10 @@ def test_job_queue_creates_once_gives_quota_back_after_eviction_and_finishes() -
         jq.seen(copy.deepcopy(fake.stored))
         assert (await jq.admission("lq", manifest, finished=False)).admission == q.Admission.EVICTED
         # Pods still there: no release yet.
-        await jq.settle("lq", Phase.SUSPENDING, "", suspend=False, pods_left=2, pods_ready=True)
+        await jq.settle(facts(Phase.SUSPENDING, pods_left=2, pods_ready=True))
         assert fake.stored["status"].get("admission")  # pods still there: the quota is kept
         fake.calls.clear()
-        await jq.settle("lq", Phase.SUSPENDED, "", suspend=False, pods_left=0, pods_ready=False)
+        await jq.settle(facts(Phase.SUSPENDED))
         assert fake.calls == ["patch_status"]
         assert "admission" not in fake.stored["status"]
         assert q.condition(fake.stored, "QuotaReserved")["status"] == "False"  # type: ignore[index]
@@ -272,15 +279,15 @@ def test_job_queue_creates_once_gives_quota_back_after_eviction_and_finishes() -
         jq.seen(copy.deepcopy(fake.stored))
         fake.conflict_next = True
         fake.calls.clear()
-        await jq.settle("lq", Phase.SUCCEEDED, "done", suspend=False, pods_left=0, pods_ready=False)
+        await jq.settle(facts(Phase.SUCCEEDED, "done"))
         assert fake.calls == ["patch_status"] and not q.is_true(fake.stored, "Finished")
         await jq.admission("lq", manifest, finished=True)
         assert fake.calls[-1] == "get"
-        await jq.settle("lq", Phase.SUCCEEDED, "done", suspend=False, pods_left=0, pods_ready=False)
+        await jq.settle(facts(Phase.SUCCEEDED, "done"))
         assert q.is_true(fake.stored, "Finished")
         # The job continues (iterations raised): the finished Workload goes, a new one is made next round.
         jq.seen(copy.deepcopy(fake.stored))
-        await jq.settle("lq", Phase.PENDING, "", suspend=False, pods_left=0, pods_ready=False)
+        await jq.settle(facts(Phase.PENDING))
         assert fake.calls[-1] == "delete" and fake.stored is None
         await jq.admission("lq", manifest, finished=False)
         assert fake.calls[-1] == "create"
@@ -294,9 +301,9 @@ def test_job_queue_mirrors_suspend_to_active() -> None:
 
     async def run() -> None:
         await jq.admission("lq", manifest, finished=False)
-        await jq.settle("lq", Phase.SUSPENDED, "", suspend=True, pods_left=0, pods_ready=False)
+        await jq.settle(facts(Phase.SUSPENDED, suspend=True))
         assert fake.stored is not None and fake.stored["spec"]["active"] is False
-        await jq.settle("lq", Phase.PENDING, "", suspend=False, pods_left=0, pods_ready=False)
+        await jq.settle(facts(Phase.PENDING))
         assert fake.stored["spec"]["active"] is True
 
     asyncio.run(run())
@@ -307,3 +314,24 @@ def test_no_queue_label_touches_nothing() -> None:
     jq = q.JobQueue(fake, "ns", "job", UID)  # type: ignore[arg-type]
     assert asyncio.run(jq.admission(None, manifest, finished=False)).admission == q.Admission.NOT_QUEUED
     assert fake.calls == []
+
+
+def test_a_rounds_facts_for_kueue() -> None:
+    """job_facts: none for a job that names no queue; the gang is ready only when every pod is; suspend
+    is the spec's, false while the spec is invalid."""
+    spec = RLJobSpec.model_validate(
+        {
+            "replicas": 2,
+            "suspend": True,
+            "template": {"spec": {"containers": [{"name": "sglang"}, {"name": "trainer"}]}},
+            "weights": {"initialVersion": "0", "initialPath": "/m"},
+        }
+    )
+    queued = {"metadata": {"labels": {q.QUEUE_LABEL: "lq"}}}
+    status = RLJobStatus(phase=Phase.ROLLOUT, replicas=2, ready_replicas=1, message="m")
+    assert q.job_facts({"metadata": {}}, spec, status, 2) is None
+    assert q.job_facts(queued, spec, status, 2) == q.JobFacts("lq", Phase.ROLLOUT, "m", True, 2, False)
+    ready = status.model_copy(update={"ready_replicas": 2, "message": None})
+    assert q.job_facts(queued, None, ready, 2) == q.JobFacts("lq", Phase.ROLLOUT, "", False, 2, True)
+    none = RLJobStatus(phase=Phase.PENDING)
+    assert q.job_facts(queued, spec, none, 0) == q.JobFacts("lq", Phase.PENDING, "", True, 0, False)

@@ -29,9 +29,10 @@ def test_checkpoints_differ_in_weights_only(tmp_path: Path) -> None:
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
     assert (a / "model.safetensors").read_bytes() != (b / "model.safetensors").read_bytes()
-    assert model.write(tmp_path / "a2", seed=0).joinpath("model.safetensors").read_bytes() == (
-        a / "model.safetensors"
-    ).read_bytes()
+    assert (
+        model.write(tmp_path / "a2", seed=0).joinpath("model.safetensors").read_bytes()
+        == (a / "model.safetensors").read_bytes()
+    )
 
 
 def test_transformers_loads_it_and_versions_are_nats_apart(tmp_path: Path) -> None:

@@ -118,9 +118,7 @@ class Agent:
         """The SGLang-compatible endpoint, where asked for and on a leader (a follower has no SGLang API)."""
         if self.cfg.engine_listen is None or self.cfg.node_rank > 0:
             return []
-        endpoint = EngineEndpoint(
-            self.store, self.lease, self.windows, self.cfg.sglang_url, self.cfg.refit_source
-        )
+        endpoint = EngineEndpoint(self.store, self.lease, self.windows, self.client, self.cfg.refit_source)
         return [(build_engine_app(endpoint), self.cfg.engine_listen)]
 
     def _load_record(self) -> None:

@@ -28,6 +28,24 @@ class CommandActions(Protocol):
     async def execute(self, cmd: Command) -> None: ...
 
 
+def is_new(cmd: Command, epoch: int, last: CommandStatus | None, recovering: bool = False) -> bool:
+    """The desk's epoch rules, before the stage guards (agent/actions.py): True when `cmd` is a new command
+    to check and run, False when it replays `last` (same epoch and action: answered with its status).
+    Raises Refused (409) for an epoch reused by another action, an epoch older than `epoch` (the last
+    accepted), and while the agent recovers or runs `last`."""
+    if last is not None and cmd.epoch == last.epoch:
+        if cmd.action != last.action:
+            raise conflict("EpochConflict", f"epoch {cmd.epoch} was already used for {last.action.value}")
+        return False
+    if cmd.epoch < epoch:
+        raise conflict("StaleEpoch", f"epoch {cmd.epoch} is older than the last accepted epoch {epoch}")
+    if recovering:
+        raise conflict("Busy", "the agent restarted and is checking its record against SGLang (recovery)")
+    if last is not None and last.state == CommandState.RUNNING:
+        raise conflict("Busy", f"{last.action.value} (epoch {last.epoch}) is still running")
+    return True
+
+
 class CommandDesk:
     def __init__(
         self,
@@ -46,19 +64,10 @@ class CommandDesk:
         """(HTTP status, body): 202 accepted, 200 replay of the same epoch and action; Refused otherwise."""
         st = self._store.state
         last = st.last_command
-        if last is not None and cmd.epoch == last.epoch:
-            if cmd.action != last.action:
-                raise conflict("EpochConflict", f"epoch {cmd.epoch} was already used for {last.action.value}")
+        if not is_new(cmd, st.epoch, last, self._store.recovering):
+            assert last is not None
             self._metrics.commands.labels(cmd.action.value, "replayed").inc()
             return 200, last.model_copy()
-        if cmd.epoch < st.epoch:
-            raise conflict(
-                "StaleEpoch", f"epoch {cmd.epoch} is older than the last accepted epoch {st.epoch}"
-            )
-        if self._store.recovering:
-            raise conflict("Busy", "the agent restarted and is checking its record against SGLang (recovery)")
-        if last is not None and last.state == CommandState.RUNNING:
-            raise conflict("Busy", f"{last.action.value} (epoch {last.epoch}) is still running")
         self._actions.check(cmd, st, self._store.facts)
         status = CommandStatus(
             epoch=cmd.epoch, action=cmd.action, state=CommandState.RUNNING, started_at=time.time()

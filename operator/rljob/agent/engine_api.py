@@ -12,14 +12,16 @@ loopback: its lifecycle calls become the RLJob handoff, generation and read rout
   is the agent's own (its refit resumes them).
 - pause, continue and, off rollout, flush are answered here: the agent's drain, refit and resume make
   these calls themselves (the framework's would race them).
-Every reply has the shape SGLang gives that route (rows C-ROUTE-* of docs/sglang-conformance.md); a
-refusal carries "rljob:" and the reason in SGLang's error shape for the route, and is kept as the
-trainer's last refusal (the operator shows it when the trainer ends)."""
+Every reply has the shape SGLang gives that route (rows C-ROUTE-* of docs/sglang-conformance.md), for the
+pod's SGLang version as the SGLang client read it; a refusal carries "rljob:" and the reason in SGLang's
+error shape for the route, and is kept as the trainer's last refusal (the operator shows it when the
+trainer ends). What passes through goes through the SGLang client (`SGLangClient.forward`)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -28,18 +30,49 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rljob.agent.errors import Refused
 from rljob.agent.lease import LeaseDesk
+from rljob.agent.quirks import SGLangQuirks
 from rljob.agent.refit_window import RefitWindows
+from rljob.agent.sglang_client import SGLangClient
 from rljob.agent.state import StateStore
 from rljob.api.agent import CommandState, PublishRequest, Stage, TensorPush
 from rljob.api.spec import RefitSource
 
-# C-ROUTE-PAUSE, C-ROUTE-CONTINUE, C-ROUTE-FLUSH: SGLang's success bodies.
-PAUSED = {"message": "Generation paused successfully.", "status": "ok"}
-CONTINUED = {"message": "Generation continued successfully.", "status": "ok"}
-FLUSHED = (
-    "Cache flushed.\nPlease check backend logs for more details. "
-    "(When there are running or waiting requests, the operation will not be performed.)\n"
-)
+
+@dataclass(frozen=True)
+class Replies:
+    """SGLang's success answers on the routes the endpoint answers itself."""
+
+    paused: dict[str, str] = field(  # C-ROUTE-PAUSE
+        default_factory=lambda: {"message": "Generation paused successfully.", "status": "ok"}
+    )
+    continued: dict[str, str] = field(  # C-ROUTE-CONTINUE
+        default_factory=lambda: {"message": "Generation continued successfully.", "status": "ok"}
+    )
+    flushed: str = (  # C-ROUTE-FLUSH: text/plain
+        "Cache flushed.\nPlease check backend logs for more details. "
+        "(When there are running or waiting requests, the operation will not be performed.)\n"
+    )
+    disk_updated: dict[str, Any] = field(  # C-ROUTE-DISK
+        default_factory=lambda: {
+            "success": True,
+            "message": "Succeeded to update model weights.",
+            "num_paused_requests": 0,
+        }
+    )
+
+
+# The replies by the oldest SGLang version each row holds for, oldest first: every version checked
+# (docs/sglang-conformance.md, 0.5.6 to 0.5.23) answers these routes alike, so one row.
+REPLIES: tuple[tuple[tuple[int, int, int], Replies], ...] = (((0, 5, 6), Replies()),)
+
+
+def replies_for(quirks: SGLangQuirks | None) -> Replies:
+    """The replies of the pod's SGLang version (`quirks`: None until /server_info answered: the newest)."""
+    if quirks is None:
+        return REPLIES[-1][1]
+    return next((r for since, r in reversed(REPLIES) if quirks.key >= since), REPLIES[0][1])
+
+
 WAIT_SLICE_S = 30.0  # a wait on the gang re-checks the agent's stage at least this often
 # Routes a framework must not reach SGLang with: each would bypass the gang's lock-step or the guards.
 NOT_THROUGH_ENDPOINT = {
@@ -123,16 +156,18 @@ class EngineEndpoint:
         store: StateStore,
         lease: LeaseDesk,
         windows: RefitWindows,
-        sglang_url: str,
+        client: SGLangClient,
         refit_source: RefitSource | None = None,
     ) -> None:
         self.store = store
         self.lease = lease
         self.windows = windows
-        self.sglang_url = sglang_url.rstrip("/")
+        self.client = client  # the agent's: its version (quirks) and the calls that pass through
         self.refit_source = refit_source  # the RLJob's spec.refit.source, when the operator passed it
         self.published: str | None = None
-        self._session: aiohttp.ClientSession | None = None
+
+    def _replies(self) -> Replies:
+        return replies_for(self.client.quirks)
 
     # --- waits ---------------------------------------------------------------------------------------
 
@@ -275,20 +310,19 @@ class EngineEndpoint:
         )
         if why is not None:
             raise _update_error(why)
-        return web.json_response(
-            {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
-        )
+        return web.json_response(self._replies().disk_updated)
 
     async def pause(self, request: web.Request) -> web.Response:
-        return web.json_response(PAUSED)
+        return web.json_response(self._replies().paused)
 
     async def resume_generation(self, request: web.Request) -> web.Response:
-        return web.json_response(CONTINUED)
+        return web.json_response(self._replies().continued)
 
     async def flush_cache(self, request: web.Request) -> web.StreamResponse:
         if self.store.state.stage == Stage.SERVING and not self.store.state.trainer.lease_held:
             return await self.pass_through(request)
-        return web.Response(text=FLUSHED, content_type="text/plain")  # the agent's refit flushes itself
+        flushed = self._replies().flushed  # the agent's refit flushes itself
+        return web.Response(text=flushed, content_type="text/plain")
 
     # --- everything else: SGLang's -------------------------------------------------------------------
 
@@ -296,10 +330,6 @@ class EngineEndpoint:
         refused = NOT_THROUGH_ENDPOINT.get(request.path)
         if refused is not None:
             raise _update_error(f"{request.path} is not taken through the RLJob endpoint: {refused}")
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
-            )
         if self.store.state.stage in (Stage.STARTING, Stage.READY):
             # Not yet serving what the operator verified: held, as a launching SGLang holds its clients.
             why = await self._until(lambda: self.store.state.stage == Stage.SERVING, lambda: None)
@@ -311,12 +341,9 @@ class EngineEndpoint:
             raise _update_error(f"SGLang did not answer: {e}", status=502) from e
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:
-        assert self._session is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
-        url = f"{self.sglang_url}{request.rel_url}"
-        async with self._session.request(
-            request.method, url, headers=headers, data=await request.read()
-        ) as upstream:
+        body = await request.read()
+        async with self.client.forward(request.method, str(request.rel_url), headers, body) as upstream:
             reply = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for key, value in upstream.headers.items():
                 if key.lower() not in HOP_HEADERS:
@@ -326,10 +353,6 @@ class EngineEndpoint:
                 await reply.write(chunk)
             await reply.write_eof()
             return reply
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
 
 
 def build_engine_app(endpoint: EngineEndpoint) -> web.Application:
@@ -355,5 +378,4 @@ def build_engine_app(endpoint: EngineEndpoint) -> web.Application:
     r.add_post("/pause_generation", endpoint.pause)
     r.add_post("/continue_generation", endpoint.resume_generation)
     r.add_route("*", "/{tail:.*}", endpoint.pass_through)
-    app.on_cleanup.append(lambda _: endpoint.close())
     return app

@@ -3,10 +3,11 @@ every call timed by operation, and transport failures told apart from SGLang's a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -469,3 +470,23 @@ class SGLangClient:
         """A GET on SGLang's port for a plugin of the agent (e.g. a GPU probe that reads through SGLang);
         timed and authenticated like every other call, SGLangUnreachable if the port is gone."""
         return await self._ok(operation, "GET", path, timeout=timeout)
+
+    # --- for the engine endpoint ---------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def forward(
+        self, method: str, path: str, headers: Mapping[str, str], body: bytes
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """A framework's call passed through as it came (agent/engine_api.py, the routes it does not answer
+        itself): the framework's headers (its key, not the agent's), no deadline (a generation streams as
+        long as it takes), not timed (the framework's calls are not the agent's). The response streams;
+        transport failures raise aiohttp.ClientError as aiohttp does."""
+        assert self._session is not None, "start() first"
+        async with self._session.request(
+            method,
+            self.base_url.rstrip("/") + path,
+            headers=dict(headers),
+            data=body,
+            timeout=aiohttp.ClientTimeout(total=None),
+        ) as response:
+            yield response

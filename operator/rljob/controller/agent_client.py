@@ -55,7 +55,8 @@ class AgentClient:
         self._session = session
         self._own_session = session is None
 
-    async def __aenter__(self) -> AgentClient:
+    def open(self) -> None:
+        """Make the session (once), in the running event loop."""
         if self._session is None:
             # No connection limit: every agent holds its channel open and may take a POSTed command beside
             # it; a pool limit would queue both.
@@ -63,15 +64,22 @@ class AgentClient:
                 connector=aiohttp.TCPConnector(limit=0),
                 timeout=aiohttp.ClientTimeout(total=None, connect=3),
             )
+
+    async def close(self) -> None:
+        if self._own_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> AgentClient:
+        self.open()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._own_session and self._session is not None:
-            await self._session.close()
+        await self.close()
 
     @property
     def session(self) -> aiohttp.ClientSession:
-        assert self._session is not None, "use AgentClient as an async context manager"
+        assert self._session is not None, "open() first, or use AgentClient as an async context manager"
         return self._session
 
     def _headers(self) -> dict[str, str]:

@@ -6,61 +6,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import Enum
 from typing import Any
 
-from rljob.api import InvalidObject, parse_job, parse_status
-from rljob.api.agent import AgentState
+from rljob.api import parse_status
 from rljob.api.spec import RLJobSpec
-from rljob.api.status import Phase, RLJobStatus
+from rljob.api.status import RLJobStatus
 from rljob.controller import heap, metrics
-from rljob.controller.agent_client import (
-    AgentClient,
-    AgentEndpoint,
-    AgentWatch,
-    CommandOutcome,
-    command_frame,
-)
-from rljob.controller.children import (
-    AgentOptions,
-    gang_pod,
-    headless_service,
-    new_token,
-    refusal_spec_error,
-    token_secret,
-)
+from rljob.controller.agent_link import AgentChannels, AgentLink
+from rljob.controller.children import AgentOptions
+from rljob.controller.job_events import EventPoster
 from rljob.controller.kube import ChildRefused, Kube, NamespaceTerminating, PodList
 from rljob.controller.pacer import QUIET_SECONDS, TICK_SECONDS, Pacer, Skip
 from rljob.controller.pod_cache import PodCache
-from rljob.controller.queueing import AdmissionView, JobQueue, Workloads, queue_name, workload_manifest
+from rljob.controller.queueing import AdmissionView, JobQueue, Workloads, job_facts, queue_name
+from rljob.controller.spec_check import ParsedSpec, SpecCheck
 from rljob.controller.status_writer import StatusNotStored, StatusWriter
 from rljob.lifecycle.machine import decide
-from rljob.lifecycle.model import Admission, AgentRefusal, Awaited, Decision, Observation
+from rljob.lifecycle.model import Admission, Decision, Observation
 
 log = logging.getLogger(__name__)
-MAX_SPEC_ERROR = 1000  # the status message is bounded (api/status.py)
 _POD_EVENT_LIFECYCLE = metrics.POD_EVENTS.labels(change="lifecycle")
 _POD_EVENT_READINESS = metrics.POD_EVENTS.labels(change="readiness")
 _POD_EVENT_NONE = metrics.POD_EVENTS.labels(change="none")
-
-
-@dataclass
-class _Parsed:
-    """One generation of the RLJob as the operator reads it: the spec, or why it cannot be run."""
-
-    generation: int | None
-    spec: RLJobSpec | None
-    error: str | None = None  # Observation.spec_error: the models refuse it, or the API server a child
-    pods_checked: bool = False  # a pod of this spec passed a server-side dry run
-
-    def refused(self, refused: ChildRefused) -> None:
-        self.error = refusal_spec_error(refused.refusal)[:MAX_SPEC_ERROR]
 
 
 @dataclass(frozen=True)
@@ -103,9 +76,11 @@ class Conductor:
         options: ConductorOptions,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         workloads: Workloads | None = None,
+        agents: AgentLink | None = None,
     ) -> None:
         meta = body["metadata"]
         self.kube = kube
+        self.agents: AgentLink = agents if agents is not None else AgentChannels()
         self.body = body  # kopf's live view: spec edits (suspend, iterations) show up here
         self.namespace: str = meta["namespace"]
         self.name: str = meta["name"]
@@ -113,22 +88,13 @@ class Conductor:
         self.options = options
         self.clock = clock
         self.wake = asyncio.Event()
-        self._watches: dict[str, AgentWatch] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self.events = EventPoster(kube, self.namespace, body)
         self.pods = PodCache()  # from the pod watch (pod_seen), a list at the start and now and then
-        self._watched: tuple[int, RLJobSpec | None] | None = None  # (pods.version, spec) watches follow
         self.pacer = Pacer(options.tick_seconds, options.quiet_seconds)  # when to decide again
-        self._parsed: _Parsed | None = None
-        self._children_ready = False  # the token Secret and the Service exist
-        self._accepted: set[tuple[str, str, int]] = set()  # (pod uid, action, epoch) an agent took
-        # Refusals for the next decision, and those already reported: a command re-sent each round and
-        # refused each time is one event, not one per round.
-        self._refusals: list[AgentRefusal] = []
-        self._refused: set[tuple[str, str, int, str]] = set()
+        self.spec_check = SpecCheck(kube, body, options.agent)  # the spec parsed, checked, made into pods
         self._workloads = workloads
         self._queue: JobQueue | None = None  # the job's Kueue Workload, once it names a queue
         self._pods_left = 0  # pods seen by the last round, before its deletions
-        self._placed: set[int] = set()  # gangs (status.restarts) the scheduler placed whole
 
     def job_queue(self) -> JobQueue:
         if self._queue is None:
@@ -154,40 +120,8 @@ class Conductor:
             (_POD_EVENT_NONE if self.pods.readiness_changes == readiness else _POD_EVENT_READINESS).inc()
 
     def _reported(self, pod: str) -> None:
-        if self.pacer.reported(pod, self._latest(pod), self._took):
+        if self.pacer.reported(pod, self.agents.latest(pod), self.agents.took):
             self.poke()
-
-    def _parse(self) -> _Parsed:
-        """The validated spec, parsed again only when metadata.generation moves (every spec edit does)."""
-        generation = self.body.get("metadata", {}).get("generation")
-        if self._parsed is None or self._parsed.generation != generation:
-            try:
-                self._parsed = _Parsed(generation, parse_job(self.body))
-            except InvalidObject as err:
-                self._parsed = _Parsed(generation, None, str(err)[:MAX_SPEC_ERROR])
-        return self._parsed
-
-    async def _checked_spec(self, agents: AgentClient, status: RLJobStatus) -> _Parsed:
-        """The spec, with what the API server says about its children: the token Secret and Service
-        (created once), and the pods (a server-side dry run of the last pod, once per generation, while
-        the job runs). A refusal is the spec's error: decide() fails the job before any pod exists."""
-        parsed = self._parse()
-        if parsed.spec is None or parsed.error is not None:
-            return parsed
-        try:
-            if not self._children_ready:
-                agents.token = await self._ensure_token_and_service(parsed.spec)
-                self._children_ready = True
-            if not parsed.pods_checked and not status.phase.terminal:
-                await self.kube.create(
-                    self.namespace,
-                    self._pod(parsed.spec, parsed.spec.replicas - 1, status.restarts),
-                    dry_run=True,
-                )
-                parsed.pods_checked = True
-        except ChildRefused as refused:
-            parsed.refused(refused)
-        return parsed
 
     def deleting(self) -> bool:
         """The RLJob is marked for deletion: kopf's finalizer handler (handlers.clean_up) removes what is
@@ -213,36 +147,33 @@ class Conductor:
             max_retry_seconds=self.options.quiet_seconds,
         )
         loop = asyncio.get_running_loop()
-        async with AgentClient() as agents:
-            try:
-                while not stopped() and not self.deleting():
-                    self.wake.clear()
-                    due = self.pacer.due(loop.time())
-                    parsed = await self._checked_spec(agents, status)
-                    decision = await self._decide(agents, parsed, status, due)
-                    done = _Done.NOTHING
-                    if decision is not None:  # persist first, then act (see Decision)
-                        status, done = await self._write_and_act(writer, parsed, status, decision)
-                    if done is _Done.STOP:
-                        return
-                    if done is not _Done.NOT_CARRIED_OUT:
-                        await self._rest(done is _Done.SOMETHING)
-            except NamespaceTerminating as terminating:
-                log.info("%s/%s: %s: conducting stops", self.namespace, self.name, terminating)
-            finally:
-                await self._close()
+        try:
+            while not stopped() and not self.deleting():
+                self.wake.clear()
+                due = self.pacer.due(loop.time())
+                parsed = await self.spec_check.check(status, self.agents.authorize)
+                decision = await self._decide(parsed, status, due)
+                done = _Done.NOTHING
+                if decision is not None:  # persist first, then act (see Decision)
+                    status, done = await self._write_and_act(writer, parsed, status, decision)
+                if done is _Done.STOP:
+                    return
+                if done is not _Done.NOT_CARRIED_OUT:
+                    await self._rest(done is _Done.SOMETHING)
+        except NamespaceTerminating as terminating:
+            log.info("%s/%s: %s: conducting stops", self.namespace, self.name, terminating)
+        finally:
+            await self._close()
 
-    async def _decide(
-        self, agents: AgentClient, parsed: _Parsed, status: RLJobStatus, due: bool
-    ) -> Decision | None:
+    async def _decide(self, parsed: ParsedSpec, status: RLJobStatus, due: bool) -> Decision | None:
         """Observe, and the next decision; None when the pacer skips it (a decision that is `due` is made
         anyway: time is an input too)."""
         loop = asyncio.get_running_loop()
-        queued = await self._observe(agents, parsed, status)
+        queued = await self._observe(parsed, status)
         generation = self.body.get("metadata", {}).get("generation")
         inputs = (
             self.pods.version, generation, parsed, parsed.error, queued.admission, queued.message, status,
-            len(self._refusals),
+            len(self.agents.pending_refusals()),
         )  # fmt: skip
         skipped = self.pacer.skip(inputs, due)
         if skipped is not None:
@@ -255,40 +186,42 @@ class Conductor:
         obs = Observation(
             now=self.clock(),
             pods=self.pods.observations(),
-            agents=self._agent_states(),
+            agents=self.agents.states(self.pods),
             generation=generation,
             spec_error=parsed.error,
             admission=queued.admission,
             admission_message=queued.message,
-            refusals=tuple(self._refusals),
+            refusals=self.agents.take_refusals(),  # each reaches exactly one decision, hence one event
         )
-        self._refusals.clear()  # each refusal reaches exactly one decision, hence one event
         began = time.thread_time()  # CPU, not wall: a decision preempted on a busy machine cost no more
         decision = decide(parsed.spec, status, obs)
         self.pacer.decided(loop.time(), time.thread_time() - began, decision.awaiting)
         metrics.DECISIONS.labels(outcome="decided").inc()
         return decision
 
-    async def _observe(self, agents: AgentClient, parsed: _Parsed, status: RLJobStatus) -> AdmissionView:
+    async def _observe(self, parsed: ParsedSpec, status: RLJobStatus) -> AdmissionView:
         """The pods (listed when the pacer says), the agents' watches, and Kueue's word on the job."""
         loop = asyncio.get_running_loop()
         if not self.pods.listed_once or self.pacer.list_due(loop.time()):
             pods = await self.kube.list_pods(self.namespace, self.name)
             self.pods.listed(pods, pods.resource_version if isinstance(pods, PodList) else None)
             self.pacer.listed(loop.time(), len(pods))
-        self._sync_watches(agents, parsed.spec if parsed.error is None else None)
+        spec = parsed.spec if parsed.error is None else None  # None: the job is failing
+        self.agents.follow(self.pods, spec, self._reported)
         self._pods_left = len(self.pods)
-        return await self._admission(parsed, status)
+        if queue_name(self.body) is None:  # no Workload, and no Kueue client made
+            return AdmissionView(Admission.NOT_QUEUED)
+        return await self.job_queue().admit(self.body, spec, status, self.spec_check.pod)
 
     async def _write_and_act(
-        self, writer: StatusWriter, parsed: _Parsed, status: RLJobStatus, decision: Decision
+        self, writer: StatusWriter, parsed: ParsedSpec, status: RLJobStatus, decision: Decision
     ) -> tuple[RLJobStatus, _Done]:
         """Store the decision's status, then carry it out; the status the next round compares with, and
         what was done."""
         stored = await self._write(writer, status, decision)
         if stored is _Stored.NOT_STORED:  # nothing of the decision is carried out: made again when due
             return status, _Done.NOT_CARRIED_OUT
-        self._observe_metrics(status, decision.status)
+        metrics.observe_status(self.namespace, self.name, status, decision.status)
         if stored is _Stored.WRITTEN:  # else the same status: keep the object the next round compares
             status = decision.status
         if self.deleting():  # seen while deciding: nothing of the decision is carried out
@@ -334,101 +267,16 @@ class Conductor:
             await asyncio.wait_for(self.wake.wait(), self.pacer.wait(loop.time()))
 
     async def _close(self) -> None:
-        for watch in self._watches.values():
-            await watch.close()
-        self._watches.clear()
-        if self._tasks:
-            await asyncio.wait(self._tasks, timeout=5)
-
-    def _agent_states(self) -> dict[str, AgentState | None]:
-        states: dict[str, AgentState | None] = {}
-        for pod in self.pods.pods():
-            watch = self._watches.get(pod.name)
-            # A report counts only for the pod it came from: a recreated pod has a new uid.
-            fresh = watch is not None and watch.endpoint.uid == pod.uid
-            states[pod.name] = watch.latest if fresh and watch else None
-        return states
-
-    def _latest(self, pod: str) -> AgentState | None:
-        watch = self._watches.get(pod)
-        return watch.latest if watch is not None else None
-
-    def _took(self, awaited: Awaited) -> bool:
-        """The pod's agent accepted the awaited command (its report may not show it yet)."""
-        watch = self._watches.get(awaited.pod)
-        key = (watch.endpoint.uid, awaited.action.value, awaited.epoch) if watch is not None else None
-        return key in self._accepted
-
-    async def _admission(self, parsed: _Parsed, status: RLJobStatus) -> AdmissionView:
-        """Kueue's word on the job (controller/queueing.py), creating its Workload when it has none."""
-        queue = queue_name(self.body)
-        if queue is None:
-            return AdmissionView(Admission.NOT_QUEUED)
-        spec = parsed.spec if parsed.error is None else None
-
-        def manifest() -> dict[str, Any]:
-            assert spec is not None and queue is not None
-            pod = self._pod(spec, 0, status.restarts)
-            return workload_manifest(
-                self.name, self.uid, self.namespace, queue, spec.replicas, pod, active=not spec.suspend
-            )
-
-        return await self.job_queue().admission(queue, manifest if spec else None, status.phase.terminal)
+        await self.agents.close()
+        await self.events.close()
 
     async def _settle_workload(self, status: RLJobStatus) -> bool:
         """Tell Kueue what the job did this round: quota given back after an eviction, finished. True
         when it wrote something."""
-        queue = queue_name(self.body)
-        if queue is None or self._queue is None:
+        if self._queue is None:
             return False
-        spec = self._parsed.spec if self._parsed is not None else None
-        suspend = spec is not None and spec.suspend
-        ready = status.replicas > 0 and status.ready_replicas == status.replicas
-        return await self._queue.settle(
-            queue, status.phase, status.message or "", suspend, self._pods_left, ready
-        )
-
-    def _placed_gangs(self, spec: RLJobSpec) -> set[int]:
-        """Gangs every member of which the scheduler placed (each has a pod IP), at any time so far."""
-        members: dict[int, int] = {}
-        for pod in self.pods.pods():
-            if pod.ip and not pod.observation.deleting:
-                members[pod.observation.gang] = members.get(pod.observation.gang, 0) + 1
-        self._placed.update(g for g, n in members.items() if n >= spec.replicas)
-        return self._placed
-
-    def _sync_watches(self, agents: AgentClient, spec: RLJobSpec | None) -> None:
-        """One watch per agent of a placed gang (none while the spec is invalid: the job is failing). The
-        first watch request is what lets the agent's startupProbe pass (agent/operator_api.py,
-        /probe/gang): no member of a gang the scheduler could not place whole starts SGLang or its
-        trainer."""
-        if self._watched is not None and self._watched[0] == self.pods.version and self._watched[1] is spec:
-            return
-        self._watched = (self.pods.version, spec)
-        wanted = self._watched_agents(spec) if spec is not None else {}
-        for name in list(self._watches):
-            if name not in wanted or self._watches[name].endpoint != wanted[name]:
-                watch = self._watches.pop(name)
-                asyncio.get_running_loop().create_task(watch.close())
-        for name, endpoint in wanted.items():
-            if name not in self._watches:
-                self._watches[name] = AgentWatch(agents, endpoint, functools.partial(self._reported, name))
-
-    def _watched_agents(self, spec: RLJobSpec) -> dict[str, AgentEndpoint]:
-        """The agents of live pods of placed gangs, by pod name."""
-        wanted: dict[str, AgentEndpoint] = {}
-        placed = self._placed_gangs(spec)
-        for pod in self.pods.pods():
-            obs = pod.observation
-            alive = obs.phase in ("Pending", "Running") and not obs.deleting
-            if pod.ip and alive and obs.gang in placed:
-                wanted[pod.name] = AgentEndpoint(pod.name, pod.uid, pod.ip, spec.agent.port)
-        return wanted
-
-    def _pod(self, spec: RLJobSpec, index: int, gang: int) -> dict[str, Any]:
-        manifest = gang_pod(self.name, self.uid, spec, index, gang, self.options.agent, spec.iterations)
-        manifest["metadata"]["namespace"] = self.namespace
-        return manifest
+        spec = self.spec_check.last.spec if self.spec_check.last is not None else None
+        return await self._queue.settle(job_facts(self.body, spec, status, self._pods_left))
 
     async def _act(self, spec: RLJobSpec | None, decision: Decision) -> bool:
         """Carry out the decision's effects; True when any reached the API server or an agent (a command
@@ -443,15 +291,19 @@ class Conductor:
         if spec is not None and decision.create_pods:
             await self._create_pods(spec, decision)
             created = True
-        sent = await self._send(decision)
+        sent = await self.agents.send(decision)
+        if sent.not_taken:
+            self.pacer.not_taken()  # the next decision sends it again
         if decision.events:  # events are for people: never on the lifecycle's critical path
-            self._background(self._post_events(decision))
-        return sent or bool(doomed) or created
+            self.events.post(decision.events)
+        return sent.progressed or bool(doomed) or created
 
     async def _create_pods(self, spec: RLJobSpec, decision: Decision) -> None:
         """Create the decision's pods concurrently; raises the first refusal (ChildRefused first) after
         all are tried."""
-        manifests = [self._pod(spec, index, decision.status.restarts) for index in decision.create_pods]
+        manifests = [
+            self.spec_check.pod(spec, index, decision.status.restarts) for index in decision.create_pods
+        ]
         outcomes = await asyncio.gather(
             *(self.kube.create(self.namespace, m) for m in manifests), return_exceptions=True
         )
@@ -463,104 +315,3 @@ class Conductor:
         error = _first_error(outcomes)
         if error is not None:
             raise error
-
-    async def _post_events(self, decision: Decision) -> None:
-        body = dict(self.body)
-        for event in decision.events:  # in order, so `kubectl describe` reads like the timeline
-            await self.kube.post_event(
-                self.namespace, body, event.type.value, event.reason.value, event.message
-            )
-
-    def _background(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _send(self, decision: Decision) -> bool:
-        """Fan out concurrently; True when an agent accepted a command or refused one for the first time.
-        A command an agent accepted is not sent again while its state report catches up (the agent's
-        reports do not show an acceptance)."""
-        epoch = decision.status.epoch
-        self._accepted = {a for a in self._accepted if a[2] >= epoch}
-        self._refused = {r for r in self._refused if r[2] >= epoch}
-        keys, sends = self._sends(decision)
-        progressed = False
-        for key, outcome in zip(keys, await asyncio.gather(*sends), strict=True):
-            if outcome.accepted:
-                self._accepted.add(key)
-                progressed = True
-                continue
-            self.pacer.not_taken()  # it is sent again by the next decision
-            progressed = self._keep_refusal(key, outcome) or progressed
-        return progressed
-
-    def _sends(
-        self, decision: Decision
-    ) -> tuple[list[tuple[str, str, int]], list[Coroutine[Any, Any, CommandOutcome]]]:
-        """The decision's commands not yet accepted, each with its (pod uid, action, epoch)."""
-        keys, sends = [], []
-        frames: dict[int, str] = {}  # by id(): a decision builds one command per role (LockStep.varies)
-        for pc in decision.commands:
-            watch = self._watches.get(pc.pod)
-            if watch is None:
-                continue
-            key = (watch.endpoint.uid, pc.command.action.value, pc.command.epoch)
-            if key in self._accepted:
-                continue
-            frame = frames.get(id(pc.command))
-            if frame is None:
-                frame = frames[id(pc.command)] = command_frame(pc.command)
-            sends.append(watch.send(pc.command, frame))
-            keys.append(key)
-        return keys, sends
-
-    def _keep_refusal(self, key: tuple[str, str, int], outcome: CommandOutcome) -> bool:
-        """Keep a refusal for the next decision (an event) unless it was reported already; True when kept.
-        A permanent refusal reaches every decision until one is stored: it fails the job."""
-        refusal = outcome.refusal
-        if not refusal or refusal.startswith("unreachable"):
-            return False
-        if not outcome.permanent and (*key, refusal) in self._refused:
-            return False
-        self._refused.add((*key, refusal))
-        self._refusals.append(AgentRefusal(outcome.pod, refusal, outcome.error, outcome.permanent))
-        return True
-
-    async def _ensure_token_and_service(self, spec: RLJobSpec) -> str:
-        token = await self.kube.read_token(self.namespace, self.name)
-        if token is None:
-            await self.kube.create(self.namespace, token_secret(self.name, self.uid, new_token()))
-            token = await self.kube.read_token(self.namespace, self.name)
-            assert token is not None
-        await self.kube.create(self.namespace, headless_service(self.name, self.uid, spec))
-        return token
-
-    def _observe_metrics(self, old: RLJobStatus, new: RLJobStatus) -> None:
-        labels = {"namespace": self.namespace, "job": self.name}
-        metrics.ITERATION.labels(**labels).set(new.iteration)
-        metrics.RESTARTS.labels(**labels).set(new.restarts)
-        if new.weight_version and new.weight_version.isdigit():
-            metrics.WEIGHT_VERSION.labels(**labels).set(int(new.weight_version))
-        if new.phase != old.phase:
-            self._observe_transition(old, new)
-        if new.last_iteration is not None and new.last_iteration != old.last_iteration:
-            metrics.CONTROL_OVERHEAD.observe(new.last_iteration.control_overhead_seconds)
-            metrics.observe_iteration(self.namespace, self.name, new)
-
-    def _observe_transition(self, old: RLJobStatus, new: RLJobStatus) -> None:
-        metrics.TRANSITIONS.labels(phase=new.phase.value).inc()
-        closed = [s for s in new.timeline if s.phase == old.phase and s.seconds is not None]
-        if closed:
-            metrics.PHASE_SECONDS.labels(phase=old.phase.value).observe(closed[-1].seconds or 0.0)
-        if new.phase in (Phase.RECOVERING, Phase.FAILED):
-            metrics.FAILURES.labels(phase=old.phase.value, reason=new.reason or "").inc()
-        log.info(
-            "%s/%s: %s -> %s (iteration %d, epoch %d): %s",
-            self.namespace,
-            self.name,
-            old.phase.value,
-            new.phase.value,
-            new.iteration,
-            new.epoch,
-            new.message,
-        )

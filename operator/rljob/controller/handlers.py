@@ -15,6 +15,7 @@ import kopf
 
 from rljob.api.crd import GROUP, PLURAL, VERSION
 from rljob.controller import queueing
+from rljob.controller.agent_link import AgentChannels
 from rljob.controller.children import LABEL_JOB, token_secret_name
 from rljob.controller.conductor import Conductor, ConductorOptions
 from rljob.controller.diffbase import LeanDiffBaseStorage
@@ -84,7 +85,7 @@ async def close_connections(memo: kopf.Memo, **_: Any) -> None:
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=15.0)
 async def conduct(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    conductor = Conductor(memo["kube"], body, memo["options"])
+    conductor = Conductor(memo["kube"], body, memo["options"], agents=AgentChannels())
     key = (conductor.namespace, conductor.name)
     CONDUCTORS[key] = conductor
     try:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from rljob.api.status import LeverName, RLJobStatus
+from rljob.api.status import LeverName, Phase, RLJobStatus
+
+log = logging.getLogger(__name__)
 
 PHASE_SECONDS = Histogram(
     "rljob_phase_duration_seconds",
@@ -116,6 +119,40 @@ def count_api_call(verb: str, sent: int) -> None:
     """The operator's `ApiServer.on_call` hook (controller/kube.py `api_server`)."""
     API_CALLS.labels(verb=verb).inc()
     API_BYTES.labels(verb=verb).inc(sent)
+
+
+def observe_status(namespace: str, job: str, old: RLJobStatus, new: RLJobStatus) -> None:
+    """A decision's status `new` after `old`: the job's gauges, and a phase change (logged) and a new
+    last iteration observed once."""
+    labels = {"namespace": namespace, "job": job}
+    ITERATION.labels(**labels).set(new.iteration)
+    RESTARTS.labels(**labels).set(new.restarts)
+    if new.weight_version and new.weight_version.isdigit():
+        WEIGHT_VERSION.labels(**labels).set(int(new.weight_version))
+    if new.phase != old.phase:
+        _observe_transition(namespace, job, old, new)
+    if new.last_iteration is not None and new.last_iteration != old.last_iteration:
+        CONTROL_OVERHEAD.observe(new.last_iteration.control_overhead_seconds)
+        observe_iteration(namespace, job, new)
+
+
+def _observe_transition(namespace: str, job: str, old: RLJobStatus, new: RLJobStatus) -> None:
+    TRANSITIONS.labels(phase=new.phase.value).inc()
+    closed = [s for s in new.timeline if s.phase == old.phase and s.seconds is not None]
+    if closed:
+        PHASE_SECONDS.labels(phase=old.phase.value).observe(closed[-1].seconds or 0.0)
+    if new.phase in (Phase.RECOVERING, Phase.FAILED):
+        FAILURES.labels(phase=old.phase.value, reason=new.reason or "").inc()
+    log.info(
+        "%s/%s: %s -> %s (iteration %d, epoch %d): %s",
+        namespace,
+        job,
+        old.phase.value,
+        new.phase.value,
+        new.iteration,
+        new.epoch,
+        new.message,
+    )
 
 
 def observe_iteration(namespace: str, job: str, status: RLJobStatus) -> None:

@@ -34,7 +34,7 @@ def _same(now: tuple[Any, ...], then: tuple[Any, ...]) -> bool:
 
 class AwaitedPods:
     """The last decision's Decision.awaiting, kept report by report as each comes: whether the reports
-    since then would make the same decision (lifecycle.awaiting.decides_nothing_new), in the time of one
+    since then would make the same decision (lifecycle.awaiting.awaited_report of each), in the time of one
     report rather than of a round over the whole gang, so a report that decides nothing wakes nothing.
     Pods whose reports said they succeeded leave `running`; when none is left, or a report says anything
     else, or a command was not accepted, the next round decides."""

@@ -36,7 +36,8 @@ from typing import Any
 
 from rljob.api.crd import GROUP as RLJOB_GROUP
 from rljob.api.crd import KIND as RLJOB_KIND
-from rljob.api.status import Phase
+from rljob.api.spec import RLJobSpec
+from rljob.api.status import Phase, RLJobStatus
 from rljob.controller.children import LABEL_JOB, owner_reference
 from rljob.kubeclient.apiserver import MERGE_PATCH, ApiError, ApiServer
 from rljob.lifecycle.model import Admission
@@ -74,6 +75,31 @@ def queue_name(body: Mapping[str, Any]) -> str | None:
     labels = (body.get("metadata") or {}).get("labels") or {}
     value = labels.get(QUEUE_LABEL)
     return str(value) if value else None
+
+
+@dataclass(frozen=True)
+class JobFacts:
+    """What a round did, as the job's Workload follows it (JobQueue.settle)."""
+
+    queue: str  # the LocalQueue the job names
+    phase: Phase
+    message: str  # status.message: a finished Workload's Finished message
+    suspend: bool  # spec.suspend: spec.active is its opposite
+    pods_left: int  # pods seen by the round, before its deletions
+    pods_ready: bool  # every pod of the gang is running and ready (PodsReady)
+
+
+def job_facts(
+    body: Mapping[str, Any], spec: RLJobSpec | None, status: RLJobStatus, pods_left: int
+) -> JobFacts | None:
+    """The facts of a job that names a queue (None otherwise): `spec` as last parsed (None while it is
+    invalid), `status` the decision's."""
+    queue = queue_name(body)
+    if queue is None:
+        return None
+    ready = status.replicas > 0 and status.ready_replicas == status.replicas
+    suspend = spec is not None and spec.suspend
+    return JobFacts(queue, status.phase, status.message or "", suspend, pods_left, ready)
 
 
 def workload_name(job: str, uid: str, kind: str = RLJOB_KIND, group: str = RLJOB_GROUP) -> str:
@@ -389,27 +415,49 @@ class JobQueue:
                 return AdmissionView(Admission.PENDING, self.name, f"queued in LocalQueue {queue}: {why}")
         return admission_of(queue, self.workload)
 
-    async def settle(
-        self, queue: str | None, phase: Phase, message: str, suspend: bool, pods_left: int, pods_ready: bool
-    ) -> bool:
-        """After the round's effects: spec.active follows suspend; with no pod left, a Suspended job gives
-        back quota Kueue evicted and a finished job finishes its Workload; else PodsReady follows the
-        gang. A job that continues after its Workload finished (iterations raised) gets a new one next
-        round. True when it wrote: the next round may have more to settle."""
+    async def admit(
+        self,
+        body: Mapping[str, Any],
+        spec: RLJobSpec | None,
+        status: RLJobStatus,
+        pod: Callable[[RLJobSpec, int, int], dict[str, Any]],
+    ) -> AdmissionView:
+        """Kueue's word on the job whose RLJob is `body` (`spec`: None while it is invalid), its Workload
+        made from `pod(spec, index, gang)` when it has none."""
+        queue = queue_name(body)
+        if queue is None:
+            return AdmissionView(Admission.NOT_QUEUED)
+
+        def manifest() -> dict[str, Any]:
+            assert spec is not None and queue is not None
+            one = pod(spec, 0, status.restarts)
+            return workload_manifest(
+                self.job, self.uid, self.namespace, queue, spec.replicas, one, active=not spec.suspend
+            )
+
+        return await self.admission(queue, manifest if spec else None, status.phase.terminal)
+
+    async def settle(self, job: JobFacts | None) -> bool:
+        """After the round's effects (`job`: None for a job that names no queue): spec.active follows
+        suspend; with no pod left, a Suspended job gives back quota Kueue evicted and a finished job
+        finishes its Workload; else PodsReady follows the gang. A job that continues after its Workload
+        finished (iterations raised) gets a new one next round. True when it wrote: the next round may
+        have more to settle."""
         wl = self.workload
-        if queue is None or wl is None:
+        if job is None or wl is None:
             return False
-        patch = spec_patch(wl, queue, active=not suspend)
+        phase = job.phase
+        patch = spec_patch(wl, job.queue, active=not job.suspend)
         if patch is not None:
             self._store(await self.workloads.patch(self.namespace, self.name, patch, status=False))
             return True  # settle the status from the patched object next round
         status: dict[str, Any] | None = None
-        if pods_left == 0 and phase == Phase.SUSPENDED:
+        if job.pods_left == 0 and phase == Phase.SUSPENDED:
             status = release_patch(wl, datetime.now(UTC))
-        elif pods_left == 0 and phase.terminal:
-            status = finish_patch(wl, phase == Phase.SUCCEEDED, message, _stamp(datetime.now(UTC)))
+        elif job.pods_left == 0 and phase.terminal:
+            status = finish_patch(wl, phase == Phase.SUCCEEDED, job.message, _stamp(datetime.now(UTC)))
         elif not phase.terminal:
-            status = pods_ready_patch(wl, pods_ready, datetime.now(UTC))
+            status = pods_ready_patch(wl, job.pods_ready, datetime.now(UTC))
         if status is not None:
             self._store(await self.workloads.patch(self.namespace, self.name, status, status=True))
             return True

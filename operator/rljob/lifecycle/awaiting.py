@@ -1,12 +1,13 @@
 """Whether a report changes a decision that waits only on pods showing evidence (Decision.awaiting): the
-conductor asks it report by report (controller/conductor.py, AwaitedPods); the evidence is evidence.py's."""
+conductor's pacer asks it report by report (controller/pacer.py, AwaitedPods); the evidence and the
+judgement of a report's command are evidence.py's."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
 from enum import StrEnum
 
-from rljob.api.agent import AgentState, CommandState, Stage
+from rljob.api.agent import AgentState, Stage
+from rljob.lifecycle.evidence import Progress, command_progress
 from rljob.lifecycle.model import Awaited
 
 
@@ -24,7 +25,7 @@ def awaited_report(awaited: Awaited, agent: AgentState | None, accepted: bool) -
         return AwaitedReport.DECIDE
     evidence = awaited.evidence
     if evidence.of_command:
-        progress = _command_progress(awaited, agent, accepted)
+        progress = _command_report(awaited, agent, accepted)
         if progress != AwaitedReport.SUCCEEDED:
             return progress
     elif agent.epoch != awaited.epoch:  # shown after the command: only a report of its epoch counts
@@ -32,31 +33,12 @@ def awaited_report(awaited: Awaited, agent: AgentState | None, accepted: bool) -
     return AwaitedReport.SUCCEEDED if evidence.shown_by(agent, awaited.epoch, None) else AwaitedReport.RUNNING
 
 
-def _command_progress(awaited: Awaited, agent: AgentState, accepted: bool) -> AwaitedReport:
-    cmd = agent.last_command
-    if agent.epoch < awaited.epoch or cmd is None or cmd.epoch < awaited.epoch:  # not reported taking it
+def _command_report(awaited: Awaited, agent: AgentState, accepted: bool) -> AwaitedReport:
+    progress = command_progress(agent, awaited.epoch, awaited.action)
+    if progress == Progress.NOT_SHOWN:  # not reported taking it
         return AwaitedReport.RUNNING if accepted else AwaitedReport.DECIDE
-    if (agent.epoch, cmd.epoch, cmd.action) != (awaited.epoch, awaited.epoch, awaited.action):
+    if agent.epoch != awaited.epoch:  # a report of a later epoch is decided on
         return AwaitedReport.DECIDE
-    if cmd.state == CommandState.RUNNING:
+    if progress == Progress.RUNNING:
         return AwaitedReport.RUNNING
-    return AwaitedReport.SUCCEEDED if cmd.state == CommandState.SUCCEEDED else AwaitedReport.DECIDE
-
-
-def decides_nothing_new(
-    awaiting: Sequence[Awaited],
-    changed: Collection[str],
-    agents: Mapping[str, AgentState | None],
-    accepted: Collection[str],
-) -> bool:
-    """After a decision that waits only on `awaiting`: True when the reports of the pods in `changed` since
-    then would make the same decision (nothing new sent, no status field changed): each is an awaited pod's
-    report, none says DECIDE, and one awaited pod still runs its command (its report says so, or it does not
-    show the command yet and the pod is in `accepted`). Anything else is decided: a failed command, another
-    epoch or boot, a Failed stage or `fatal`, the last awaited pod finishing, a pod not awaited, a command
-    not yet accepted (it is sent again)."""
-    awaited = {a.pod for a in awaiting}
-    if not awaited or not awaited.issuperset(changed):
-        return False
-    reports = [awaited_report(a, agents.get(a.pod), a.pod in accepted) for a in awaiting]
-    return AwaitedReport.DECIDE not in reports and AwaitedReport.RUNNING in reports
+    return AwaitedReport.SUCCEEDED if progress == Progress.SUCCEEDED else AwaitedReport.DECIDE

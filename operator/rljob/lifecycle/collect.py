@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rljob.api.agent import AgentState, Command, CommandState, CommandStatus
+from rljob.api.agent import AgentState, Command, CommandStatus
 from rljob.lifecycle.endings import (
     fail_or_recover_after_command_failure,
     past,
@@ -14,7 +14,7 @@ from rljob.lifecycle.endings import (
     restart_gang_if_timed_out,
     stop_without_finishing,
 )
-from rljob.lifecycle.evidence import KINDS
+from rljob.lifecycle.evidence import KINDS, Progress, command_progress
 from rljob.lifecycle.lock_steps import LockStep
 from rljob.lifecycle.model import Awaited, PodObservation
 from rljob.lifecycle.roles import Role, role_of
@@ -106,21 +106,23 @@ class _Round:
         if agent is None or not pod.running:
             self.wait(None)
             return True
-        cmd = agent.last_command
-        if agent.epoch < epoch or cmd is None or cmd.epoch < epoch:
+        progress = command_progress(agent, epoch, row.action)
+        if progress == Progress.NOT_SHOWN:
             self.send(pod, agent)
             return True
-        if cmd.epoch > epoch or cmd.action != row.action:
+        cmd = agent.last_command
+        assert cmd is not None  # shown: this epoch's command or a later one
+        if progress == Progress.OTHER:
             # The agent is ahead of our status: our status was rolled back. Never guess: restart the gang.
             recover(step, f"pod {pod.name} reports epoch {cmd.epoch} ({cmd.action.value}), job is at {epoch}")
             return False
-        return self.collect(pod, agent, cmd)
+        return self.collect(pod, agent, cmd, progress)
 
-    def collect(self, pod: PodObservation, agent: AgentState, cmd: CommandStatus) -> bool:
+    def collect(self, pod: PodObservation, agent: AgentState, cmd: CommandStatus, progress: Progress) -> bool:
         """`pod` reports this epoch's command: it runs, failed, or finished with or without the evidence."""
-        if cmd.state == CommandState.RUNNING:
+        if progress == Progress.RUNNING:
             self.wait(self._awaited(pod, agent))
-        elif cmd.state == CommandState.FAILED:
+        elif progress == Progress.FAILED:
             return self.failed(pod, agent, cmd)
         elif not self.shown_by(agent, self.epoch, self.target):
             self.wait(self._awaited(pod, agent) if self.per_report else None)

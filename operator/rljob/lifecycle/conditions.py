@@ -4,18 +4,8 @@ from __future__ import annotations
 
 from rljob.api.status import Condition, ConditionStatus, ConditionType, Phase, RLJobStatus
 
-_ACTIVE = {
-    Phase.PENDING,
-    Phase.INITIALIZING,
-    Phase.ROLLOUT,
-    Phase.DRAINING,
-    Phase.RELEASING,
-    Phase.TRAINING,
-    Phase.REFITTING,
-    Phase.RESUMING,
-    Phase.RECOVERING,
-    Phase.SUSPENDING,
-}
+# Progressing: every phase on the way somewhere; a new phase is in it unless it is at rest.
+_ACTIVE = frozenset(p for p in Phase if not p.terminal and p != Phase.SUSPENDED)
 
 
 def set_condition(

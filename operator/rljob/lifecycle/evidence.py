@@ -1,6 +1,7 @@
 """What ends a phase: each kind of evidence is one pure predicate over (an agent's report, the epoch, the
 target weight version). The lock-step rows name theirs (lock_steps.LOCK_STEPS); Rollout's is
-`trainer_requested`; the conductor checks the ones that need no target report by report (awaiting.py)."""
+`trainer_requested`; the conductor checks the ones that need no target report by report (awaiting.py).
+How far a report shows the epoch's command got is judged once, `command_progress`, for both."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
-from rljob.api.agent import AgentState, CommandState, Stage
+from rljob.api.agent import Action, AgentState, CommandState, Stage
 
 Predicate = Callable[[AgentState, int, str | None], bool]
 """(the agent's report, the epoch, the target version) -> whether the report shows the evidence."""
@@ -41,6 +42,30 @@ class Evidence(StrEnum):
         """What an awaited pod is checked for report by report (Awaited.evidence): this evidence, or, when
         it is not checkable per report, its command succeeding (a decision then looks at the report)."""
         return self if self.per_report else Evidence.COMMAND_SUCCEEDED
+
+
+class Progress(StrEnum):
+    """What a report says of the epoch's command (`command_progress`)."""
+
+    NOT_SHOWN = "NotShown"  # an older epoch or command: not taken, or taken and not reported yet
+    OTHER = "Other"  # a command of a later epoch, or another action at this one: ahead of the status
+    RUNNING = "Running"
+    FAILED = "Failed"
+    SUCCEEDED = "Succeeded"  # the command did; whether the row's evidence shows is the predicate's
+
+
+def command_progress(agent: AgentState, epoch: int, action: Action) -> Progress:
+    """How far `agent`'s report shows the command `action` of `epoch` got: the one judgement of a
+    report's command that sending and collecting a row (collect.py) and the report-by-report check of a
+    decision that waits (awaiting.py) both make."""
+    cmd = agent.last_command
+    if agent.epoch < epoch or cmd is None or cmd.epoch < epoch:
+        return Progress.NOT_SHOWN
+    if cmd.epoch > epoch or cmd.action != action:
+        return Progress.OTHER
+    if cmd.state == CommandState.RUNNING:
+        return Progress.RUNNING
+    return Progress.SUCCEEDED if cmd.state == CommandState.SUCCEEDED else Progress.FAILED
 
 
 def _succeeded(agent: AgentState, epoch: int) -> bool:

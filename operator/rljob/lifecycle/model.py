@@ -150,7 +150,7 @@ class Decision:
     delete_job: bool = False  # ttlSecondsAfterFinished elapsed
     # Set only when every pod the decision waits on waits for one piece of evidence (Awaited.evidence) and
     # nothing else is pending: until the last shows it, a report of one that did decides nothing new
-    # (awaiting.decides_nothing_new).
+    # (awaiting.awaited_report).
     awaiting: tuple[Awaited, ...] = ()
     # The first moment time alone changes this decision (a deadline or TTL not yet passed); None: never.
     next_due: datetime | None = None
