@@ -31,7 +31,9 @@ print("sglang", sglang.__version__, "fastapi", fastapi.__version__, "transformer
 args=("$@")
 ((${#args[@]})) || args=(tests/gpu)
 started=$SECONDS
-python3 -m pytest -q -s -rA -p no:cacheprovider --basetemp=/tmp/devgpu-pt "${args[@]}" 2>&1 | tee "$OUT/pytest.log"
+# RLJOB_GPU_TIMEOUT: the tests stop here, so the figures and logs so far still go back in $OUT.
+timeout "${RLJOB_GPU_TIMEOUT:-540}" python3 -m pytest -q -s -rA -p no:cacheprovider --basetemp=/tmp/devgpu-pt \
+  "${args[@]}" 2>&1 | tee "$OUT/pytest.log"
 rc=${PIPESTATUS[0]}
 echo "== pytest exit $rc after $((SECONDS - started)) s"
 # Figures and every process log the tests left (SGLang's, the agents', the trainers').

@@ -396,6 +396,60 @@ def summarize(
     }
 
 
+# --- the emulator held to the real server ---------------------------------------------------------------
+
+
+def _differential(
+    real: tuple[RealSGLang, Path, TinyLlama], results_dir: Path, fatal: bool
+) -> list[dict[str, Any]]:
+    """The sequences (the fatal ones, or the others) to the emulator and to real SGLang; the real answers
+    are added to $RLJOB_GPU_RESULTS_DIR/real-<version>.json and the table to differential.md."""
+    server, tmp, _ = real
+    launch = tmp / "v0"
+    sequences, left_out = differential.load_sequences(
+        DIFFERENTIAL / "sequences.json", ROOT / "tests" / "replays", LAUNCH_FLAGS
+    )
+    sequences = [s for s in sequences if bool(s.get("fatal")) == fatal]
+    emu = Emulator(
+        tmp, VERSION, *LAUNCH_FLAGS, "--model-path", str(launch), memory_saver=False, tps=EMULATOR_TPS
+    )
+    try:
+        emu.wait_ready(60)
+        emu_obs = differential.run_all(
+            emu.url, emu.alive, sequences, VERSION, differential.contexts(tmp / f"emu-{fatal}", launch)
+        )
+    finally:
+        emu.stop()
+    real_ctx = differential.contexts(tmp / f"real-{fatal}", launch, real_payloads.BUILDERS)
+    real_obs = differential.run_all(server.url, server.alive, sequences, VERSION, real_ctx)
+    record_file = results_dir / f"real-{VERSION}.json"
+    record = json.loads(record_file.read_text()) if record_file.exists() else {
+        "version": VERSION, "launch_flags": list(LAUNCH_FLAGS), "emulator_tps": EMULATOR_TPS,
+        "left_out": left_out, "sequences": [],
+    }  # fmt: skip
+    record["sequences"] += real_obs
+    record_file.write_text(json.dumps(record, indent=1))
+    emu_file = results_dir / f"emulator-{VERSION}.json"
+    emulated = json.loads(emu_file.read_text())["sequences"] if emu_file.exists() else []
+    emu_file.write_text(json.dumps({"sequences": emulated + emu_obs}, indent=1))
+    text = differential.table(
+        record["sequences"],
+        emulated + emu_obs,
+        differential.recorded(DIFFERENTIAL / "known-differences.json"),
+    )
+    text += "".join(f"- {name}: not sent, {why}\n" for name, why in left_out.items())
+    (results_dir / "differential.md").write_text(text)
+    print("\n" + text)
+    assert [o["name"] for o in real_obs] == [s["name"] for s in sequences], "a sequence was not sent"
+    return real_obs
+
+
+def test_differential(real: tuple[RealSGLang, Path, TinyLlama], results_dir: Path) -> None:
+    """Every sequence SGLang survives, to both servers (the table: differential.md)."""
+    _differential(real, results_dir, fatal=False)
+    assert real[0].alive()
+
+
 # --- frameworks through the agent's endpoint -------------------------------------------------------------
 
 FRAMEWORKS = (("slime", "tensor"), ("verl", "tensor"), ("areal", "disk"))
@@ -480,37 +534,8 @@ def test_frameworks_through_the_endpoint(real: tuple[RealSGLang, Path, TinyLlama
     print("\n" + text)
 
 
-# --- the emulator held to the real server ---------------------------------------------------------------
-
-
-def test_differential(real: tuple[RealSGLang, Path, TinyLlama], results_dir: Path) -> None:
-    """Last in this module: its final sequence ends the real server."""
-    server, tmp, _ = real
-    launch = tmp / "v0"
-    sequences, left_out = differential.load_sequences(
-        DIFFERENTIAL / "sequences.json", ROOT / "tests" / "replays", LAUNCH_FLAGS
-    )
-    emu = Emulator(
-        tmp, VERSION, *LAUNCH_FLAGS, "--model-path", str(launch), memory_saver=False, tps=EMULATOR_TPS
-    )
-    try:
-        emu.wait_ready(60)
-        emu_obs = differential.run_all(
-            emu.url, emu.alive, sequences, VERSION, differential.contexts(tmp / "emu", launch)
-        )
-    finally:
-        emu.stop()
-    real_ctx = differential.contexts(tmp / "real", launch, real_payloads.BUILDERS)
-    real_obs = differential.run_all(server.url, server.alive, sequences, VERSION, real_ctx)
-    record = {"version": VERSION, "launch_flags": list(LAUNCH_FLAGS), "emulator_tps": EMULATOR_TPS,
-              "left_out": left_out, "sequences": real_obs}  # fmt: skip
-    (results_dir / f"real-{VERSION}.json").write_text(json.dumps(record, indent=1))
-    (results_dir / f"emulator-{VERSION}.json").write_text(json.dumps({"sequences": emu_obs}, indent=1))
-    text = differential.table(
-        real_obs, emu_obs, differential.recorded(DIFFERENTIAL / "known-differences.json")
-    )
-    text += "".join(f"- {name}: not sent, {why}\n" for name, why in left_out.items())
-    (results_dir / "differential.md").write_text(text)
-    print("\n" + text)
-    assert [o["name"] for o in real_obs] == [s["name"] for s in sequences], "a sequence was not sent"
-    assert not server.alive(), "release with a request in flight did not end real SGLang"
+def test_the_call_sglang_dies_on(real: tuple[RealSGLang, Path, TinyLlama], results_dir: Path) -> None:
+    """Last in this module: the fatal sequence (a release with a request in flight) ends real SGLang, and
+    the emulator with it."""
+    obs = _differential(real, results_dir, fatal=True)
+    assert obs and not obs[-1]["alive_after"] and not real[0].alive()
