@@ -288,6 +288,22 @@ class AgentDriver:
         assert r.body["state"] == "Succeeded", f"{action} failed: {r.body}"
         return dict(r.body)
 
+    def done(self, action: str, timeout: float, **fields: Any) -> dict[str, Any]:
+        """A command to its end, however long it runs (a command's HTTP wait caps at 30 s): its status,
+        which must be Succeeded (else the assertion shows the end of the agent's log)."""
+        self.epoch += 1
+        epoch = self.epoch
+        r = self.agent.command(action, epoch, wait=25, **fields)
+        assert r.status in (200, 202), f"{action}: HTTP {r.status}: {r.text}"
+        st = self.agent.wait_state(
+            lambda s: s["lastCommand"]["epoch"] == epoch and s["lastCommand"]["state"] != "Running",
+            timeout,
+            f"{action} to finish",
+        )
+        cmd = dict(st["lastCommand"])
+        assert cmd["state"] == "Succeeded", f"{action} failed: {cmd}\n{self.agent.log_text()[-3000:]}"
+        return cmd
+
     def failed(self, action: str, **fields: Any) -> dict[str, Any]:
         r = self.send(action, **fields)
         assert r.status == 200, f"{action}: HTTP {r.status}: {r.text}"

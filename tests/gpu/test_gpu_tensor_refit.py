@@ -61,22 +61,6 @@ def test_ipc_copy_floor(results_dir: Path) -> None:
     assert res["d2d_copy_median_seconds"] < 0.1  # 15 GiB at HBM speed: milliseconds
 
 
-def run(agent: Agent, c: AgentDriver, action: str, timeout: float, **fields: Any) -> dict[str, Any]:
-    """A command to its end (the HTTP wait caps at 30 s; a 15 GiB disk refit may take longer)."""
-    c.epoch += 1
-    epoch = c.epoch
-    r = agent.command(action, epoch, wait=25, **fields)
-    assert r.status in (200, 202), f"{action}: HTTP {r.status}: {r.text}"
-    st = agent.wait_state(
-        lambda s: s["lastCommand"]["epoch"] == epoch and s["lastCommand"]["state"] != "Running",
-        timeout,
-        f"{action} to finish",
-    )
-    cmd = dict(st["lastCommand"])
-    assert cmd["state"] == "Succeeded", f"{action} failed: {cmd}"
-    return cmd
-
-
 def release_breakdown(agent_log: str) -> list[dict[str, Any]]:
     out = []
     for line in agent_log.splitlines():
@@ -125,24 +109,24 @@ def test_tensor_refit_through_the_agent(
         agent.wait_state(while_alive(trainer, lambda s: s["trainer"]["requested"]), 300, "the trainer to ask")
         it: dict[str, Any] = {"kind": kind, "version": version, "tms_from": len(tms_events(emu.log_text()))}
         it["step"] = step
-        it["drain"] = run(agent, c, "drain", 60)
+        it["drain"] = c.done("drain", 60)
         need = int(0.95 * footprint)
-        it["release"] = run(
-            agent, c, "release", 120, tags=ALL_TAGS, verify={"minFreedBytes": need, "timeoutSeconds": 60}
+        it["release"] = c.done(
+            "release", 120, tags=ALL_TAGS, verify={"minFreedBytes": need, "timeoutSeconds": 60}
         )
         assert agent.state()["memory"]["verified"]
-        it["grant"] = run(agent, c, "grant", 30)
+        it["grant"] = c.done("grant", 30)
         trained = wait_trained(agent, trainer, 600)
         assert trained["trainer"]["publishedVersion"] == version
         if kind == "tensor":
-            it["refit"] = run(agent, c, "refit", 300, version=version, source="tensor")
+            it["refit"] = c.done("refit", 300, version=version, source="tensor")
         else:
             it["path"] = trained["trainer"]["publishedPath"]
-            it["refit"] = run(agent, c, "refit", 900, version=version, path=it["path"])
+            it["refit"] = c.done("refit", 900, version=version, path=it["path"])
         t0 = time.perf_counter()
         it["weights"] = emu.weights()  # a tensor refit's checksum is computed on the GPU now
         it["weights_read_seconds"] = time.perf_counter() - t0
-        it["resume"] = run(agent, c, "resume", 120)
+        it["resume"] = c.done("resume", 120)
         out = generate(emu)
         assert out["meta_info"]["weight_version"] == version and GARBAGE_MARKER not in out["text"], out
         assert agent.state()["sglang"]["servedVersion"] == version

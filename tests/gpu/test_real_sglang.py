@@ -152,21 +152,6 @@ def verify_refit(
     return out
 
 
-def run(agent: Agent, c: AgentDriver, action: str, timeout: float, **fields: Any) -> dict[str, Any]:
-    c.epoch += 1
-    epoch = c.epoch
-    r = agent.command(action, epoch, wait=25, **fields)
-    assert r.status in (200, 202), f"{action}: HTTP {r.status}: {r.text}"
-    st = agent.wait_state(
-        lambda s: s["lastCommand"]["epoch"] == epoch and s["lastCommand"]["state"] != "Running",
-        timeout,
-        f"{action} to finish",
-    )
-    cmd = dict(st["lastCommand"])
-    assert cmd["state"] == "Succeeded", f"{action} failed: {cmd}\n{agent.log_text()[-3000:]}"
-    return cmd
-
-
 def timed(server: RealSGLang, method: str, path: str, body: Any = None) -> float:
     t0 = time.perf_counter()
     r = server.call(method, path, body)
@@ -231,7 +216,7 @@ def _drive(server: RealSGLang, tmp: Path, model: TinyLlama, results_dir: Path, p
     procs.append(agent)
     agent.wait_stage("Ready", timeout=120)
     c = AgentDriver(agent)
-    opening = run(agent, c, "resume", 60)
+    opening = c.done("resume", 60)
     trainer = Proc(
         "real-trainer",
         [PY, str(HERE / "real_trainer.py"), "--plan", ",".join(PLAN), "--model-dir", str(launch),
@@ -268,10 +253,10 @@ def _drive(server: RealSGLang, tmp: Path, model: TinyLlama, results_dir: Path, p
         flight = InFlight(server, flight_prompts)
         wait_running(server, IN_FLIGHT)
         it["used_before_release"] = nvml_used()
-        it["drain"] = run(agent, c, "drain", 60)
+        it["drain"] = c.done("drain", 60)
         it["in_flight_ended"] = flight.join()
         assert set(it["in_flight_ended"]) == {"abort"}, it["in_flight_ended"]
-        it["release"] = run(agent, c, "release", 120, tags=ALL_TAGS)
+        it["release"] = c.done("release", 120, tags=ALL_TAGS)
         it["used_after_release"] = nvml_used()
         it["nvml_freed"] = it["used_before_release"] - it["used_after_release"]
         memory = agent.state()["memory"]
@@ -279,16 +264,16 @@ def _drive(server: RealSGLang, tmp: Path, model: TinyLlama, results_dir: Path, p
         it["agent_freed"] = memory["freedBytes"]
         if i == 0:
             floor_file.write_text(json.dumps({"bytes": it["agent_freed"]}))
-        it["grant"] = run(agent, c, "grant", 30)
+        it["grant"] = c.done("grant", 30)
         st = agent.wait_state(
             while_alive(trainer, lambda s: s["stage"] == "Trained"), 600, "the trainer to publish"
         )
         assert st["trainer"]["publishedVersion"] == version
         if kind == "tensor":
-            it["refit"] = run(agent, c, "refit", 300, version=version, source="tensor")
+            it["refit"] = c.done("refit", 300, version=version, source="tensor")
         else:
-            it["refit"] = run(agent, c, "refit", 300, version=version, path=st["trainer"]["publishedPath"])
-        it["resume"] = run(agent, c, "resume", 60)
+            it["refit"] = c.done("refit", 300, version=version, path=st["trainer"]["publishedPath"])
+        it["resume"] = c.done("resume", 60)
         served_version = version
         assert agent.state()["sglang"]["servedVersion"] == version
         ref = json.loads((tmp / "trainer" / f"reference-{version}.json").read_text())
@@ -463,16 +448,16 @@ def conduct(agent: Agent, c: AgentDriver, trainer: Proc, source: str) -> dict[st
     agent.wait_state(
         while_alive(trainer, lambda s: s["trainer"]["requested"]), 300, "the framework's release"
     )
-    it["drain"] = run(agent, c, "drain", 60)
-    it["release"] = run(agent, c, "release", 120, tags=ALL_TAGS)
-    it["grant"] = run(agent, c, "grant", 30)
+    it["drain"] = c.done("drain", 60)
+    it["release"] = c.done("release", 120, tags=ALL_TAGS)
+    it["grant"] = c.done("grant", 30)
     st = agent.wait_state(
         while_alive(trainer, lambda s: s["stage"] == "Trained"), 300, "the framework to publish"
     )
     version = st["trainer"]["publishedVersion"]
     fields = {"source": "tensor"} if source == "tensor" else {"path": st["trainer"]["publishedPath"]}
-    it["refit"] = run(agent, c, "refit", 300, version=version, **fields)
-    it["resume"] = run(agent, c, "resume", 60)
+    it["refit"] = c.done("refit", 300, version=version, **fields)
+    it["resume"] = c.done("resume", 60)
     it["version"] = agent.state()["sglang"]["servedVersion"]
     assert it["version"] == version
     return it
@@ -498,7 +483,7 @@ def test_frameworks_through_the_endpoint(real: tuple[RealSGLang, Path, TinyLlama
             procs.append(agent)
             agent.wait_stage("Ready", timeout=120)
             c = AgentDriver(agent)
-            run(agent, c, "resume", 60)
+            c.done("resume", 60)
             replay = ROOT / "tests" / "replays" / f"{name}.json"
             env = {
                 "RLJOB_ENGINE_URL": f"http://127.0.0.1:{port}",

@@ -463,15 +463,7 @@ class Operations:
                 "resuming, launch SGLang with --enable-weights-cpu-backup, or leave weights out of "
                 "spec.release.tags",
             )
-        self.store.announce(Intent("refit", cmd.epoch, version=cmd.version, path=path))
-        try:
-            await self.client.update_weights_from_disk(path, cmd.version, timeout=dl.remaining())
-        except SGLangError:
-            with self.store.outcome():
-                pass  # SGLang answered: the load failed, and nothing is unknown
-            raise
-        with self.store.outcome():
-            self.store.refit_done = cmd.version
+        await self._load_from_disk(cmd, path, dl)
         return path
 
     async def _load(self, cmd: RefitCommand, path: str | None, dl: Deadline) -> bool:
@@ -482,6 +474,12 @@ class Operations:
         if cmd.source != RefitSource.DISK:
             return await self._refit_window(cmd, dl)
         assert path is not None  # transitions.refit_guards refused a disk refit without one
+        await self._load_from_disk(cmd, path, dl)
+        return True
+
+    async def _load_from_disk(self, cmd: RefitCommand, path: str, dl: Deadline) -> None:
+        """update_weights_from_disk of `path` as `cmd.version`, announced in the record and closed with its
+        outcome."""
         self.store.announce(Intent("refit", cmd.epoch, version=cmd.version, path=path))
         try:
             await self.client.update_weights_from_disk(path, cmd.version, timeout=dl.remaining())
@@ -491,7 +489,6 @@ class Operations:
             raise
         with self.store.outcome():
             self.store.refit_done = cmd.version
-        return True
 
     async def _refit_window(self, cmd: RefitCommand, dl: Deadline) -> bool:
         session = self.client.quirks is not None and self.client.quirks.weight_update_session
