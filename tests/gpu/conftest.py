@@ -102,3 +102,11 @@ def start_nvml_agent(procs: list[Proc], tmp_path: Path) -> Callable[..., Agent]:
         return agent
 
     return start
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Each phase's report on the item (`rep_call`...), for fixtures that act on how the test went."""
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, f"rep_{rep.when}", rep)

@@ -48,7 +48,7 @@ def sglang_missing() -> str | None:
 class RealSGLang(Proc):
     def __init__(self, tmp: Path, model_dir: Path, *flags: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
-        while self.port > 60000:  # SGLang derives ports above its own: SGLANG_GRPC_PORT must be < 65536
+        while self.port > 50000:  # SGLang derives its gRPC port as this + 10000: it must be < 65536
             self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.version = VERSION

@@ -46,24 +46,48 @@ IN_FLIGHT = 3
 LONG = {"sampling_params": {"max_new_tokens": 3000, "temperature": 0.0, "ignore_eos": True}}
 
 
+class Launched:
+    """The module's real SGLang and the model it serves; launched again before a test when the last one
+    failed (it may have left the server paused, with tags released) or the server is gone."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp, self.model = tmp, TinyLlama()
+        self.launch = self.model.write(tmp / "v0", seed=0)
+        self.server: RealSGLang | None = None
+        self.dirty = True
+
+    def ready(self) -> RealSGLang:
+        if self.dirty or self.server is None or not self.server.alive():
+            if self.server is not None:
+                self.server.stop()
+            self.server = RealSGLang(self.tmp, self.launch)
+            self.server.wait_ready()
+            self.dirty = False
+        return self.server
+
+
 @pytest.fixture(scope="module")
-def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RealSGLang, Path, TinyLlama]]:
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launched]:
     reason = sglang_missing()
     if reason:
         pytest.skip(f"real-SGLang tier: {reason}")
-    tmp = tmp_path_factory.mktemp("real")
-    model = TinyLlama()
-    launch = model.write(tmp / "v0", seed=0)
-    server = RealSGLang(tmp, launch)
+    holder = Launched(tmp_path_factory.mktemp("real"))
     try:
-        server.wait_ready()
-        yield server, tmp, model
+        yield holder
     finally:
-        server.stop()
+        if holder.server is not None:
+            holder.server.stop()
+
+
+@pytest.fixture
+def real(launched: Launched, request: pytest.FixtureRequest) -> Iterator[tuple[RealSGLang, Path, TinyLlama]]:
+    yield launched.ready(), launched.tmp, launched.model
+    report = getattr(request.node, "rep_call", None)
+    launched.dirty = report is None or not report.passed
 
 
 def _gib(n: float) -> str:
-    return f"{n / GiB}"
+    return f"{n / GiB:.2f}"
 
 
 def tokens(text: str, model_dir: Path) -> list[int]:
