@@ -301,14 +301,20 @@ class Engine:
                 self.offload_tags.remove(tag)
             oom = self.faults.resume_oom_tags.intersection(tags)
             if oom:
-                log.error(
-                    "[torch_memory_saver.cpp] CUresult error: 2 (out of memory) file=csrc/core.cpp "
-                    "func=cu_mem_create (resume of %s)",
-                    ", ".join(sorted(oom)),
+                # C-MEM-RESUME-OOM: torch_memory_saver cannot map the region again and exits the scheduler
+                # process with code 1 (seen on an H100 at 0.5.15.post1, tests/gpu/RESULTS.md): a death the
+                # watchdog sees (≥0.5.10); 0.5.6's HTTP stays up and the call never completes (sglang#14092).
+                fatal.memory_saver_message(
+                    "cuMemCreate CUDA_ERROR_OUT_OF_MEMORY (may not be an issue e.g. torch allocator will "
+                    f"free cache and retry) (resume of {', '.join(sorted(oom))})"
                 )
+                fatal.memory_saver_message(
+                    "cudaError error: 2 (out of memory)  file=csrc/core.cpp func=resume line=243"
+                )
+                self.kill_scheduler("torch_memory_saver resume: out of memory")
                 for rank in ranks:
                     await rank.set_blocked(True)
-                await asyncio.Event().wait()  # sgl-project/sglang#14092: the call never completes
+                await asyncio.Event().wait()
             for tag in ("cuda_graph", "weights", "kv_cache"):
                 if tag not in tags:
                     continue
