@@ -85,6 +85,18 @@ def framework_job(
     return manifest
 
 
+def succeeded_at_3(rl: RL, name: str) -> dict[str, Any]:
+    """The job ends Succeeded with history 0..3, no restart, every pod serving 3; its status."""
+    obj = rl.wait(name, "Succeeded", "Failed", timeout=300)
+    status: dict[str, Any] = obj["status"]
+    assert status["phase"] == "Succeeded", (status.get("reason"), status.get("message"))
+    assert versions(obj) == ["0", "1", "2", "3"], status.get("weightHistory")
+    assert status["restarts"] == 0
+    for pod in rl.pods(name):
+        assert rl.emulator(pod, "/model_info")["weight_version"] == "3"
+    return status
+
+
 def _call_lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
@@ -180,13 +192,7 @@ def test_areal_start_up_offload_and_onload_run_unchanged(rl: RL, tmp_path: Path)
     claim = tmp_path / "kubelet-0" / rl.namespace / "claims" / f"{name}-weights"
     checkpoint_dir(claim / "base", "0")  # the base model on the volume: SGLang's --model-path /weights/base
     rl.apply(framework_job(name, "areal", calls, trainer_args=("--startup",)))
-    obj = rl.wait(name, "Succeeded", "Failed", timeout=300)
-    status = obj["status"]
-    assert status["phase"] == "Succeeded", (status.get("reason"), status.get("message"))
-    assert versions(obj) == ["0", "1", "2", "3"], status.get("weightHistory")
-    assert status["restarts"] == 0
-    for pod in rl.pods(name):
-        assert rl.emulator(pod, "/model_info")["weight_version"] == "3"
+    succeeded_at_3(rl, name)
     reasons = [e["reason"] for e in rl.events(name)]
     assert reasons.count("NoNewWeights") == 1, reasons
     lines = _call_lines(calls)
@@ -235,13 +241,7 @@ def test_the_frameworks_own_client_classes_drive_a_job_to_succeeded(
     module = "rljob.testing.framework_clients"
     command = [sys.executable, "-u", "-m", module, "--framework", framework, "--iterations", "3"]
     rl.apply(framework_job(name, framework, calls, command=command, sglang_version=CLIENT_SGLANG[framework]))
-    obj = rl.wait(name, "Succeeded", "Failed", timeout=300)
-    status = obj["status"]
-    assert status["phase"] == "Succeeded", (status.get("reason"), status.get("message"))
-    assert versions(obj) == ["0", "1", "2", "3"], status.get("weightHistory")
-    assert status["restarts"] == 0
-    for pod in rl.pods(name):
-        assert rl.emulator(pod, "/model_info")["weight_version"] == "3"
+    succeeded_at_3(rl, name)
     lines = _call_lines(calls)
     assert [c for c in lines if c.get("repeat")] == [], "a non-idempotent SGLang call was repeated"
     done = [

@@ -334,6 +334,15 @@ class World:
         """Drive one full iteration from Rollout back to Rollout (or Succeeded); `held` as in
         trainers_publish."""
         assert self.status.phase == Phase.ROLLOUT, self.status.phase
+        self.to_training()
+        self.tick(20)
+        self.trainers_publish(version, held)
+        self.step()  # -> Refitting
+        self.settle()  # -> Resuming
+        self.settle()  # -> Rollout / Succeeded
+
+    def to_training(self) -> None:
+        """From Rollout, 10 s of it, to Training with every trainer's lease granted."""
         self.trainers_request()
         self.tick(10)
         self.step()  # -> Draining, drain sent
@@ -343,11 +352,6 @@ class World:
         self.finish_all()  # grant
         self.step()
         assert self.status.phase == Phase.TRAINING, self.status.phase
-        self.tick(20)
-        self.trainers_publish(version, held)
-        self.step()  # -> Refitting
-        self.settle()  # -> Resuming
-        self.settle()  # -> Rollout / Succeeded
 
     def bring_up(self) -> None:
         self.step()  # creates pods

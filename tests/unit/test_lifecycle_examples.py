@@ -40,14 +40,7 @@ def test_the_training_span_keeps_the_slowest_trainers_time_with_the_gpu() -> Non
     agents' part of the other phases: the rest of the span is the control plane's."""
     world = World(make_spec())
     world.bring_up()
-    world.trainers_request()
-    world.tick(10)
-    world.step()  # -> Draining
-    world.settle()  # -> Releasing
-    world.settle()  # -> Training
-    world.tick()
-    world.finish_all()  # grant
-    world.step()
+    world.to_training()
     world.tick(20)
     world.trainers_publish("1", held={"job-0": 12.5, "job-1": 19.25})
     world.step()  # -> Refitting

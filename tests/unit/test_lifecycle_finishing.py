@@ -16,18 +16,6 @@ def versions(world: World) -> list[str]:
     return [w.version for w in world.status.weight_history]
 
 
-def to_training(world: World) -> None:
-    world.trainers_request()
-    world.tick(10)
-    world.step()  # -> Draining
-    world.settle()  # -> Releasing
-    world.settle()  # -> Training
-    world.tick()
-    world.finish_all()  # grant
-    world.step()
-    assert world.status.phase == Phase.TRAINING, world.status.phase
-
-
 def events(world: World) -> list[tuple[EventReason, str]]:
     return [(e.reason, e.message) for d in world.decisions for e in d.events]
 
@@ -36,7 +24,7 @@ def test_trainers_that_finish_after_their_last_resume_end_the_job_succeeded_befo
     world = World(make_spec(iterations=5))
     world.bring_up()
     world.run_iteration("1")
-    to_training(world)
+    world.to_training()
     world.tick(5)
     world.trainers_publish("2")
     world.step()  # -> Refitting
@@ -77,7 +65,7 @@ def test_trainers_that_finish_after_their_last_resume_end_the_job_succeeded_befo
 def test_the_iteration_in_flight_commits_when_every_trainer_finished_before_the_resumes_end() -> None:
     world = World(make_spec(iterations=None))  # the trainers say when the job is done
     world.bring_up()
-    to_training(world)
+    world.to_training()
     world.trainers_publish("1")
     world.step()  # -> Refitting
     for pod in world.pods.values():  # AReaL exits once its pod refitted, before the gang resumed
@@ -93,7 +81,7 @@ def test_the_iteration_in_flight_commits_when_every_trainer_finished_before_the_
 def test_a_trainer_that_exits_0_holding_the_lease_is_a_lost_member() -> None:
     world = World(make_spec(backoffLimit=0))
     world.bring_up()
-    to_training(world)
+    world.to_training()
     world.pods["job-1"].completed = TRAINER
     world.tick()
     world.step()
@@ -127,7 +115,7 @@ def test_a_trainer_asking_while_another_finished_fails_the_job_at_once() -> None
 def test_a_lease_given_back_without_weights_brings_the_committed_version_back_and_records_none() -> None:
     world = World(make_spec(iterations=1))
     world.bring_up()
-    to_training(world)
+    world.to_training()
     for agent in world.agents.values():
         agent.trainer_return_unchanged()
     world.tick()
@@ -150,7 +138,7 @@ def test_a_lease_given_back_without_weights_brings_the_committed_version_back_an
 def test_some_trainers_publishing_and_others_giving_the_lease_back_empty_fails() -> None:
     world = World(make_spec())
     world.bring_up()
-    to_training(world)
+    world.to_training()
     world.agents["job-0"].trainer_publish("1")
     world.agents["job-1"].trainer_return_unchanged()
     world.tick()
@@ -163,7 +151,7 @@ def test_some_trainers_publishing_and_others_giving_the_lease_back_empty_fails()
 def test_the_agents_last_refusal_to_a_trainer_that_ended_is_in_the_status_and_an_event() -> None:
     world = World(make_spec(backoffLimit=0))
     world.bring_up()
-    to_training(world)
+    world.to_training()
     refusal = "POST /update_weights_from_disk: rljob: this RLJob refits from tensor (spec.refit.source)"
     world.agents["job-1"].last_refusal = refusal
     world.pods["job-1"].broken = "container trainer terminated (exit 2, Error)"
