@@ -44,6 +44,7 @@ from __future__ import annotations
 import base64
 import functools
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -327,8 +328,22 @@ def reduced_tensor(t: Any) -> Call:
     return Call(Global(func.__module__, func.__name__), tuple(_reduced_arg(a) for a in args))
 
 
-@functools.cache  # Python does not cache a failed import: it was retried for every bucket
+_CODEC_LOCK = threading.Lock()
+
+
+def warm_codec() -> None:
+    """Resolve the codec now: importing SGLang's serializer took 2.24 s in a real trainer on the H100
+    (tests/gpu/RESULTS.md), which the first push would otherwise pay inside the refit."""
+    _sglang_codec()
+
+
 def _sglang_codec() -> tuple[Any, Callable[[Any], str]] | None:
+    with _CODEC_LOCK:  # a warm-up thread and the first push may both ask
+        return _resolve_sglang_codec()
+
+
+@functools.cache  # Python does not cache a failed import: it was retried for every bucket
+def _resolve_sglang_codec() -> tuple[Any, Callable[[Any], str]] | None:
     """SGLang's own metadata class and serializer when the trainer has sglang, else None."""
     try:
         from sglang.srt.utils import MultiprocessingSerializer  # type: ignore[import-not-found]
