@@ -4,7 +4,7 @@ trainer (real_trainer.py) in the memory SGLang releases.
 test_agent_drives_real_sglang: 3 iterations (refit from disk, by tensor through the SDK's CUDA-IPC
 packing, from disk). Each: 3 requests in flight, drain (abort), release of every tag verified by NVML, the
 trainer allocates most of the freed memory, refit, resume; then SGLang's logprobs for fixed prompts equal
-a transformers forward of the same weights in the trainer (within LOGPROB_TOLERANCE), a prompt served
+a transformers forward of the same weights in the trainer (LOGPROB_TOLERANCE), a prompt served
 before the refit is not answered from its old cache, and SGLang never restarted. Between agent iterations
 the test makes the same SGLang calls itself (no agent), so each phase's agent command compares with
 SGLang's own calls in the same run. Figures: $RLJOB_GPU_RESULTS_DIR/real_sglang.{json,md}.
@@ -41,7 +41,9 @@ DIFFERENTIAL = ROOT / "tests" / "differential"
 EMULATOR_TPS = 1000  # the emulator's tokens per second per request: long requests are in flight for seconds
 PLAN = ("disk", "tensor", "disk")
 TRAINER_SEED_BASE = 100  # real_trainer.py's --seed-base: iteration i trains TinyLlama weights of seed 100 + i
-LOGPROB_TOLERANCE = 0.1  # nats, per token: bf16 weights, SGLang's kernels against transformers' eager ones
+# Nats per token, SGLang against the trainer's forward: both bf16, other kernels. The logits (std ~3, the
+# largest 8-16) sit 0.0625 apart in bf16: this is 4 such steps; two versions differ by more than 1 nat.
+LOGPROB_TOLERANCE = 0.25
 IN_FLIGHT = 3
 LONG = {"sampling_params": {"max_new_tokens": 3000, "temperature": 0.0, "ignore_eos": True}}
 
@@ -108,9 +110,12 @@ def logprob_check(server: RealSGLang, ids: list[int], ref: dict[str, Any]) -> di
     out = generate(server, ids, return_logprob=True, logprob_start_len=0)
     served = [lp for lp, _tok, *_ in out["meta_info"]["input_token_logprobs"][1:]]
     ((next_lp, next_tok, *_),) = out["meta_info"]["output_token_logprobs"]
-    diffs = [abs(a - b) for a, b in zip(served, ref["input_logprobs"], strict=True)]
-    diffs.append(abs(next_lp - ref["next_logprob"]))
-    return {"max_abs_diff": max(diffs), "next_token": next_tok, "ref_next_token": ref["next_token"]}
+    pairs = [*zip(served, ref["input_logprobs"], strict=True), (next_lp, ref["next_logprob"])]
+    return {
+        "max_abs_diff": max(abs(a - b) for a, b in pairs),
+        "next_token": next_tok,
+        "ref_next_token": ref["next_token"],
+    }
 
 
 class InFlight:
@@ -172,7 +177,7 @@ def verify_refit(
     assert all(x["next_token"] == x["ref_next_token"] for x in out["logprobs"].values()), out["logprobs"]
     if prev is not None:
         out["previous_version_diff"] = logprob_check(server, prompts["fixed"], prev["fixed"])["max_abs_diff"]
-        assert out["previous_version_diff"] > 10 * LOGPROB_TOLERANCE
+        assert out["previous_version_diff"] > 1, "the previous version's logprobs are as close as this one's"
     return out
 
 
@@ -211,14 +216,28 @@ def sglang_own_iteration(
 def test_agent_drives_real_sglang(real: tuple[RealSGLang, Path, TinyLlama], results_dir: Path) -> None:
     server, tmp, model = real
     procs: list[Proc] = []
+    seen: dict[str, Any] = {"iterations": [], "own": []}
     try:
-        _drive(server, tmp, model, results_dir, procs)
+        _drive(server, tmp, model, results_dir, procs, seen)
+    except BaseException:
+        # What the iterations that ran saw, and every process's log, for a run that did not finish.
+        (results_dir / "real_sglang_partial.json").write_text(json.dumps(seen, indent=1, default=str))
+        for p in procs:
+            (results_dir / f"partial_{p.name}.log").write_text(p.log_text()[-400_000:])
+        raise
     finally:
         for p in reversed(procs):
             p.stop()
 
 
-def _drive(server: RealSGLang, tmp: Path, model: TinyLlama, results_dir: Path, procs: list[Proc]) -> None:
+def _drive(
+    server: RealSGLang,
+    tmp: Path,
+    model: TinyLlama,
+    results_dir: Path,
+    procs: list[Proc],
+    seen: dict[str, Any],
+) -> None:
     launch = tmp / "v0"
     fixed = {"fixed": tokens("question: what is the capital of france? the capital of france is", launch)}
     cached = {
@@ -240,7 +259,7 @@ def _drive(server: RealSGLang, tmp: Path, model: TinyLlama, results_dir: Path, p
     procs.append(agent)
     agent.wait_stage("Ready", timeout=120)
     c = AgentDriver(agent)
-    opening = c.done("resume", 60)
+    opening = seen["opening"] = c.done("resume", 60)
     trainer = Proc(
         "real-trainer",
         [PY, str(HERE / "real_trainer.py"), "--plan", ",".join(PLAN), "--model-dir", str(launch),
@@ -252,12 +271,13 @@ def _drive(server: RealSGLang, tmp: Path, model: TinyLlama, results_dir: Path, p
     )  # fmt: skip
     procs.append(trainer)
     total = nvml_total()
-    iterations: list[dict[str, Any]] = []
-    own: list[dict[str, float]] = []
+    iterations: list[dict[str, Any]] = seen["iterations"]
+    own: list[dict[str, float]] = seen["own"]
     served_version = "0"
     for i, kind in enumerate(PLAN):
         version = str(1 + i)
         it: dict[str, Any] = {"kind": kind, "version": version}
+        iterations.append(it)
         # The prompt served (and cached) before the refit.
         before = generate(
             server, cached[f"cached-{i + 1}"], sampling_params={"max_new_tokens": 4, "temperature": 0.0}
@@ -305,7 +325,6 @@ def _drive(server: RealSGLang, tmp: Path, model: TinyLlama, results_dir: Path, p
         if i > 0:
             prev = json.loads((tmp / "trainer" / f"reference-{int(version) - 1}.json").read_text())
         it |= verify_refit(server, fixed | cached, f"cached-{i + 1}", version, ref, prev)
-        iterations.append(it)
         # SGLang's own calls for the same phases, the agent idle meanwhile; then SGLang is put back on the
         # agent's version (the weights the trainer made for it), as the agent left it.
         own.append(sglang_own_iteration(server, own_ckpts[i], f"own-{i}", flight_prompts))
@@ -403,6 +422,46 @@ def summarize(
         "gpu_total": total,
         "markdown": text + "\n",
     }
+
+
+# --- where a release's time goes ---------------------------------------------------------------------
+
+RELEASE_ROUNDS = 3
+
+
+def agents_drain_then_release(server: RealSGLang, prompts: list[list[int]], settle_s: float) -> float:
+    """The agent's calls, made here: abort, flush until idle, pause, the idle re-check, then (after
+    `settle_s`) the release, timed alone; then everything back for the next round."""
+    flight = InFlight(server, prompts)
+    wait_running(server, IN_FLIGHT)
+    timed(server, "POST", "/abort_request", {"abort_all": True})
+    while server.call("POST", "/flush_cache").status != 200:
+        time.sleep(0.005)
+    timed(server, "POST", "/pause_generation", {"mode": "abort"})
+    assert set(flight.join()) == {"abort"}
+    timed(server, "POST", "/flush_cache")
+    time.sleep(settle_s)
+    seconds = timed(server, "POST", "/release_memory_occupation", {"tags": ALL_TAGS})
+    timed(server, "POST", "/resume_memory_occupation", {"tags": ALL_TAGS})
+    timed(server, "POST", "/continue_generation", {})
+    return seconds
+
+
+def test_release_right_after_a_drain(real: tuple[RealSGLang, Path, TinyLlama], results_dir: Path) -> None:
+    """SGLang's release call alone, right after the agent's drain (as the agent sends it) and 1 s later
+    (as after SGLang's own abort pause, which sleeps 1 s): whether a release costs more when it follows
+    the requests' abort closely. Figures: $RLJOB_GPU_RESULTS_DIR/release_after_drain.json."""
+    server, tmp, _ = real
+    prompts = [tokens(f"request {k} in flight", tmp / "v0") for k in range(IN_FLIGHT)]
+    rounds: dict[str, list[float]] = {"at once": [], "1 s later": []}
+    for _ in range(RELEASE_ROUNDS):
+        rounds["at once"].append(agents_drain_then_release(server, prompts, 0.0))
+        rounds["1 s later"].append(agents_drain_then_release(server, prompts, 1.0))
+    (results_dir / "release_after_drain.json").write_text(json.dumps(rounds, indent=1))
+    print("\nrelease call ms after the drain: " + "; ".join(
+        f"{k}: {', '.join(f'{x * 1e3:.1f}' for x in v)}" for k, v in rounds.items()
+    ))  # fmt: skip
+    assert server.alive()
 
 
 # --- the emulator held to the real server ---------------------------------------------------------------

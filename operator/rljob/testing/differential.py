@@ -37,6 +37,9 @@ DEFAULT_COMPARE = (
 AT_ONCE_S = 0.5  # answered within this: "at once"
 SLEEP_MAX_S = 2.5  # a fixed sleep of SGLang's (the 1 s abort loop, /health's 1 s poll) stays under this
 STEP_TIMEOUT_S = 60.0
+# A server that dropped a connection may be dying: real SGLang sleeps 5 s before its crash diagnostics and
+# exits after them (C-MEM-RESUME-OOM), so whether it is alive is asked again until this has passed.
+DYING_GRACE_S = 20.0
 FIELD_DEPTH = 3
 
 
@@ -161,10 +164,20 @@ def observe(
         answer, seconds = _send(url, step, ctx)
         obs.steps.append(observe_answer(label, step, answer, seconds, waits=False))
     _join(pending, obs)
-    obs.alive_after = alive()
+    obs.alive_after = _still_alive(alive, dropped=any(st.status == 0 for st in obs.steps))
     if obs.alive_after:
         obs.state_after = state_of(url)
     return obs
+
+
+def _still_alive(alive: Callable[[], bool], dropped: bool) -> bool:
+    """Whether the server is alive; after a dropped connection, still alive DYING_GRACE_S later."""
+    deadline = time.monotonic() + (DYING_GRACE_S if dropped else 0)
+    while alive():
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.25)
+    return False
 
 
 def state_of(url: str) -> dict[str, Any]:

@@ -151,7 +151,11 @@ class TinyConfig:
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
-    vocab_size: int = 2048
+    # The model's vocabulary covers the token ids in tests/replays (recorded with Qwen's tokenizer, up to
+    # 9707): real SGLang 0.5.15.post1 dies on an input id past it. The tokenizer learns `trained_vocab`
+    # tokens and names the rest `<unused_N>`, so every id the model can sample decodes.
+    vocab_size: int = 16384
+    trained_vocab: int = 2048
     max_position_embeddings: int = 4096  # a prompt and 3,000 tokens fit: long requests stay in flight
     rms_norm_eps: float = 1e-5
     # Logits of std ~3 (lm_head std 3/sqrt(hidden)): each version's distribution is peaked and far from
@@ -244,7 +248,7 @@ class TinyLlama:
 
     def hf_config(self) -> dict[str, Any]:
         c = asdict(self.config)
-        for key in ("lm_head_std", "init_std"):
+        for key in ("lm_head_std", "init_std", "trained_vocab"):
             c.pop(key)
         return {
             "architectures": ["LlamaForCausalLM"],
@@ -275,15 +279,18 @@ class TinyLlama:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
-            vocab_size=self.config.vocab_size,
+            vocab_size=self.config.trained_vocab,
             special_tokens=["<s>", "</s>"],
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             show_progress=False,
         )
         tok.train_from_iterator(corpus(), trainer=trainer)
-        if tok.get_vocab_size() > self.config.vocab_size:
-            raise ValueError(f"tokenizer has {tok.get_vocab_size()} tokens > vocab {self.config.vocab_size}")
-        return str(tok.to_str())
+        doc = json.loads(tok.to_str())
+        vocab = doc["model"]["vocab"]
+        if len(vocab) > self.config.vocab_size:
+            raise ValueError(f"tokenizer has {len(vocab)} tokens > vocab {self.config.vocab_size}")
+        vocab |= {f"<unused_{i}>": i for i in range(len(vocab), self.config.vocab_size)}
+        return json.dumps(doc, ensure_ascii=False)
 
     def write(self, directory: Path, seed: int) -> Path:
         """A checkpoint directory: config.json, model.safetensors (bf16), the tokenizer files."""
