@@ -208,3 +208,13 @@ def test_post_refit_flush_with_running_requests(
         return
     _call_expecting_drop(emu, "/update_weights_from_disk", body)
     _dies(emu, "Cache flush failed after updating weights")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_an_input_id_past_the_vocabulary(version: str, start_emulator: Callable[..., Emulator]) -> None:
+    """C-GEN-VOCAB: seen on real SGLang 0.5.15.post1 (an H100, TinyLlama of 2048 tokens, slime's id 9707)."""
+    from rljob.emulator import tokens
+
+    emu = start_emulator(version)
+    _call_expecting_drop(emu, "/generate", {"input_ids": [5, tokens.VOCAB], "sampling_params": {}})
+    _dies(emu, "device-side assert triggered")

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rljob.emulator import tokens
+from rljob.emulator import fatal, tokens
 from rljob.emulator.bodies import GenerateBody
 from rljob.emulator.engine import Engine
 from rljob.emulator.scheduler import GenRequest
@@ -358,6 +358,11 @@ def _prepare(engine: Engine, body: GenerateBody) -> tuple[list[Item], bool, int 
     hidden = body.return_hidden_states
     if any(hidden) if isinstance(hidden, list) else hidden:
         raise GenerateError(_hidden_states_error(engine))
+    for item in items:  # C-GEN-VOCAB: no range check; the embedding's device-side assert ends the scheduler
+        if any(t >= tokens.VOCAB for t in item.prompt):
+            fatal.scheduler_exception(
+                "torch.AcceleratorError", "CUDA error: device-side assert triggered (input id >= vocab size)"
+            )
     checks_ids = engine.profile.key >= (0, 5, 15)  # the token_ids_logprob range check (C-GEN-REFUSALS)
     for item in items:
         for t in item.token_ids_logprob or [] if checks_ids else []:
