@@ -3,6 +3,9 @@ docs/sglang-conformance.md)."""
 
 from __future__ import annotations
 
+import functools
+import json
+import os
 import time
 from typing import Any
 
@@ -61,18 +64,43 @@ async def ready(request: web.Request) -> web.Response:
     return web.Response(status=200 if ok else 503)
 
 
+@functools.lru_cache(maxsize=8)
+def _hf_config(model_path: str) -> dict[str, Any]:
+    """The checkpoint's config.json (SGLang's `model_config.hf_config`), {} where there is none."""
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
 def _model_info(eng: Engine) -> dict[str, Any]:
-    return {
+    """C-ROUTE-MODEL-INFO: the version's keys (`VersionProfile.model_info_keys`). `model_type` and
+    `architectures` come from the launch checkpoint's config.json, as SGLang's model_config does (a disk
+    refit moves `model_path`, not the config); a path without one answers the emulated placeholders. A text
+    model understands neither images nor audio (…/configs/model_config.py:841-846,854-858@0.5.23).
+    `reasoning_parser`/`tool_call_parser` default None (…/arg_groups/fields/serving.py:199,218@0.5.20),
+    `disaggregation_mode` the string "null" (…/arg_groups/fields/disagg.py:55-58@0.5.21)."""
+    args = eng.cfg.server_args
+    hf = _hf_config(eng.cfg.model_path)
+    values: dict[str, Any] = {
         "model_path": eng.model_path,
         "served_model_name": eng.served_model_name,
-        "tokenizer_path": eng.cfg.server_args["tokenizer_path"],
+        "tokenizer_path": args["tokenizer_path"],
         "is_generation": True,
         "preferred_sampling_params": None,
         "weight_version": eng.weight_version,
-        "load_format": eng.cfg.server_args["load_format"],
-        "model_type": "emulated",
-        "architectures": ["EmulatedForCausalLM"],
+        "load_format": args["load_format"],
+        "reasoning_parser": args.get("reasoning_parser"),
+        "tool_call_parser": args.get("tool_call_parser"),
+        "disaggregation_mode": args.get("disaggregation_mode", "null"),
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "model_type": hf.get("model_type") if hf else "emulated",
+        "architectures": hf.get("architectures") if hf else ["EmulatedForCausalLM"],
     }
+    return {key: values[key] for key in eng.profile.model_info_keys}
 
 
 async def model_info(request: web.Request) -> web.Response:

@@ -147,6 +147,29 @@ class VersionProfile:
         # update_weight_version_communicator: …/managers/tokenizer_control_mixin.py:931-936@0.5.20
         return self._at_least(20)
 
+    @property
+    def model_info_keys(self) -> tuple[str, ...]:
+        """C-ROUTE-MODEL-INFO: the keys of `/model_info` (and `/get_model_info`), in the order SGLang's dict
+        literal writes them."""
+        # …/entrypoints/http_server.py:501-507@0.5.6; http_server.py:670-679@0.5.15.post1 (model_type and
+        # architectures added; weight_version written twice, so it keeps its first place);
+        # http_server.py:765-785@0.5.20 (served_model_name, load_format, reasoning_parser,
+        # tool_call_parser); http_server.py:795-818@0.5.21, http_server.py:817-840@0.5.23
+        # (disaggregation_mode)
+        head: tuple[str, ...] = ("model_path", "tokenizer_path", "is_generation", "preferred_sampling_params")
+        head += ("weight_version",)
+        understanding = ("has_image_understanding", "has_audio_understanding")
+        if not self._at_least(15):
+            return head + understanding
+        hf = ("model_type", "architectures")
+        if not self._at_least(20):
+            return head + understanding + hf
+        head = (head[0], "served_model_name", *head[1:])
+        parsers = ("load_format", "reasoning_parser", "tool_call_parser")
+        if self._at_least(21):
+            parsers += ("disaggregation_mode",)
+        return head + parsers + understanding + hf
+
     # --- drain and idle (C-DRAIN-*, C-IDLE-*) ----------------------------------------------------
 
     @property
