@@ -32,6 +32,23 @@ from rljob.emulator.radix import PrefixCache
 from rljob.emulator.versions import IDLE_IGNORES_WAITING, IDLE_IGNORES_WAITING_WHEN_PAUSED, IDLE_STRICT
 
 
+# An abort's finish_reason (C-GEN-FINISH). A request still in the waiting queue (never admitted, or
+# retracted) is popped by the scheduler, which sends AbortReq(rid) back; the tokenizer writes a reason of two
+# keys (…/managers/scheduler.py:3892-3899@0.5.15.post1; …/managers/tokenizer_manager.py:2042-2046@0.5.6,
+# tokenizer_manager.py:2714-2718@0.5.15.post1, tokenizer_manager.py:3596@0.5.23).
+ABORT_WAITING: dict[str, Any] = {"type": "abort", "message": "Abort in waiting queue"}
+
+
+def abort_running() -> dict[str, Any]:
+    """A running request gets `to_finish = FINISH_ABORT()`, whose to_json has four keys: no status code and
+    no error type (…/managers/scheduler.py:2424@0.5.6, …/managers/schedule_batch.py:158-171@0.5.6;
+    scheduler.py:3991@0.5.15.post1, schedule_batch.py:202-215@0.5.15.post1; scheduler.py:5370@0.5.20,
+    schedule_batch.py:312-325@0.5.20; scheduler.py:5584@0.5.21; scheduler.py:5812@0.5.23,
+    schedule_batch.py:332-345@0.5.23). 0.5.23's timeout abort (message + 503, scheduler.py:5806-5810) is
+    not emulated."""
+    return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+
+
 @dataclass
 class GenRequest:
     rid: str
@@ -51,6 +68,7 @@ class GenRequest:
     aborted: bool = False
     garbage: bool = False
     finish_reason: dict[str, Any] | None = None
+    abort_reason: dict[str, Any] | None = None  # set by Scheduler.abort from where the request was
     started: float = field(default_factory=time.monotonic)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -307,7 +325,7 @@ class Scheduler:
             await self.wait_for(lambda: not self.blocked)
         await self._admission(req)
         if req.aborted:
-            req.finish_reason = {"type": "abort", "message": "Abort in waiting queue"}
+            req.finish_reason = dict(ABORT_WAITING)
             return
         self._prefill(req, first=True)
         await self._notify()
@@ -329,7 +347,7 @@ class Scheduler:
             if req.on_token is not None:
                 req.on_token(req)
         req.finish_reason = (
-            {"type": "abort", "message": "Abort in waiting queue" if not req.output else "Abort request"}
+            (req.abort_reason or dict(ABORT_WAITING))
             if req.aborted
             else req.finish_reason or {"type": "length", "length": req.max_new_tokens}
         )
@@ -434,6 +452,7 @@ class Scheduler:
                 continue
             if abort_all or (rid and r.rid.startswith(rid)):
                 r.aborted = True
+                r.abort_reason = dict(ABORT_WAITING) if r.phase == "waiting" else abort_running()
                 r.wake.set()
                 n += 1
         return n
