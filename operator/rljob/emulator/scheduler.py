@@ -31,7 +31,6 @@ from rljob.emulator import tokens
 from rljob.emulator.radix import PrefixCache
 from rljob.emulator.versions import IDLE_IGNORES_WAITING, IDLE_IGNORES_WAITING_WHEN_PAUSED, IDLE_STRICT
 
-
 # An abort's finish_reason (C-GEN-FINISH). A request still in the waiting queue (never admitted, or
 # retracted) is popped by the scheduler, which sends AbortReq(rid) back; the tokenizer writes a reason of two
 # keys (…/managers/scheduler.py:3892-3899@0.5.15.post1; …/managers/tokenizer_manager.py:2042-2046@0.5.6,
@@ -70,6 +69,8 @@ class GenRequest:
     finish_reason: dict[str, Any] | None = None
     abort_reason: dict[str, Any] | None = None  # set by Scheduler.abort from where the request was
     started: float = field(default_factory=time.monotonic)
+    forward_at: float = 0.0  # monotonic: first prefill (SGLang's forward_entry_time)
+    prefill_done_at: float = 0.0  # monotonic: first token drawn (prefill_finished_time)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -375,6 +376,7 @@ class Scheduler:
         cached = self.cache.match(seq)
         if first:
             req.prefilled = True
+            req.forward_at = time.monotonic()
             req.cached_tokens = cached
             self._log_prefill(min(cached, len(req.prompt)), len(req.prompt))
         self.cache.insert(req.prompt)
@@ -416,6 +418,8 @@ class Scheduler:
         self._memory_guard()
         weights_id, valid = self._weights_id()
         req.output.append(req.sampler.next_token(weights_id, req.prompt + req.output))
+        if not req.prefill_done_at:
+            req.prefill_done_at = time.monotonic()
         req.versions.append(self._weight_version())
         req.weights_ids.append(weights_id)
         req.garbage = req.garbage or not valid

@@ -170,6 +170,52 @@ class VersionProfile:
             parsers += ("disaggregation_mode",)
         return head + parsers + understanding + hf
 
+    # --- /generate meta_info (C-GEN-META) ----------------------------------------------------------
+
+    @property
+    def meta_cached_tokens_details(self) -> bool:
+        """`cached_tokens_details` after `cached_tokens` on every answer: None, or {"device", "host"}."""
+        # …/managers/scheduler_components/output_streamer.py:60-88,197,384@0.5.15.post1,
+        # …/managers/tokenizer_manager.py:1922-1929@0.5.15.post1; output_streamer.py:85@0.5.20,
+        # tokenizer_manager.py:2418@0.5.20; output_streamer.py:102@0.5.23, tokenizer_manager.py:2574@0.5.23
+        return self._at_least(15)
+
+    @property
+    def meta_request_timestamps(self) -> bool:
+        """With --enable-metrics the last answer adds, after `e2e_latency`, `request_received_ts`,
+        `api_server_dispatch_finish_ts`, `response_sent_to_client_ts` (a stream's first chunk already
+        went), `request_finished_ts` and `decode_throughput` = (completion_tokens - 1) / decode latency
+        when completion_tokens > 1; every answer has `queue_time` after the retractions key. 0.5.6 writes
+        another set (tokenizer_manager.py:1592-1600,1884-1928@0.5.6), not emulated."""
+        # …/observability/req_time_stats.py:471-495,1150-1167@0.5.15.post1, tokenizer_manager.py:1898-1900,
+        # 2091-2110@0.5.15.post1; tokenizer_manager.py:2362,2587-2606@0.5.20;
+        # tokenizer_manager.py:2518,2753-2772@0.5.23
+        return self._at_least(15)
+
+    @property
+    def meta_first_token_latency(self) -> bool:
+        """`first_token_latency` after `request_received_ts`."""
+        # req_time_stats.py:502-503@0.5.21, req_time_stats.py:515-516@0.5.23; absent@0.5.20
+        return self._at_least(21)
+
+    @property
+    def meta_scheduler_timestamps(self) -> bool:
+        """The scheduler's time stats reach the tokenizer through the detokenizer: 0.5.15.post1's second
+        hop pickles them as {} (no `enable_metrics` in the state), so `queue_time` is 0.0 and neither
+        `forward_entry_time` nor `prefill_finished_time` shows; from 0.5.20 `has_timing_data` carries them,
+        so both show and `queue_time` is the real queue wait."""
+        # req_time_stats.py:317-330,629-640,1030-1031@0.5.15.post1; req_time_stats.py:651-662,1053-1054,
+        # 1177-1190@0.5.20; req_time_stats.py:1044-1045,1161-1174@0.5.21; req_time_stats.py:677-700,
+        # 1096-1097,1213-1235@0.5.23
+        return self._at_least(20)
+
+    @property
+    def meta_storage_waits(self) -> bool:
+        """`storage_prefetch_wait` and `storage_staging_wait` (0.0 without HiCache storage) before
+        `forward_entry_time`."""
+        # req_time_stats.py:677-700,776-781,1213-1222@0.5.23; not in req_time_stats.py:651-662@0.5.21
+        return self._at_least(23)
+
     # --- drain and idle (C-DRAIN-*, C-IDLE-*) ----------------------------------------------------
 
     @property
