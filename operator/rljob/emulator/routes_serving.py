@@ -7,6 +7,7 @@ import functools
 import json
 import os
 import time
+from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
@@ -125,30 +126,48 @@ async def server_info(request: web.Request) -> web.Response:
 
 
 def _load(eng: Engine, s: Scheduler) -> dict[str, Any]:
-    """One rank's load snapshot, core fields (…/managers/scheduler_components/load_inquirer.py:226-250
-    @0.5.23)."""
+    """One rank's load snapshot, core fields, as the version lays it out (`v1_loads_snapshot_layout`;
+    …/managers/scheduler_components/load_inquirer.py:215-234@0.5.15.post1, load_inquirer.py:218-241
+    @0.5.20, load_inquirer.py:226-250@0.5.23)."""
     cfg = eng.cfg
     counts = s.published_counts(eng.profile.loads_frozen_while_paused)
     used = counts.used_tokens
-    return {
-        "dp_rank": s.dp_rank,
-        "num_running_reqs": counts.running,
-        "num_waiting_reqs": counts.waiting,
-        "num_waiting_uncached_tokens": counts.waiting_tokens,
-        "num_used_tokens": used,
-        "num_total_tokens": used + counts.waiting_tokens,  # load_inquirer.py:131-133@0.5.15.post1
-        "num_active_tokens": used,
-        "max_total_num_tokens": cfg.max_total_tokens,
-        "max_running_requests": cfg.max_running_requests,
-        "token_usage": round(used / cfg.max_total_tokens, 4),
+    total = used + counts.waiting_tokens  # load_inquirer.py:131-133@0.5.15.post1
+    snapshot = eng.profile.v1_loads_snapshot_layout
+    load: dict[str, Any] = {"timestamp": time.time()} if snapshot else {}
+    load.update(
+        dp_rank=s.dp_rank,
+        num_running_reqs=counts.running,
+        num_waiting_reqs=counts.waiting,
+        num_waiting_uncached_tokens=counts.waiting_tokens,
+        num_used_tokens=used,
+        num_total_tokens=total,
+    )
+    if snapshot:
+        # total minus tokens awaiting a KV transfer, and the prealloc-ready tokens: both disaggregated
+        # decode only (load_inquirer.py:136,176@0.5.20)
+        load.update(num_active_tokens=total, num_prealloc_ready_tokens=0)
+    load.update(
+        max_total_num_tokens=cfg.max_total_tokens,
+        max_running_requests=cfg.max_running_requests,
+        token_usage=round(used / cfg.max_total_tokens, 4),
         # C-METRIC-OFF: SchedulerStats' two rates are written only with --enable-metrics, else their 0.0
-        "gen_throughput": round(s.gen_throughput(), 2) if cfg.enable_metrics else 0.0,
-        "cache_hit_rate": round(s.cache_hit_rate, 4) if cfg.enable_metrics else 0.0,
+        gen_throughput=round(s.gen_throughput(), 2) if cfg.enable_metrics else 0.0,
+        cache_hit_rate=round(s.cache_hit_rate, 4) if cfg.enable_metrics else 0.0,
         # C-METRIC-UTILIZATION: computed only when max_running_requests_under_SLO > 0, which nothing sets
         # (…/managers/scheduler_components/metrics_reporter.py:1303-1315@0.5.23): always 0.0
-        "utilization": 0.0,
-        "timestamp": time.time(),
-    }
+        utilization=0.0,
+    )
+    if snapshot:
+        # cumulative prefill counters and the decode step-time moment sums (None before a decode step,
+        # load_inquirer.py:215@0.5.20): the emulator counts the uncached prefill tokens only; it has no
+        # step times, so busy time stays 0 and the moments None
+        load.update(
+            total_prefill_uncached_tokens=s.prefill_uncached_tokens,
+            total_prefill_busy_us=0,
+            decode_moments=None,
+        )
+    return load
 
 
 async def v1_loads(request: web.Request) -> web.Response:
@@ -173,19 +192,18 @@ async def v1_loads(request: web.Request) -> web.Response:
     loads = [_load(eng, r) for r in ranks]
     if request.query.get("format") == "prometheus":
         lines: list[str] = []
-        for key in [k for k in (loads[0] if loads else {}) if k not in ("dp_rank", "timestamp")]:
+        keys = [k for k in (loads[0] if loads else {}) if k not in ("dp_rank", "timestamp", "decode_moments")]
+        for key in keys:
             lines.append(f"# TYPE sglang_{key} gauge")
             lines += [f'sglang_{key}{{dp_rank="{ld["dp_rank"]}"}} {ld[key]}' for ld in loads]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
-    return web.json_response(
-        {
-            "timestamp": time.time(),
-            "version": eng.profile.version,
-            "accelerator": "emulated",
-            "num_accelerators": eng.cfg.gpus,
-            "loads": loads,
-        }
-    )
+    # ISO text (v1_loads.py:120@0.5.15.post1, v1_loads.py:145@0.5.20)
+    reply: dict[str, Any] = {"timestamp": datetime.now(UTC).isoformat(), "version": eng.profile.version}
+    if eng.profile.v1_loads_snapshot_layout:
+        # get_device_name() and tp * pp (// dp with DP attention) GPUs per rank (v1_loads.py:39-54@0.5.20)
+        reply.update(accelerator="emulated", num_accelerators=eng.cfg.gpus)
+    reply["loads"] = loads
+    return web.json_response(reply)
 
 
 async def get_load(request: web.Request) -> web.Response:

@@ -221,6 +221,7 @@ class Scheduler:
         self.inbox = asyncio.Lock()  # one control message at a time, FIFO
         self.cache_hit_rate = 0.0  # of the last prefill batch (C-METRIC-CACHE-HIT)
         self._batch: list[int] | None = None  # [hit tokens, prompt tokens] of the batch being prefilled
+        self.prefill_uncached_tokens = 0  # /v1/loads total_prefill_uncached_tokens (≥0.5.20)
         self.changes = _Changes()
         self._gen_events: deque[tuple[float, int]] = deque()
         self._tasks: set[asyncio.Future[None]] = set()
@@ -392,6 +393,7 @@ class Scheduler:
         if self._batch is None:
             self._batch = [0, 0]
             asyncio.get_running_loop().call_soon(self._close_batch)
+        self.prefill_uncached_tokens += prompt - hit
         self._batch[0] += hit
         self._batch[1] += prompt
         self.cache_hit_rate = self._batch[0] / self._batch[1] if self._batch[1] else 0.0

@@ -95,6 +95,18 @@ class VersionProfile:
         return self._at_least(8)
 
     @property
+    def v1_loads_snapshot_layout(self) -> bool:
+        """C-METRIC-LOAD-ROUTE: 0.5.15.post1's reply is {timestamp, version, loads} and each load has 12
+        core keys; from 0.5.20 the reply adds `accelerator`, `num_accelerators` and each load is every
+        scalar field of LoadSnapshot: `timestamp` first, `num_active_tokens`, `num_prealloc_ready_tokens`,
+        `total_prefill_uncached_tokens`, `total_prefill_busy_us`, `decode_moments` added."""
+        # …/entrypoints/v1_loads.py:115-123@0.5.15.post1, …/managers/load_snapshot.py:292-306@0.5.15.post1;
+        # v1_loads.py:144-155@0.5.20, load_snapshot.py:192-217,228-260@0.5.20 (the same at
+        # load_snapshot.py:192-217@0.5.21, v1_loads.py:144-149@0.5.21); load_snapshot.py:196-221,262-264,
+        # v1_loads.py:144-149@0.5.23
+        return self._at_least(20)
+
+    @property
     def metrics_middleware_reads_route_path(self) -> bool:
         """C-METRIC-LOAD-ASGI: with --enable-metrics SGLang's request-metrics middleware reads `route.path` of
         every route in order; under FastAPI >= 0.137 the included router that holds `/v1/loads` is an
