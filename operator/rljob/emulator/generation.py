@@ -9,7 +9,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rljob.emulator import fatal, tokens
@@ -239,7 +239,8 @@ class Generation:
     created: float
     input_weights: str  # the weights loaded when it started: they score the prompt
     req: GenRequest | None = None
-    sent: bool = False  # response_sent_to_client_ts is written on the first reply only
+    sent: float = 0.0  # time.time() of the first reply: response_sent_to_client_ts is written once
+    dispatched: float = field(default_factory=time.monotonic)  # sent to the scheduler
 
 
 def _logprob_fields(
@@ -285,6 +286,8 @@ def reply(engine: Engine, g: Generation, *, finished: bool) -> dict[str, Any]:
         "weight_version": versions[-1] if versions else engine.weight_version,
         _retractions_key(engine): req.retractions,
     }
+    if engine.profile.meta_request_timestamps and engine.cfg.enable_metrics:
+        meta.update(_scheduler_time_stats(engine, req))
     if item.return_logprob:
         meta.update(_logprob_fields(engine, g, output, weights_ids))
     if new:
@@ -296,14 +299,62 @@ def reply(engine: Engine, g: Generation, *, finished: bool) -> dict[str, Any]:
     meta.update(completion_tokens=len(output), cached_tokens=cached)
     if engine.profile.has_weight_versions_spans and versions:
         meta["weight_versions"] = _spans(versions)
+    if engine.profile.meta_cached_tokens_details:
+        # get_cached_tokens_details: the radix cache is all device memory here (no HiCache), so
+        # {"device": cached_tokens, "host": 0}, or None with no hit (output_streamer.py:60-88@0.5.15.post1)
+        meta["cached_tokens_details"] = {"device": cached, "host": 0} if cached > 0 else None
     if new:
         meta["dp_rank"] = req.dp_rank if len(engine.ranks) > 1 else None
     if finished:
-        meta["e2e_latency"] = time.monotonic() - g.created
+        now = time.monotonic()
+        meta["e2e_latency"] = now - g.created
+        if engine.profile.meta_request_timestamps and engine.cfg.enable_metrics:
+            meta.update(_request_time_stats(engine, g, req, now, len(output)))
     if not g.sent:
-        g.sent = True
-        meta["response_sent_to_client_ts"] = time.time()
+        g.sent = time.time()
+        meta["response_sent_to_client_ts"] = g.sent
     return {"text": _text(req, item, finished), "output_ids": output, "meta_info": meta}
+
+
+def _realtime(monotonic: float) -> float:
+    return time.time() - (time.monotonic() - monotonic)
+
+
+def _scheduler_time_stats(engine: Engine, req: GenRequest) -> dict[str, Any]:
+    """SchedulerReqTimeStats.convert_to_output_meta_info as the tokenizer receives it (C-GEN-META;
+    `VersionProfile.meta_scheduler_timestamps`, `meta_storage_waits`)."""
+    profile = engine.profile
+    if not profile.meta_scheduler_timestamps:
+        return {"queue_time": 0.0}  # req_time_stats.py:629-640,1030-1031,1150-1167@0.5.15.post1
+    out: dict[str, Any] = {}
+    if profile.meta_storage_waits:
+        out.update(storage_prefetch_wait=0.0, storage_staging_wait=0.0)
+    if req.forward_at:
+        out["forward_entry_time"] = _realtime(req.forward_at)
+    if req.prefill_done_at:
+        out["prefill_finished_time"] = _realtime(req.prefill_done_at)
+    out["queue_time"] = req.forward_at - req.started if req.forward_at else 0.0
+    return out
+
+
+def _request_time_stats(
+    engine: Engine, g: Generation, req: GenRequest, now: float, completion_tokens: int
+) -> dict[str, Any]:
+    """APIServerReqTimeStats.convert_to_output_meta_info on the last answer (req_time_stats.py:471-495
+    @0.5.15.post1, req_time_stats.py:494-520@0.5.21, req_time_stats.py:500-530@0.5.23): the first token
+    time is when the tokenizer got it, the decode latency runs from there to the finish."""
+    out: dict[str, Any] = {"request_received_ts": _realtime(g.created)}
+    first_token = req.prefill_done_at
+    if engine.profile.meta_first_token_latency and first_token > g.created:
+        out["first_token_latency"] = first_token - g.created
+    out["api_server_dispatch_finish_ts"] = _realtime(g.dispatched)
+    if g.sent:  # a stream whose first chunk went out already
+        out["response_sent_to_client_ts"] = g.sent
+    out["request_finished_ts"] = _realtime(now)
+    decode_latency = now - first_token if first_token else 0.0
+    if decode_latency > 0.0 and completion_tokens > 1:
+        out["decode_throughput"] = (completion_tokens - 1) / decode_latency
+    return out
 
 
 def _text(req: GenRequest, item: Item, finished: bool) -> str:

@@ -3,7 +3,11 @@ docs/sglang-conformance.md)."""
 
 from __future__ import annotations
 
+import functools
+import json
+import os
 import time
+from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
@@ -61,18 +65,43 @@ async def ready(request: web.Request) -> web.Response:
     return web.Response(status=200 if ok else 503)
 
 
+@functools.lru_cache(maxsize=8)
+def _hf_config(model_path: str) -> dict[str, Any]:
+    """The checkpoint's config.json (SGLang's `model_config.hf_config`), {} where there is none."""
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
 def _model_info(eng: Engine) -> dict[str, Any]:
-    return {
+    """C-ROUTE-MODEL-INFO: the version's keys (`VersionProfile.model_info_keys`). `model_type` and
+    `architectures` come from the launch checkpoint's config.json, as SGLang's model_config does (a disk
+    refit moves `model_path`, not the config); a path without one answers the emulated placeholders. A text
+    model understands neither images nor audio (…/configs/model_config.py:841-846,854-858@0.5.23).
+    `reasoning_parser`/`tool_call_parser` default None (…/arg_groups/fields/serving.py:199,218@0.5.20),
+    `disaggregation_mode` the string "null" (…/arg_groups/fields/disagg.py:55-58@0.5.21)."""
+    args = eng.cfg.server_args
+    hf = _hf_config(eng.cfg.model_path)
+    values: dict[str, Any] = {
         "model_path": eng.model_path,
         "served_model_name": eng.served_model_name,
-        "tokenizer_path": eng.cfg.server_args["tokenizer_path"],
+        "tokenizer_path": args["tokenizer_path"],
         "is_generation": True,
         "preferred_sampling_params": None,
         "weight_version": eng.weight_version,
-        "load_format": eng.cfg.server_args["load_format"],
-        "model_type": "emulated",
-        "architectures": ["EmulatedForCausalLM"],
+        "load_format": args["load_format"],
+        "reasoning_parser": args.get("reasoning_parser"),
+        "tool_call_parser": args.get("tool_call_parser"),
+        "disaggregation_mode": args.get("disaggregation_mode", "null"),
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "model_type": hf.get("model_type") if hf else "emulated",
+        "architectures": hf.get("architectures") if hf else ["EmulatedForCausalLM"],
     }
+    return {key: values[key] for key in eng.profile.model_info_keys}
 
 
 async def model_info(request: web.Request) -> web.Response:
@@ -97,30 +126,48 @@ async def server_info(request: web.Request) -> web.Response:
 
 
 def _load(eng: Engine, s: Scheduler) -> dict[str, Any]:
-    """One rank's load snapshot, core fields (…/managers/scheduler_components/load_inquirer.py:226-250
-    @0.5.23)."""
+    """One rank's load snapshot, core fields, as the version lays it out (`v1_loads_snapshot_layout`;
+    …/managers/scheduler_components/load_inquirer.py:215-234@0.5.15.post1, load_inquirer.py:218-241
+    @0.5.20, load_inquirer.py:226-250@0.5.23)."""
     cfg = eng.cfg
     counts = s.published_counts(eng.profile.loads_frozen_while_paused)
     used = counts.used_tokens
-    return {
-        "dp_rank": s.dp_rank,
-        "num_running_reqs": counts.running,
-        "num_waiting_reqs": counts.waiting,
-        "num_waiting_uncached_tokens": counts.waiting_tokens,
-        "num_used_tokens": used,
-        "num_total_tokens": used + counts.waiting_tokens,  # load_inquirer.py:131-133@0.5.15.post1
-        "num_active_tokens": used,
-        "max_total_num_tokens": cfg.max_total_tokens,
-        "max_running_requests": cfg.max_running_requests,
-        "token_usage": round(used / cfg.max_total_tokens, 4),
+    total = used + counts.waiting_tokens  # load_inquirer.py:131-133@0.5.15.post1
+    snapshot = eng.profile.v1_loads_snapshot_layout
+    load: dict[str, Any] = {"timestamp": time.time()} if snapshot else {}
+    load.update(
+        dp_rank=s.dp_rank,
+        num_running_reqs=counts.running,
+        num_waiting_reqs=counts.waiting,
+        num_waiting_uncached_tokens=counts.waiting_tokens,
+        num_used_tokens=used,
+        num_total_tokens=total,
+    )
+    if snapshot:
+        # total minus tokens awaiting a KV transfer, and the prealloc-ready tokens: both disaggregated
+        # decode only (load_inquirer.py:136,176@0.5.20)
+        load.update(num_active_tokens=total, num_prealloc_ready_tokens=0)
+    load.update(
+        max_total_num_tokens=cfg.max_total_tokens,
+        max_running_requests=cfg.max_running_requests,
+        token_usage=round(used / cfg.max_total_tokens, 4),
         # C-METRIC-OFF: SchedulerStats' two rates are written only with --enable-metrics, else their 0.0
-        "gen_throughput": round(s.gen_throughput(), 2) if cfg.enable_metrics else 0.0,
-        "cache_hit_rate": round(s.cache_hit_rate, 4) if cfg.enable_metrics else 0.0,
+        gen_throughput=round(s.gen_throughput(), 2) if cfg.enable_metrics else 0.0,
+        cache_hit_rate=round(s.cache_hit_rate, 4) if cfg.enable_metrics else 0.0,
         # C-METRIC-UTILIZATION: computed only when max_running_requests_under_SLO > 0, which nothing sets
         # (…/managers/scheduler_components/metrics_reporter.py:1303-1315@0.5.23): always 0.0
-        "utilization": 0.0,
-        "timestamp": time.time(),
-    }
+        utilization=0.0,
+    )
+    if snapshot:
+        # cumulative prefill counters and the decode step-time moment sums (None before a decode step,
+        # load_inquirer.py:215@0.5.20): the emulator counts the uncached prefill tokens only; it has no
+        # step times, so busy time stays 0 and the moments None
+        load.update(
+            total_prefill_uncached_tokens=s.prefill_uncached_tokens,
+            total_prefill_busy_us=0,
+            decode_moments=None,
+        )
+    return load
 
 
 async def v1_loads(request: web.Request) -> web.Response:
@@ -145,19 +192,18 @@ async def v1_loads(request: web.Request) -> web.Response:
     loads = [_load(eng, r) for r in ranks]
     if request.query.get("format") == "prometheus":
         lines: list[str] = []
-        for key in [k for k in (loads[0] if loads else {}) if k not in ("dp_rank", "timestamp")]:
+        keys = [k for k in (loads[0] if loads else {}) if k not in ("dp_rank", "timestamp", "decode_moments")]
+        for key in keys:
             lines.append(f"# TYPE sglang_{key} gauge")
             lines += [f'sglang_{key}{{dp_rank="{ld["dp_rank"]}"}} {ld[key]}' for ld in loads]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
-    return web.json_response(
-        {
-            "timestamp": time.time(),
-            "version": eng.profile.version,
-            "accelerator": "emulated",
-            "num_accelerators": eng.cfg.gpus,
-            "loads": loads,
-        }
-    )
+    # ISO text (v1_loads.py:120@0.5.15.post1, v1_loads.py:145@0.5.20)
+    reply: dict[str, Any] = {"timestamp": datetime.now(UTC).isoformat(), "version": eng.profile.version}
+    if eng.profile.v1_loads_snapshot_layout:
+        # get_device_name() and tp * pp (// dp with DP attention) GPUs per rank (v1_loads.py:39-54@0.5.20)
+        reply.update(accelerator="emulated", num_accelerators=eng.cfg.gpus)
+    reply["loads"] = loads
+    return web.json_response(reply)
 
 
 async def get_load(request: web.Request) -> web.Response:

@@ -31,6 +31,22 @@ from rljob.emulator import tokens
 from rljob.emulator.radix import PrefixCache
 from rljob.emulator.versions import IDLE_IGNORES_WAITING, IDLE_IGNORES_WAITING_WHEN_PAUSED, IDLE_STRICT
 
+# An abort's finish_reason (C-GEN-FINISH). A request still in the waiting queue (never admitted, or
+# retracted) is popped by the scheduler, which sends AbortReq(rid) back; the tokenizer writes a reason of two
+# keys (…/managers/scheduler.py:3892-3899@0.5.15.post1; …/managers/tokenizer_manager.py:2042-2046@0.5.6,
+# tokenizer_manager.py:2714-2718@0.5.15.post1, tokenizer_manager.py:3596@0.5.23).
+ABORT_WAITING: dict[str, Any] = {"type": "abort", "message": "Abort in waiting queue"}
+
+
+def abort_running() -> dict[str, Any]:
+    """A running request gets `to_finish = FINISH_ABORT()`, whose to_json has four keys: no status code and
+    no error type (…/managers/scheduler.py:2424@0.5.6, …/managers/schedule_batch.py:158-171@0.5.6;
+    scheduler.py:3991@0.5.15.post1, schedule_batch.py:202-215@0.5.15.post1; scheduler.py:5370@0.5.20,
+    schedule_batch.py:312-325@0.5.20; scheduler.py:5584@0.5.21; scheduler.py:5812@0.5.23,
+    schedule_batch.py:332-345@0.5.23). 0.5.23's timeout abort (message + 503, scheduler.py:5806-5810) is
+    not emulated."""
+    return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+
 
 @dataclass
 class GenRequest:
@@ -51,7 +67,10 @@ class GenRequest:
     aborted: bool = False
     garbage: bool = False
     finish_reason: dict[str, Any] | None = None
+    abort_reason: dict[str, Any] | None = None  # set by Scheduler.abort from where the request was
     started: float = field(default_factory=time.monotonic)
+    forward_at: float = 0.0  # monotonic: first prefill (SGLang's forward_entry_time)
+    prefill_done_at: float = 0.0  # monotonic: first token drawn (prefill_finished_time)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -202,6 +221,7 @@ class Scheduler:
         self.inbox = asyncio.Lock()  # one control message at a time, FIFO
         self.cache_hit_rate = 0.0  # of the last prefill batch (C-METRIC-CACHE-HIT)
         self._batch: list[int] | None = None  # [hit tokens, prompt tokens] of the batch being prefilled
+        self.prefill_uncached_tokens = 0  # /v1/loads total_prefill_uncached_tokens (≥0.5.20)
         self.changes = _Changes()
         self._gen_events: deque[tuple[float, int]] = deque()
         self._tasks: set[asyncio.Future[None]] = set()
@@ -307,7 +327,7 @@ class Scheduler:
             await self.wait_for(lambda: not self.blocked)
         await self._admission(req)
         if req.aborted:
-            req.finish_reason = {"type": "abort", "message": "Abort in waiting queue"}
+            req.finish_reason = dict(ABORT_WAITING)
             return
         self._prefill(req, first=True)
         await self._notify()
@@ -329,7 +349,7 @@ class Scheduler:
             if req.on_token is not None:
                 req.on_token(req)
         req.finish_reason = (
-            {"type": "abort", "message": "Abort in waiting queue" if not req.output else "Abort request"}
+            (req.abort_reason or dict(ABORT_WAITING))
             if req.aborted
             else req.finish_reason or {"type": "length", "length": req.max_new_tokens}
         )
@@ -357,6 +377,7 @@ class Scheduler:
         cached = self.cache.match(seq)
         if first:
             req.prefilled = True
+            req.forward_at = time.monotonic()
             req.cached_tokens = cached
             self._log_prefill(min(cached, len(req.prompt)), len(req.prompt))
         self.cache.insert(req.prompt)
@@ -372,6 +393,7 @@ class Scheduler:
         if self._batch is None:
             self._batch = [0, 0]
             asyncio.get_running_loop().call_soon(self._close_batch)
+        self.prefill_uncached_tokens += prompt - hit
         self._batch[0] += hit
         self._batch[1] += prompt
         self.cache_hit_rate = self._batch[0] / self._batch[1] if self._batch[1] else 0.0
@@ -398,6 +420,8 @@ class Scheduler:
         self._memory_guard()
         weights_id, valid = self._weights_id()
         req.output.append(req.sampler.next_token(weights_id, req.prompt + req.output))
+        if not req.prefill_done_at:
+            req.prefill_done_at = time.monotonic()
         req.versions.append(self._weight_version())
         req.weights_ids.append(weights_id)
         req.garbage = req.garbage or not valid
@@ -434,6 +458,7 @@ class Scheduler:
                 continue
             if abort_all or (rid and r.rid.startswith(rid)):
                 r.aborted = True
+                r.abort_reason = dict(ABORT_WAITING) if r.phase == "waiting" else abort_running()
                 r.wake.set()
                 n += 1
         return n

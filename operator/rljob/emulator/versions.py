@@ -95,6 +95,18 @@ class VersionProfile:
         return self._at_least(8)
 
     @property
+    def v1_loads_snapshot_layout(self) -> bool:
+        """C-METRIC-LOAD-ROUTE: 0.5.15.post1's reply is {timestamp, version, loads} and each load has 12
+        core keys; from 0.5.20 the reply adds `accelerator`, `num_accelerators` and each load is every
+        scalar field of LoadSnapshot: `timestamp` first, `num_active_tokens`, `num_prealloc_ready_tokens`,
+        `total_prefill_uncached_tokens`, `total_prefill_busy_us`, `decode_moments` added."""
+        # …/entrypoints/v1_loads.py:115-123@0.5.15.post1, …/managers/load_snapshot.py:292-306@0.5.15.post1;
+        # v1_loads.py:144-155@0.5.20, load_snapshot.py:192-217,228-260@0.5.20 (the same at
+        # load_snapshot.py:192-217@0.5.21, v1_loads.py:144-149@0.5.21); load_snapshot.py:196-221,262-264,
+        # v1_loads.py:144-149@0.5.23
+        return self._at_least(20)
+
+    @property
     def metrics_middleware_reads_route_path(self) -> bool:
         """C-METRIC-LOAD-ASGI: with --enable-metrics SGLang's request-metrics middleware reads `route.path` of
         every route in order; under FastAPI >= 0.137 the included router that holds `/v1/loads` is an
@@ -146,6 +158,75 @@ class VersionProfile:
         # tokenizer-only: http_server.py:896-923@0.5.6, http_server.py:1325-1345@0.5.15.post1;
         # update_weight_version_communicator: …/managers/tokenizer_control_mixin.py:931-936@0.5.20
         return self._at_least(20)
+
+    @property
+    def model_info_keys(self) -> tuple[str, ...]:
+        """C-ROUTE-MODEL-INFO: the keys of `/model_info` (and `/get_model_info`), in the order SGLang's dict
+        literal writes them."""
+        # …/entrypoints/http_server.py:501-507@0.5.6; http_server.py:670-679@0.5.15.post1 (model_type and
+        # architectures added; weight_version written twice, so it keeps its first place);
+        # http_server.py:765-785@0.5.20 (served_model_name, load_format, reasoning_parser,
+        # tool_call_parser); http_server.py:795-818@0.5.21, http_server.py:817-840@0.5.23
+        # (disaggregation_mode)
+        head: tuple[str, ...] = ("model_path", "tokenizer_path", "is_generation", "preferred_sampling_params")
+        head += ("weight_version",)
+        understanding = ("has_image_understanding", "has_audio_understanding")
+        if not self._at_least(15):
+            return head + understanding
+        hf = ("model_type", "architectures")
+        if not self._at_least(20):
+            return head + understanding + hf
+        head = (head[0], "served_model_name", *head[1:])
+        parsers = ("load_format", "reasoning_parser", "tool_call_parser")
+        if self._at_least(21):
+            parsers += ("disaggregation_mode",)
+        return head + parsers + understanding + hf
+
+    # --- /generate meta_info (C-GEN-META) ----------------------------------------------------------
+
+    @property
+    def meta_cached_tokens_details(self) -> bool:
+        """`cached_tokens_details` after `cached_tokens` on every answer: None, or {"device", "host"}."""
+        # …/managers/scheduler_components/output_streamer.py:60-88,197,384@0.5.15.post1,
+        # …/managers/tokenizer_manager.py:1922-1929@0.5.15.post1; output_streamer.py:85@0.5.20,
+        # tokenizer_manager.py:2418@0.5.20; output_streamer.py:102@0.5.23, tokenizer_manager.py:2574@0.5.23
+        return self._at_least(15)
+
+    @property
+    def meta_request_timestamps(self) -> bool:
+        """With --enable-metrics the last answer adds, after `e2e_latency`, `request_received_ts`,
+        `api_server_dispatch_finish_ts`, `response_sent_to_client_ts` (a stream's first chunk already
+        went), `request_finished_ts` and `decode_throughput` = (completion_tokens - 1) / decode latency
+        when completion_tokens > 1; every answer has `queue_time` after the retractions key. 0.5.6 writes
+        another set (tokenizer_manager.py:1592-1600,1884-1928@0.5.6), not emulated."""
+        # …/observability/req_time_stats.py:471-495,1150-1167@0.5.15.post1, tokenizer_manager.py:1898-1900,
+        # 2091-2110@0.5.15.post1; tokenizer_manager.py:2362,2587-2606@0.5.20;
+        # tokenizer_manager.py:2518,2753-2772@0.5.23
+        return self._at_least(15)
+
+    @property
+    def meta_first_token_latency(self) -> bool:
+        """`first_token_latency` after `request_received_ts`."""
+        # req_time_stats.py:502-503@0.5.21, req_time_stats.py:515-516@0.5.23; absent@0.5.20
+        return self._at_least(21)
+
+    @property
+    def meta_scheduler_timestamps(self) -> bool:
+        """The scheduler's time stats reach the tokenizer through the detokenizer: 0.5.15.post1's second
+        hop pickles them as {} (no `enable_metrics` in the state), so `queue_time` is 0.0 and neither
+        `forward_entry_time` nor `prefill_finished_time` shows; from 0.5.20 `has_timing_data` carries them,
+        so both show and `queue_time` is the real queue wait."""
+        # req_time_stats.py:317-330,629-640,1030-1031@0.5.15.post1; req_time_stats.py:651-662,1053-1054,
+        # 1177-1190@0.5.20; req_time_stats.py:1044-1045,1161-1174@0.5.21; req_time_stats.py:677-700,
+        # 1096-1097,1213-1235@0.5.23
+        return self._at_least(20)
+
+    @property
+    def meta_storage_waits(self) -> bool:
+        """`storage_prefetch_wait` and `storage_staging_wait` (0.0 without HiCache storage) before
+        `forward_entry_time`."""
+        # req_time_stats.py:677-700,776-781,1213-1222@0.5.23; not in req_time_stats.py:651-662@0.5.21
+        return self._at_least(23)
 
     # --- drain and idle (C-DRAIN-*, C-IDLE-*) ----------------------------------------------------
 

@@ -82,7 +82,10 @@ class WeightUpdater:
             )
             if failure is not None:
                 return _fail(failure)
-            return self._finish(body, "tensor", started, "Succeeded to update parameter online from tensor.")
+            # the model runner answers "Success" in every version: …/model_executor/model_runner.py:1266,1298
+            # @0.5.6, model_runner.py:2187,2219@0.5.15.post1; …/model_executor/model_runner_components/
+            # weight_updater.py:354,386@0.5.20, weight_updater.py:373,405@0.5.21, :381,413@0.5.23
+            return self._finish(body, "tensor", started, "Success")
 
     async def from_distributed(self, body: dict[str, Any]) -> Reply:
         eng = self.engine
@@ -105,6 +108,8 @@ class WeightUpdater:
             # No NCCL here: the broadcast metadata stands in for the received tensors.
             meta = json.dumps([body["names"], body["dtypes"], body["shapes"]]).encode()
             self._absorb("distributed", [meta], tensors=len(body["names"]))
+            # model_runner.py:1195@0.5.6, model_runner.py:2116@0.5.15.post1,
+            # …/model_executor/model_runner_components/weight_updater.py:275@0.5.20
             return self._finish(body, "distributed", started, "Succeeded to update parameter online.")
 
     def _absorb(self, source: str, payloads: list[bytes], tensors: int | None = None) -> None:
