@@ -6,7 +6,9 @@ A sequence is a tests/replays-style list of steps (client_replay's format: metho
 background/join, sleep_s, only_versions) with, per step, optionally:
 - `compare`: value paths whose values must match (default: DEFAULT_COMPARE where present);
 - `timing`: false to leave the timing class out (a long generation's speed is the model's, not SGLang's);
-- `fields`: false to leave the key tree out (e.g. /server_info, whose hundreds of arguments differ).
+- `fields`: false to leave the key tree out (e.g. /server_info, whose hundreds of arguments differ);
+- `volatile_fields`: key paths (and what lies under them) left out of the key tree, where their presence
+  depends on timing no sequence controls (which of several identical prompts in flight hits the cache).
 A sequence with `"fatal": true` is expected to end the server and runs last.
 
 tests/gpu/test_real_sglang.py records real SGLang's answers (`observe`), committed as
@@ -111,13 +113,19 @@ def observe_answer(
         label=label,
         status=answer.status,
         content_type=answer.content_type.split(";")[0].strip(),
-        fields=key_tree(doc) if step.get("fields", True) and isinstance(doc, dict | list) else None,
+        fields=_stable_keys(key_tree(doc), step.get("volatile_fields", ()))
+        if step.get("fields", True) and isinstance(doc, dict | list)
+        else None,
         values=values,
         timing=timing_class(seconds, waits) if step.get("timing", True) else None,
         seconds=round(seconds, 4),
         error=answer.error,
         text=answer.text[:300] if doc is None else "",
     )
+
+
+def _stable_keys(keys: list[str], volatile: list[str] | tuple[str, ...]) -> list[str]:
+    return [k for k in keys if not any(k == v or k.startswith(v + ".") for v in volatile)]
 
 
 def step_label(i: int, step: dict[str, Any]) -> str:
