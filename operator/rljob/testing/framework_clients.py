@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from rljob.testing.client_replay import checkpoint_dir, local_serialized_named_tensors
+from rljob.testing.framework_trainer import engine_url
 
 VERL_SGLANG = "0.5.20"  # SGLang's modules verl's adapter imports (see the docstring)
 PROMPTS = ([9707, 11, 1879, 0], [785, 6722, 315, 9625, 374])
@@ -179,9 +180,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    url = os.environ.get("RLJOB_ENGINE_URL")
+    url = engine_url()
     if not url:
-        print("RLJOB_ENGINE_URL is not set (the agent's SGLang-compatible endpoint)", file=sys.stderr)
         return 1
     try:
         if args.framework == "verl":

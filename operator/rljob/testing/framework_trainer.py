@@ -309,11 +309,18 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+def engine_url() -> str | None:
+    """The agent's SGLang-compatible endpoint from RLJOB_ENGINE_URL; None, said on stderr, when unset."""
     url = os.environ.get("RLJOB_ENGINE_URL")
     if not url:
         print("RLJOB_ENGINE_URL is not set (the agent's SGLang-compatible endpoint)", file=sys.stderr)
+    return url or None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    url = engine_url()
+    if not url:
         return 1
     weights_dir = Path(os.environ.get("RLJOB_WEIGHTS_DIR", "/tmp/rljob-weights"))
     trainer = FrameworkTrainer(url, load(args.replay), weights_dir, args.step_timeout, args.real_payloads)
