@@ -42,9 +42,9 @@ test-agent: install ## agent against the SGLang emulator
 test-e2e: install binaries ## real kube-apiserver + etcd, helm, kubectl
 	$(BIN)/python -m pytest -q tests/e2e
 
-lint: install ## ruff + mypy (api/ and lifecycle/) + lint-imports (the layers in .importlinter) + commit subjects
+lint: install ## ruff + mypy (every product package) + lint-imports (the layers in .importlinter) + commit subjects
 	$(BIN)/ruff check operator tests
-	$(BIN)/mypy operator/rljob/api operator/rljob/lifecycle
+	$(BIN)/mypy operator/rljob/api operator/rljob/lifecycle operator/rljob/agent operator/rljob/trainer operator/rljob/controller operator/rljob/cli operator/rljob/kubeclient operator/rljob/event_loop.py
 	$(BIN)/lint-imports
 	bash hack/commit-subjects.sh
 

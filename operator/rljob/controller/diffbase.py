@@ -16,7 +16,7 @@ but only change handlers and daemons read it, and these two have event handlers 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
@@ -43,4 +43,4 @@ class LeanDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
         meta = body.get("metadata") or {}
         lean: dict[str, Any] = {k: v for k, v in body.items() if k not in ("status", "metadata")}
         lean["metadata"] = {k: meta[k] for k in KEPT_METADATA if k in meta}
-        return super().build(body=kopf.Body(lean), extra_fields=fields)
+        return super().build(body=kopf.Body(cast(kopf.RawBody, lean)), extra_fields=fields)

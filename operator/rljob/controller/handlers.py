@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
@@ -36,7 +36,7 @@ def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
     kube = memo.get("kube")
     c = kube.server.credentials if isinstance(kube, Kube) else Credentials.load()
     c.invalidate()
-    scheme, _, token = (c.authorization() or "").partition(" ")
+    scheme, _space, token = (c.authorization() or "").partition(" ")
     return kopf.ConnectionInfo(
         server=c.server,
         ca_path=c.ca_path,
@@ -99,22 +99,22 @@ async def conduct(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo,
             del CONDUCTORS[key]
 
 
-@kopf.on.event("pods", labels={LABEL_JOB: kopf.PRESENT})
+@kopf.on.event("pods", labels={LABEL_JOB: kopf.PRESENT})  # type: ignore[arg-type]  # a namespaced resource: kopf's namespace is a str
 async def pod_changed(namespace: str, labels: kopf.Labels, event: kopf.RawEvent, **_: Any) -> None:
     """The conductor keeps its pods from these events (controller/pod_cache.py) instead of listing them."""
     conductor = CONDUCTORS.get((namespace, labels.get(LABEL_JOB, "")))
     if conductor is not None:
-        conductor.pod_seen(event["object"], deleted=event.get("type") == "DELETED")
+        conductor.pod_seen(cast(dict[str, Any], event["object"]), deleted=event.get("type") == "DELETED")
 
 
-@kopf.on.event(GROUP, VERSION, PLURAL)
+@kopf.on.event(GROUP, VERSION, PLURAL)  # type: ignore[arg-type]  # a namespaced resource: kopf's namespace is a str
 async def job_changed(namespace: str, name: str, **_: Any) -> None:
     conductor = CONDUCTORS.get((namespace, name))
     if conductor is not None:
         conductor.poke()
 
 
-@kopf.on.event(queueing.GROUP, queueing.VERSION, queueing.PLURAL, labels={LABEL_JOB: kopf.PRESENT})
+@kopf.on.event(queueing.GROUP, queueing.VERSION, queueing.PLURAL, labels={LABEL_JOB: kopf.PRESENT})  # type: ignore[arg-type]  # a namespaced resource: kopf's namespace is a str
 async def workload_changed(namespace: str, labels: kopf.Labels, event: kopf.RawEvent, **_: Any) -> None:
     """Kueue admitted, evicted or requeued a job's Workload: its conductor looks at once. Where Kueue is
     not installed kopf finds no such resource and watches nothing."""
@@ -123,7 +123,7 @@ async def workload_changed(namespace: str, labels: kopf.Labels, event: kopf.RawE
         conductor.workload_seen(event["object"], deleted=event.get("type") == "DELETED")
 
 
-@kopf.on.delete(GROUP, VERSION, PLURAL, retries=5, backoff=2.0)
+@kopf.on.delete(GROUP, VERSION, PLURAL, retries=5, backoff=2.0)  # type: ignore[arg-type]  # a namespaced resource: kopf's namespace is a str
 async def clean_up(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
     """The finalizer: a bare or slow garbage collector must not leave GPU pods behind. Every step is
     idempotent (404 is success), and after its retries kopf lets the object go: it never wedges."""

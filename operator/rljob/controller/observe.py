@@ -50,7 +50,9 @@ def pod_observation(pod: dict[str, Any]) -> PodObservation:
     labels = meta.get("labels") or {}
     status = pod.get("status") or {}
     conditions = {c["type"]: c["status"] for c in status.get("conditions") or []}
-    scheduled = next((c for c in status.get("conditions") or [] if c.get("type") == "PodScheduled"), {})
+    scheduled: dict[str, Any] = next(
+        (c for c in status.get("conditions") or [] if c.get("type") == "PodScheduled"), {}
+    )
     return PodObservation(
         index=_int_label(labels, LABEL_INDEX),
         name=meta["name"],

@@ -123,11 +123,11 @@ class Credentials:
 
         def load() -> Any:
             config = k8s_client.Configuration()
-            loader = k8s_config.incluster_config.InClusterConfigLoader(
+            loader = k8s_config.incluster_config.InClusterConfigLoader(  # type: ignore[no-untyped-call]
                 token_filename=str(root / "token"), cert_filename=str(root / "ca.crt"), environ=env
             )
             with _config_errors("in-cluster configuration"):
-                loader.load_and_set(config)
+                loader.load_and_set(config)  # type: ignore[no-untyped-call]
             return config
 
         namespace = root / "namespace"
@@ -142,13 +142,13 @@ class Credentials:
         def load() -> Any:
             config = k8s_client.Configuration()
             with _config_errors(f"kubeconfig {files}"):
-                k8s_config.load_kube_config(
+                k8s_config.load_kube_config(  # type: ignore[no-untyped-call]
                     config_file=files, context=context, client_configuration=config, persist_config=False
                 )
             return config
 
         with _config_errors(f"kubeconfig {files}"):
-            contexts, current = k8s_config.list_kube_config_contexts(config_file=files)
+            contexts, current = k8s_config.list_kube_config_contexts(config_file=files)  # type: ignore[no-untyped-call]
         chosen = next((c for c in contexts if c["name"] == context), None) if context else current
         return cls.from_configuration(load, _namespace_of(chosen))
 

@@ -321,7 +321,7 @@ def reduced_tensor(t: Any) -> Call:
     shared reference count and an event), as a Call; a CUDA device index becomes the device's UUID."""
     from torch.multiprocessing import reductions
 
-    func, args = reductions.reduce_tensor(t)
+    func, args = reductions.reduce_tensor(t)  # type: ignore[no-untyped-call]  # torch leaves it untyped
     args = list(args)
     if func is reductions.rebuild_cuda_tensor and isinstance(args[REBUILD_CUDA_DEVICE_ARG], int):
         args[REBUILD_CUDA_DEVICE_ARG] = device_uuid(args[REBUILD_CUDA_DEVICE_ARG])
