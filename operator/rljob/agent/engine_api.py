@@ -15,7 +15,8 @@ loopback: its lifecycle calls become the RLJob handoff, generation and read rout
 Every reply has the shape SGLang gives that route (rows C-ROUTE-* of docs/sglang-conformance.md), for the
 pod's SGLang version as the SGLang client read it; a refusal carries "rljob:" and the reason in SGLang's
 error shape for the route, and is kept as the trainer's last refusal (the operator shows it when the
-trainer ends). What passes through goes through the SGLang client (`SGLangClient.forward`)."""
+trainer ends) until its next accepted handoff call. What passes through goes through the SGLang client
+(`SGLangClient.forward`)."""
 
 from __future__ import annotations
 
@@ -210,11 +211,13 @@ class EngineEndpoint:
             if why is not None:
                 raise _memory_error(why)
         self.published = None
+        self.lease.accepted()
         return web.json_response(None)
 
     async def resume(self, request: web.Request) -> web.Response:
         tags = _body(await request.read(), MemoryTags)
         if not tags.every() and "kv_cache" not in (tags.tags or []):
+            self.lease.accepted()
             return web.json_response(None)  # weights, cuda_graph: the agent's refit resumes them
         version = self.published
         if version is None:
@@ -233,6 +236,7 @@ class EngineEndpoint:
         if why is not None:
             raise _memory_error(why)
         self.published = None
+        self.lease.accepted()
         return web.json_response(None)
 
     async def _resume_unchanged(self) -> web.Response:
@@ -251,6 +255,7 @@ class EngineEndpoint:
         )
         if why is not None:
             raise _memory_error(why)
+        self.lease.accepted()
         return web.json_response(None)
 
     def refused(self, request: web.Request, refusal: Refusal) -> None:
@@ -296,6 +301,7 @@ class EngineEndpoint:
             result = await self.windows.push_tensor(push)
         except Refused as e:
             raise _update_error(f"{e.error}: {e.reason}") from e
+        self.lease.accepted()
         return web.json_response({"success": True, "message": result.message})
 
     async def update_from_disk(self, request: web.Request) -> web.Response:
@@ -310,6 +316,7 @@ class EngineEndpoint:
         )
         if why is not None:
             raise _update_error(why)
+        self.lease.accepted()
         return web.json_response(self._replies().disk_updated)
 
     async def pause(self, request: web.Request) -> web.Response:
