@@ -238,3 +238,65 @@ def test_a_release_sent_again_after_the_client_gave_up_waits_on_the_same_request
     assert (r.status, r.text) == (200, "null"), r.text
     st = agent.state()["trainer"]
     assert st["leaseHeld"] and st["requestEpoch"] == epoch, st  # one request, the first attempt's
+
+
+def _bad_bucket() -> str:
+    """A flattened bucket whose metadata lacks `numel`, which SGLang reads: the guards refuse it."""
+    full = packing.metadata_entry("w", (2,), "float32", 0, 8)
+    entry = packing.Instance(full.cls, {k: v for k, v in full.state.items() if k != "numel"})
+    return packing.to_wire(packing.bucket_payload(cuda_reduction(8), [entry]))
+
+
+def test_a_refusal_the_trainer_recovered_from_is_not_its_last_after_its_next_accepted_push(
+    pod: tuple[Emulator, Agent, Framework],
+) -> None:
+    """A push refused (nothing sent to SGLang), then the same bucket fixed and accepted: the refusal is
+    behind the trainer, and a later end of the trainer must not be blamed on it."""
+    _, agent, fw = pod
+    c = AgentDriver(agent)
+    _to_granted(agent, c, fw)
+    bad = {
+        "serialized_named_tensors": [_bad_bucket()],
+        "load_format": "flattened_bucket",
+        "weight_version": "1",
+    }
+    fw.start("bad", "POST", "/update_weights_from_tensor", bad)
+    agent.wait_state(lambda s: s["trainer"].get("publishedVersion") == "1", 10, "the push to publish 1")
+    c.epoch += 1
+    assert agent.command("refit", c.epoch, wait=0, version="1", source="tensor").status == 202
+    r = fw.reply("bad")
+    assert r.status == 400 and "InvalidPush" in r.body["message"], r.text
+    st = agent.wait_state(lambda s: "lastRefusal" in s["trainer"], 10, "the refusal")
+    assert "InvalidPush" in st["trainer"]["lastRefusal"], st["trainer"]
+    good = {"serialized_named_tensors": [_bucket()], "load_format": "flattened_bucket", "weight_version": "1"}
+    r = fw.call("POST", "/update_weights_from_tensor", good)
+    assert r.status == 200 and r.body["success"] is True, r.text
+    assert "lastRefusal" not in agent.state()["trainer"], agent.state()["trainer"]
+    fw.start("resume", "POST", "/resume_memory_occupation", {"tags": ["kv_cache"]})
+    agent.wait_stage("Refitted", 15)
+    c.ok("resume")
+    assert fw.reply("resume").text == "null"
+    assert "lastRefusal" not in agent.state()["trainer"]
+
+
+def test_through_the_sdk_an_accepted_push_clears_the_last_refusal_and_a_failed_close_keeps_it(
+    pod: tuple[Emulator, Agent, Framework],
+) -> None:
+    _, agent, _ = pod
+    c = AgentDriver(agent)
+    c.iteration_to_trained("1", None)
+    c.epoch += 1
+    assert agent.command("refit", c.epoch, wait=0, version="1", source="tensor").status == 202
+    agent.wait_state(lambda s: s["trainer"].get("refitWindowVersion") == "1", 10, "the window")
+    bad = {"serializedNamedTensors": [_bad_bucket()], "loadFormat": "flattened_bucket"}
+    r = agent.trainer("POST", "/v1/trainer/refit/tensor", bad)
+    assert r.status == 422 and r.body["error"] == "InvalidPush", r.text
+    assert agent.state()["trainer"]["lastRefusal"].startswith("POST /v1/trainer/refit/tensor: InvalidPush")
+    good = {"serializedNamedTensors": [_bucket()], "loadFormat": "flattened_bucket"}
+    assert agent.trainer("POST", "/v1/trainer/refit/tensor", good).status == 200
+    assert "lastRefusal" not in agent.state()["trainer"], agent.state()["trainer"]
+    r = agent.trainer("POST", "/v1/trainer/refit/tensor", bad)  # refused again, then the trainer gives up
+    assert r.status == 422
+    r = agent.trainer("POST", "/v1/trainer/refit/close", {"error": "the bucket could not be built"})
+    assert r.status == 200, r.text
+    assert "InvalidPush" in agent.state()["trainer"]["lastRefusal"]  # a close with an error recovers nothing

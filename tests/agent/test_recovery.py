@@ -5,15 +5,17 @@ continues where it was without repeating a non-idempotent call; where it cannot 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_procs import ALL_TAGS, Agent, AgentDriver, Emulator, http, wait_until, write_weights
+from agent_procs import ALL_TAGS, Agent, AgentDriver, Emulator, free_port, http, wait_until, write_weights
 
 VERSION = "0.5.23"
 
@@ -191,3 +193,80 @@ def test_an_unreadable_record_is_state_unknown(start_pod: Any, tmp_path: Path) -
     wait_until(lambda: http("GET", agent.url + "/healthz", timeout=2).status == 200, 15, "agent restarted")
     st = agent.wait_state(lambda s: s["stage"] == "Failed", 15, "Failed")
     assert st["recovery"]["state"] == "Unsure" and st["fatal"].startswith("StateUnknown:"), st
+
+
+def _send_in_background(url: str) -> None:
+    """A framework's call that blocks on the gang, sent in a thread; its answer is not waited for, and a
+    connection the agent's restart drops is expected."""
+
+    def send() -> None:
+        with contextlib.suppress(OSError):
+            http("POST", url, {}, timeout=60)
+
+    threading.Thread(target=send, daemon=True).start()
+
+
+@pytest.fixture
+def reload_pod(
+    start_emulator: Callable[..., Emulator], start_agent: Callable[..., Agent], tmp_path: Path
+) -> Callable[..., tuple[Emulator, Agent, AgentDriver, str]]:
+    """A pod serving the launch weights whose trainer, through the endpoint, took the lease and gave it
+    back without weights; with `flags` for the emulator. (emulator, agent, conductor, served version)."""
+
+    def start(*flags: str) -> tuple[Emulator, Agent, AgentDriver, str]:
+        write_weights(tmp_path / "launch-model", "0")  # the checkpoint the emulator launches from
+        emu = start_emulator(VERSION, *flags)
+        port = free_port()
+        engine = f"http://127.0.0.1:{port}"
+        state = str(tmp_path / f"state-{emu.port}")
+        agent = start_agent(emu, "--state-dir", state, "--engine-listen", f"127.0.0.1:{port}")
+        c = AgentDriver(agent)
+        _send_in_background(engine + "/release_memory_occupation")
+        agent.wait_state(lambda s: s["trainer"]["requested"], 10, "the framework's lease request")
+        c.ok("drain")
+        c.ok("release", tags=ALL_TAGS)
+        c.ok("grant")
+        _send_in_background(engine + "/resume_memory_occupation")  # nothing pushed: the lease goes back
+        agent.wait_state(lambda s: s["stage"] == "Trained", 10, "the lease to come back without weights")
+        return emu, agent, c, str(agent.state()["sglang"]["servedVersion"])
+
+    return start
+
+
+def test_killed_after_a_reload_resumed_the_discarded_weights_still_loads_them(reload_pod: Any) -> None:
+    """Killed between the resume of the weights the release discarded (garbage without a CPU backup) and
+    their load: the restarted agent proves the resume from the memory it took, and its record says the
+    committed checkpoint is still owed. It loads it: rollout never reopens on garbage weights."""
+    emu, agent, c, served = reload_pod("--fault-slow", "/resume_memory_occupation=1.0")
+    c.epoch += 1
+    assert agent.command("refit", c.epoch, wait=0, version=served, reload=True).status == 202
+    wait_until(lambda: count(calls(emu), "/resume_memory_occupation") == 1, 10, "the weights' resume sent")
+    restart(agent)
+    st = recovered(agent)
+    assert st["recovery"]["state"] == "Recovered" and "made" in st["recovery"]["detail"], st["recovery"]
+    st = wait_command(agent, c.epoch)
+    assert st["lastCommand"]["state"] == "Succeeded", st["lastCommand"]
+    assert (st["stage"], st["sglang"]["servedVersion"]) == ("Refitted", served)
+    weights = emu.weights()
+    assert weights["valid"] is True and weights["source"] == "disk", weights  # not the resumed garbage
+    c.ok("resume")
+    report = calls(emu)
+    assert count(report, "/update_weights_from_disk") == 1 and report["repeats"] == [], report
+
+
+def test_killed_during_a_reloads_load_gives_the_pod_up(reload_pod: Any) -> None:
+    """Killed while the reload's disk load runs: /model_info reports the same version and checkpoint before
+    and after it, so nothing can show it ran, and a second load may race the first. The restarted agent
+    does not take it as made: StateUnknown, the pod is replaced, and the load went to SGLang once."""
+    emu, agent, c, served = reload_pod("--fault-slow", "/update_weights_from_disk=1.0")
+    c.epoch += 1
+    assert agent.command("refit", c.epoch, wait=0, version=served, reload=True).status == 202
+    wait_until(lambda: count(calls(emu), "/update_weights_from_disk") == 1, 10, "the reload's load sent")
+    restart(agent)
+    st = recovered(agent)
+    assert st["recovery"]["state"] == "Unsure" and st["stage"] == "Failed", st
+    assert st["fatal"].startswith(f"StateUnknown: update_weights_from_disk({served}) at epoch {c.epoch}"), st
+    assert st["lastCommand"]["state"] == "Failed", st["lastCommand"]
+    wait_until(lambda: emu.weights()["valid"], 10, "the first load to end")  # and nothing sent again
+    report = calls(emu)
+    assert count(report, "/update_weights_from_disk") == 1 and report["repeats"] == [], report

@@ -9,6 +9,7 @@ import copy
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -251,3 +252,56 @@ def test_the_frameworks_own_client_classes_drive_a_job_to_succeeded(
         if line.startswith('{"ts"') and '"event": "done"' in line
     ]
     assert len(done) == 2, "each pod's client ran its 3 iterations to the end"
+
+
+def test_trainers_that_exit_0_before_any_iteration_fail_the_job_instead_of_completing(
+    rl: RL, tmp_path: Path
+) -> None:
+    """A framework that ends at once (no data, 0 steps, a wrong URL) exits 0 on every pod before any
+    iteration: nothing was trained, so the job fails with what to look at, and Complete stays False (a
+    pipeline waiting for it must not ship the launch weights)."""
+    name = "fw-no-iteration"
+    rl.apply(framework_job(name, "verl", tmp_path / "calls.jsonl", command=[sys.executable, "-c", "pass"]))
+    obj = rl.wait(name, "Succeeded", "Failed", timeout=240)
+    status = obj["status"]
+    assert status["phase"] == "Failed" and status["reason"] == "NoIterationCommitted", status
+    assert status["message"].startswith(
+        "every trainer exited 0 without publishing weights: 0 of 3 iterations committed, the pods serve the "
+        "initial weights 0"
+    ), status["message"]
+    conditions = {c["type"]: c["status"] for c in status["conditions"]}
+    assert (conditions["Complete"], conditions["Failed"]) == ("False", "True"), conditions
+    assert versions(obj) == ["0"] and status["restarts"] == 0
+    _event(rl, name, lambda e: e["reason"] == "NoIterationCommitted" and e["type"] == "Warning")
+
+
+def test_a_framework_that_exits_0_with_its_refit_window_open_is_a_lost_member_at_once(
+    rl: RL, tmp_path: Path
+) -> None:
+    """verl's trainer exits 0 right after its tensor push, before the resume that closes its refit window:
+    nobody will close it. The pod is a lost member at once (backoffLimit 0: the job fails, saying so),
+    not after spec.refit.timeoutSeconds (an hour here) with the gang's GPUs idle."""
+    name = "fw-window-open"
+    push = "update_weights_from_tensor (one bucket)"
+    job = framework_job(
+        name, "verl", tmp_path / "calls.jsonl", trainer_args=("--iterations", "1", "--last-call", push)
+    )
+    job["spec"]["refit"]["timeoutSeconds"] = 3600
+    job["spec"]["phaseTimeoutSeconds"] = {"refitting": 3600}
+    rl.apply(job)
+    obj = rl.wait(name, "Succeeded", "Failed", timeout=240)
+    status = obj["status"]
+    assert status["phase"] == "Failed" and status["reason"] == "BackoffLimitExceeded", status
+    assert "its trainer finished (exit 0) with its refit window of weights 1 open" in status["message"], (
+        status
+    )
+    _event(rl, name, lambda e: e["reason"] == "GangMemberLost" and "window of weights 1 open" in e["message"])
+    assert versions(obj) == ["0"]
+
+
+def _event(rl: RL, name: str, wanted: Callable[[dict[str, Any]], bool], timeout: float = 30) -> None:
+    """An event of the job `wanted` picks is posted (the operator posts them after its status write)."""
+    deadline = time.monotonic() + timeout
+    while not any(wanted(e) for e in rl.events(name)):
+        assert time.monotonic() < deadline, [(e["reason"], e["message"]) for e in rl.events(name)]
+        time.sleep(0.5)

@@ -74,6 +74,7 @@ class FakeAgent:
     held: float | None = None  # the last lease's seconds with the trainer, as the agent timed them
     returned_epoch: int | None = None  # the grant whose lease the trainer gave back without weights
     last_refusal: str | None = None  # why the agent refused the trainer's last refused call
+    refit_window: str | None = None  # the version of the tensor/distributed refit window open, if any
     kv_flushed_after_refit: bool = True
     fatal: str | None = None
     revision: int = 1
@@ -108,6 +109,7 @@ class FakeAgent:
                 held_seconds=self.held,
                 returned_epoch=self.returned_epoch,
                 last_refusal=self.last_refusal,
+                refit_window_version=self.refit_window,
             ),
             rollout=RolloutReport(samples=3, cache_hit_rate=0.5, generation_tokens_per_second=100.0),
             fatal=self.fatal,

@@ -190,6 +190,27 @@ def test_sends_the_recorded_bodies_byte_for_byte(
         assert [checkpoint_version(tmp_path / f"v{i}") for i in (1, 2)] == ["1", "2"]
 
 
+def test_last_call_ends_the_last_iteration_after_that_step(
+    stand_in: tuple[StandIn, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--last-call: a framework that ends in the middle of its handoff (verl exiting after its push, its
+    refit window left open): the last iteration stops after that step, and the trainer exits 0."""
+    state, url = stand_in
+    steps = client_replay.load(REPLAYS / "verl.json")["steps"]
+    monkeypatch.setenv("RLJOB_ENGINE_URL", url)
+    monkeypatch.setenv("RLJOB_WEIGHTS_DIR", str(tmp_path))
+    monkeypatch.delenv("RLJOB_POD_INDEX", raising=False)
+    push = "update_weights_from_tensor (one bucket)"
+    argv = ["--replay", str(REPLAYS / "verl.json"), "--iterations", "1", "--last-call", push]
+    assert main(argv) == 0
+    sent = [steps[s]["name"] for s in ITERATION_STEPS["verl"][1]]
+    assert [r.path for r in state.requests] == [steps[s]["path"] for s in ITERATION_STEPS["verl"][1]][
+        : sent.index(push) + 1
+    ]
+    with pytest.raises(ValueError, match="is not a handoff step of verl"):
+        main(["--replay", str(REPLAYS / "verl.json"), "--last-call", "no such step"])
+
+
 def test_areal_start_up_offload_and_onload_come_before_iteration_1(
     stand_in: tuple[StandIn, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -3,6 +3,7 @@ trainer's last refusal reaches the status when it ends (docs/lifecycle.md, "When
 
 from __future__ import annotations
 
+import pytest
 from lifecycle_world import World, make_spec
 
 from rljob.api.agent import RefitCommand
@@ -170,3 +171,159 @@ def test_the_agents_last_refusal_to_a_trainer_that_ended_is_in_the_status_and_an
     other.tick()
     other.step()
     assert "last refused" not in other.status.message
+
+
+def test_trainers_that_exit_0_before_any_iteration_committed_fail_the_job() -> None:
+    """Nothing trained is not a success: a pipeline that waits for Complete would ship the initial
+    weights."""
+    world = World(make_spec(iterations=3))
+    world.bring_up()
+    for pod in world.pods.values():
+        pod.completed = TRAINER
+    world.tick()
+    world.step()
+    st = world.status
+    assert st.phase == Phase.FAILED and st.reason == EventReason.NO_ITERATION_COMMITTED, st.message
+    assert st.message.startswith(
+        "every trainer exited 0 without publishing weights: 0 of 3 iterations committed, the pods serve the "
+        "initial weights 0; check the trainer's command"
+    ), st.message
+    assert st.condition(ConditionType.COMPLETE).status == ConditionStatus.FALSE  # type: ignore[union-attr]
+    assert st.condition(ConditionType.FAILED).status == ConditionStatus.TRUE  # type: ignore[union-attr]
+    assert st.iteration == 0 and versions(world) == ["0"]  # the launch weights, committed at start
+    assert (EventReason.NO_ITERATION_COMMITTED, st.message) in events(world)
+
+
+def test_trainers_that_only_gave_leases_back_empty_and_exited_say_so() -> None:
+    world = World(make_spec(iterations=None))
+    world.bring_up()
+    world.to_training()
+    for agent in world.agents.values():
+        agent.trainer_return_unchanged()
+    world.tick()
+    world.step()  # -> Refitting at the committed version
+    world.settle()  # -> Resuming
+    world.settle()  # -> Rollout of iteration 1 again
+    assert world.status.phase == Phase.ROLLOUT and world.status.leases_without_weights == 1
+    for pod in world.pods.values():
+        pod.completed = TRAINER
+    world.tick()
+    world.step()
+    st = world.status
+    assert st.phase == Phase.FAILED and st.reason == EventReason.NO_ITERATION_COMMITTED
+    assert st.message.startswith(
+        "every trainer exited 0 after 1 lease given back without new weights: 0 iterations committed"
+    ), st.message
+
+
+def _refitting_tensor_window(world: World) -> None:
+    world.bring_up()
+    world.to_training()
+    world.trainers_publish("1")
+    world.step()  # -> Refitting: the refit opens each pod's window for the trainer's pushes
+    assert world.status.phase == Phase.REFITTING
+    for agent in world.agents.values():
+        agent.refit_window = "1"
+
+
+@pytest.mark.parametrize("exit_code", [0, 2])
+def test_a_trainer_that_exits_with_its_refit_window_open_is_lost_at_once_with_its_last_refusal(
+    exit_code: int,
+) -> None:
+    """Its pushes stopped half sent (or after a refused one): nobody closes the window, so the refit could
+    only end at spec.refit.timeoutSeconds with the gang's GPUs idle. The member is lost at once, whatever
+    the exit code, and the refusal that made the trainer stop is in the status."""
+    world = World(make_spec(backoffLimit=0, refit={"source": "tensor"}))
+    _refitting_tensor_window(world)
+    refusal = "POST /update_weights_from_tensor: rljob: InvalidPush: serializedNamedTensors[0] is not base64"
+    world.agents["job-1"].last_refusal = refusal
+    if exit_code == 0:
+        world.pods["job-1"].completed = TRAINER
+        lost = "pod job-1: its trainer finished (exit 0) with its refit window of weights 1 open"
+    else:
+        world.pods["job-1"].broken = "container trainer terminated (exit 2, Error)"
+        lost = "pod job-1: container trainer terminated (exit 2, Error)"
+    world.step()  # no time passes: the next decision sees it
+    st = world.status
+    assert st.phase == Phase.FAILED and st.reason == EventReason.BACKOFF_LIMIT_EXCEEDED, st.message
+    assert st.message.startswith(f"{lost}; the agent last refused its trainer: {refusal}"), st.message
+
+
+def test_a_trainer_that_exits_0_once_its_refit_window_closed_has_finished() -> None:
+    world = World(make_spec(backoffLimit=0, refit={"source": "tensor"}))
+    _refitting_tensor_window(world)
+    world.agents["job-1"].refit_window = None  # its last push sent and the window closed
+    world.pods["job-1"].completed = TRAINER
+    world.step()
+    assert world.status.phase == Phase.REFITTING, world.status.message
+    world.agents["job-0"].refit_window = None
+    world.settle()  # -> Resuming: the iteration in flight goes on
+    assert world.status.phase == Phase.RESUMING, world.status.message
+
+
+def _empty_lease(world: World) -> None:
+    world.to_training()
+    for agent in world.agents.values():
+        agent.trainer_return_unchanged()
+    world.tick()
+    world.step()  # -> Refitting at the committed version, or Failed past the bound
+
+
+def test_leases_given_back_empty_in_a_row_warn_then_fail_past_the_specs_bound() -> None:
+    world = World(make_spec(iterations=2, maxLeasesWithoutWeights=3))
+    world.bring_up()
+    warnings: list[str] = []
+    for count in (1, 2, 3):
+        _empty_lease(world)
+        st = world.status
+        assert st.phase == Phase.REFITTING and st.leases_without_weights == count, st.message
+        assert st.message == (
+            f"every trainer gave the lease back without new weights ({count} in a row): back to committed 0"
+        )
+        degraded = st.condition(ConditionType.DEGRADED)
+        warned = [
+            e.message for e in world.decisions[-1].events if e.reason == EventReason.LEASES_WITHOUT_WEIGHTS
+        ]
+        if count == 1:  # one is AReaL's start-up offload and onload: nothing to say
+            assert degraded is None or degraded.status == ConditionStatus.FALSE
+            assert warned == []
+        else:
+            assert degraded is not None and degraded.status == ConditionStatus.TRUE
+            assert degraded.reason == EventReason.LEASES_WITHOUT_WEIGHTS
+            assert degraded.message == (
+                f"{count} leases in a row given back without new weights (at most 3: "
+                "spec.maxLeasesWithoutWeights); back to committed 0"
+            )
+            assert warned == [degraded.message]
+            warnings += warned
+        world.settle()  # -> Resuming
+        world.settle()  # -> Rollout of iteration 1 again
+        assert world.status.phase == Phase.ROLLOUT and world.status.iteration == 1
+    assert all(e.type.value == "Warning" for d in world.decisions for e in d.events if e.message in warnings)
+    _empty_lease(world)  # the fourth in a row
+    st = world.status
+    assert st.phase == Phase.FAILED and st.reason == EventReason.LEASES_WITHOUT_WEIGHTS_EXCEEDED
+    assert st.message.startswith(
+        "4 leases in a row given back without new weights, more than spec.maxLeasesWithoutWeights (3): the "
+        "trainers release and resume SGLang without pushing or loading weights"
+    ), st.message
+    assert versions(world) == ["0"] and world.decisions[-1].delete_pods
+
+
+def test_a_lease_with_weights_ends_the_count_of_those_without() -> None:
+    world = World(make_spec(iterations=3, maxLeasesWithoutWeights=2))
+    world.bring_up()
+    for _ in range(2):
+        _empty_lease(world)
+        world.settle()
+        world.settle()
+    assert world.status.condition(ConditionType.DEGRADED).status == ConditionStatus.TRUE  # type: ignore[union-attr]
+    world.run_iteration("1")
+    st = world.status
+    assert st.leases_without_weights == 0 and versions(world) == ["0", "1"]
+    assert st.condition(ConditionType.DEGRADED).status == ConditionStatus.FALSE  # type: ignore[union-attr]
+    for _ in range(2):  # two more in a row are within the bound again
+        _empty_lease(world)
+        world.settle()
+        world.settle()
+    assert world.status.phase == Phase.ROLLOUT and world.status.leases_without_weights == 2

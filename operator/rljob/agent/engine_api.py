@@ -14,8 +14,17 @@ loopback: its lifecycle calls become the RLJob handoff, generation and read rout
   these calls themselves (the framework's would race them).
 Every reply has the shape SGLang gives that route (rows C-ROUTE-* of docs/sglang-conformance.md), for the
 pod's SGLang version as the SGLang client read it; a refusal carries "rljob:" and the reason in SGLang's
-error shape for the route, and is kept as the trainer's last refusal (the operator shows it when the
-trainer ends). What passes through goes through the SGLang client (`SGLangClient.forward`)."""
+error shape for the route, and is kept as the trainer's last refusal until its next accepted handoff call
+(the operator shows it when the trainer ends). What passes through goes through the SGLang client
+(`SGLangClient.forward`).
+
+A call in flight when the agent's process ends loses its connection (the kernel closes it with the
+process): the framework sees it drop. The same call sent again to the restarted agent is answered as
+the first would have been, from the recorded state (agent/record.py), once the recovery has settled: a
+release waits on the recorded lease request (or answers at once if the lease was granted), a push or load
+replays the version the lease published, a resume waits until the pod serves (or answers at once if it
+does). A call whose first sending the agent cannot account for (a refit window open at the restart) is
+refused with the recovery's reason: the pod is given up."""
 
 from __future__ import annotations
 
@@ -143,6 +152,16 @@ def _body(raw: bytes, model: type[BaseModel]) -> Any:
         ) from e
 
 
+def published_in_lease(store: StateStore) -> str | None:
+    """The version the trainer published under the lease it was last granted, once it gave that lease back:
+    what the endpoint answers a push, load or resume of that lease with. Read from the recorded state, so
+    that a restarted agent answers the same call sent again as the first would have been answered."""
+    t = store.state.trainer
+    if t.lease_held or store.lease_epoch is None or t.published_epoch != store.lease_epoch:
+        return None
+    return t.published_version
+
+
 def next_version(served: str | None) -> str:
     """The version a push that names none publishes: the served one plus one."""
     return str(int(served) + 1) if served is not None and served.isdigit() else "1"
@@ -164,7 +183,7 @@ class EngineEndpoint:
         self.windows = windows
         self.client = client  # the agent's: its version (quirks) and the calls that pass through
         self.refit_source = refit_source  # the RLJob's spec.refit.source, when the operator passed it
-        self.published: str | None = None
+        self.published: str | None = published_in_lease(store)  # a restarted agent: the record's
 
     def _replies(self) -> Replies:
         return replies_for(self.client.quirks)
@@ -188,6 +207,13 @@ class EngineEndpoint:
             return f"the pod's agent failed ({st.fatal or 'Failed'}): the pod must be replaced"
         return None
 
+    async def _settled(self, refusal: Callable[[str], Refusal]) -> None:
+        """A handoff call that reaches a restarted agent while it checks its record waits for the verdict,
+        then is answered from the recovered state; a pod the recovery gave up refuses it."""
+        why = await self._until(lambda: not self.store.recovering, lambda: None)
+        if why is not None:
+            raise refusal(why)
+
     def _command_failed(self, action: str) -> Callable[[], str | None]:
         def failed() -> str | None:
             cmd = self.store.state.last_command
@@ -201,6 +227,7 @@ class EngineEndpoint:
 
     async def release(self, request: web.Request) -> web.Response:
         _body(await request.read(), MemoryTags)
+        await self._settled(_memory_error)
         if not self.store.state.trainer.lease_held:
             try:
                 self.lease.request()
@@ -210,15 +237,20 @@ class EngineEndpoint:
             if why is not None:
                 raise _memory_error(why)
         self.published = None
+        self.lease.accepted()
         return web.json_response(None)
 
     async def resume(self, request: web.Request) -> web.Response:
         tags = _body(await request.read(), MemoryTags)
+        await self._settled(_memory_error)
         if not tags.every() and "kv_cache" not in (tags.tags or []):
+            self.lease.accepted()
             return web.json_response(None)  # weights, cuda_graph: the agent's refit resumes them
         version = self.published
         if version is None:
             if self.store.state.stage == Stage.SERVING and not self.store.state.trainer.lease_held:
+                if self._lease_ended_serving():  # the same resume again: its answer was lost
+                    return web.json_response(None)
                 raise _memory_error("nothing is released: SGLang dies on a resume of a tag it holds")
             return await self._resume_unchanged()
         window = self.windows.view()
@@ -233,7 +265,13 @@ class EngineEndpoint:
         if why is not None:
             raise _memory_error(why)
         self.published = None
+        self.lease.accepted()
         return web.json_response(None)
+
+    def _lease_ended_serving(self) -> bool:
+        """The pod serves again after the trainer gave back the current lease (published or not)."""
+        t, granted = self.store.state.trainer, self.store.lease_epoch
+        return granted is not None and granted in (t.published_epoch, t.returned_epoch)
 
     async def _resume_unchanged(self) -> web.Response:
         """A resume with no weights pushed since the release (AReaL's start-up offload and onload): the
@@ -251,6 +289,7 @@ class EngineEndpoint:
         )
         if why is not None:
             raise _memory_error(why)
+        self.lease.accepted()
         return web.json_response(None)
 
     def refused(self, request: web.Request, refusal: Refusal) -> None:
@@ -283,9 +322,11 @@ class EngineEndpoint:
 
     async def update_from_tensor(self, request: web.Request) -> web.Response:
         body: TensorUpdate = _body(await request.read(), TensorUpdate)
+        await self._settled(_update_error)
         version = self._publish(body.weight_version, None, RefitSource.TENSOR)
         why = await self._until(
-            lambda: (w := self.windows.view()).open and w.version == version, self._command_failed("refit")
+            lambda: (w := self.windows.view()).open and w.version == version,
+            lambda: self._command_failed("refit")() or self._served_already(version),
         )
         if why is not None:
             raise _update_error(why)
@@ -296,10 +337,19 @@ class EngineEndpoint:
             result = await self.windows.push_tensor(push)
         except Refused as e:
             raise _update_error(f"{e.error}: {e.reason}") from e
+        self.lease.accepted()
         return web.json_response({"success": True, "message": result.message})
+
+    def _served_already(self, version: str) -> str | None:
+        """A push for weights the pod already serves: their refit window closed, none will open again."""
+        st = self.store.state
+        if st.stage == Stage.SERVING and st.sglang.served_version == version:
+            return f"weights {version} are refitted and served: this push came after their refit window"
+        return None
 
     async def update_from_disk(self, request: web.Request) -> web.Response:
         body: DiskUpdate = _body(await request.read(), DiskUpdate)
+        await self._settled(_update_error)
         version = self._publish(body.weight_version, body.model_path, RefitSource.DISK)
         why = await self._until(
             lambda: (
@@ -310,6 +360,7 @@ class EngineEndpoint:
         )
         if why is not None:
             raise _update_error(why)
+        self.lease.accepted()
         return web.json_response(self._replies().disk_updated)
 
     async def pause(self, request: web.Request) -> web.Response:

@@ -69,6 +69,7 @@ class LeaseDesk:
             s.trainer.published_epoch = self._store.lease_epoch
             s.trainer.lease_held = False
             s.trainer.held_seconds = self._returned()
+            s.trainer.last_refusal = None  # accepted: see `accepted`
         return self._report()
 
     def return_unchanged(self) -> TrainerReport:
@@ -83,10 +84,18 @@ class LeaseDesk:
         return self._report()
 
     def refused(self, reason: str) -> None:
-        """The agent refused a call of the trainer: kept for the operator until the trainer asks again."""
+        """The agent refused a call of the trainer: kept for the operator until its next accepted call."""
         if self._store.state.trainer.last_refusal != reason[:1024]:
             with self._store.change() as s:
                 s.trainer.last_refusal = reason[:1024]
+
+    def accepted(self) -> None:
+        """The agent took a handoff call of the trainer (a request, publish, push, load, resume, a window
+        closed without an error): a refusal before it was recovered from and must not be blamed for a
+        later end of the trainer. Reads, generation and calls that report a failure do not count."""
+        if self._store.state.trainer.last_refusal is not None:
+            with self._store.change() as s:
+                s.trainer.last_refusal = None
 
     def abandon(self, reason: str) -> TrainerReport:
         if not self._store.state.trainer.lease_held:

@@ -411,6 +411,8 @@ class Operations:
                 pass
         facts = self.store.facts
         discarded = bool(self._released(ReleaseTag.WEIGHTS)) and not (facts and facts.weights_cpu_backup)
+        if cmd.reload and discarded:  # saved with the resume's announcement: a restart still owes the load
+            self.store.reload_owed = cmd.version
         # Multi-stage resume: weights (and graphs) now, kv_cache only at resume; the engine stays paused.
         await self._resume_tags(self._released(ReleaseTag.CUDA_GRAPH, ReleaseTag.WEIGHTS), dl)
         reloaded: str | None = None
@@ -450,8 +452,9 @@ class Operations:
         """A lease given back without new weights: the committed version again. Weights the release kept,
         or SGLang's CPU backup restored (the resume before this), need nothing more; weights it discarded
         come from a disk load of the checkpoint SGLang last loaded that version from (its own path for it),
-        else of the command's path. The path loaded, if any."""
-        if not discarded:
+        else of the command's path. The path loaded, if any. A restarted agent re-running the command finds
+        the weights resumed and the load still owed in its record (StateStore.reload_owed), and makes it."""
+        if not discarded and self.store.reload_owed != cmd.version:
             return None
         known = self.store.state.sglang.model_path if self.store.path_version == cmd.version else None
         path = known or cmd.path
@@ -489,6 +492,7 @@ class Operations:
             raise
         with self.store.outcome():
             self.store.refit_done = cmd.version
+            self.store.reload_owed = None
 
     async def _refit_window(self, cmd: RefitCommand, dl: Deadline) -> bool:
         session = self.client.quirks is not None and self.client.quirks.weight_update_session

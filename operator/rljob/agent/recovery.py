@@ -10,7 +10,11 @@ announced call without an outcome is resolved only by positive evidence:
 - release: every GPU freed what the release's `verify` asks, against the sample taken before the call
   (nothing else frees SGLang's memory while it is paused and idle);
 - resume: every GPU's used memory grew past the noise since the sample taken before the call;
-- disk refit: `/model_info` serves the version the call loads (or names its checkpoint);
+- disk refit: `/model_info` serves the version the call loads, or names the checkpoint when it is another
+  than the one it named before; a reload of the committed version from the checkpoint SGLang already
+  named (after a lease that brought none) shows neither, so it is never taken as made, and it is not sent
+  again while it may still run (a paused load takes no lock and a second one replaces the tokenizer's one
+  result future the first still waits on: tokenizer_manager.py:2302-2314,2372-2381@0.5.23);
 - a tensor/distributed refit window: never (the trainer's pushes cannot be replayed).
 
 Without evidence within the call's own deadline the agent reports StateUnknown (stage Failed, recovery
@@ -196,14 +200,20 @@ class Recovery:
         return await self._poll(until, grew)
 
     async def _loaded(self, intent: Intent, cmd: RefitCommand) -> bool:
-        previous = self.store.state.sglang.model_path
+        st = self.store.state
+        # What /model_info shows once the load ran: the version when it is a new one, the path when SGLang
+        # named another before it (a successful load sets both). A reload of the version and checkpoint
+        # SGLang already named shows neither: nothing can tell.
+        version_shows = intent.version != st.sglang.served_version
+        path_shows = intent.path is not None and intent.path != st.sglang.model_path
+        if not (version_shows or path_shows):
+            return False
 
         async def loaded() -> bool:
             info = await self.client.model_info(timeout=5)
-            if str(info.get("weight_version")) == intent.version:
+            if version_shows and str(info.get("weight_version")) == intent.version:
                 return True
             # 0.5.6 drops weight_version on a paused refit (C-REFIT-WV-PAUSED): the path it loaded shows.
-            path = info.get("model_path")
-            return intent.path is not None and path == intent.path and path != previous
+            return path_shows and info.get("model_path") == intent.path
 
         return await self._poll(self._deadline(cmd.timeout_seconds), loaded)

@@ -215,6 +215,10 @@ class RefitWindows:
             w.error = f"trainer: {error}"
         w.versioned_by_agent = versioned_by_agent and w.pushes > 0
         w.closed.set()
+        # Reported before the trainer hears back: a trainer that exits right after closing its window
+        # finished (lifecycle/finishing.py), one that exits with it open leaves a refit that cannot end.
+        with self._store.change() as s:
+            s.trainer.refit_window_version = None
         return self.view()
 
 

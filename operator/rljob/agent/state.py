@@ -84,6 +84,8 @@ class StateStore:
         self.release_before: dict[int, int] = {}  # per-GPU used bytes before the last release
         self.refit_done: str | None = None  # the running refit's load call returned, loading this version
         self.path_version: str | None = None  # the version SGLang's model_path holds (None: unknown)
+        # A reload of this version resumed weights the release discarded: its disk load is still owed.
+        self.reload_owed: str | None = None
         self.intent: Intent | None = None  # a non-idempotent call announced and not closed
 
     # --- the record ------------------------------------------------------------------------------
@@ -102,6 +104,7 @@ class StateStore:
             "releaseBefore": {str(k): v for k, v in self.release_before.items()},
             "refitDone": self.refit_done,
             "pathVersion": self.path_version,
+            "reloadOwed": self.reload_owed,
             "intent": self.intent.wire() if self.intent is not None else None,
         }
 
@@ -149,6 +152,7 @@ class StateStore:
         self.release_before = {int(k): int(v) for k, v in (data.get("releaseBefore") or {}).items()}
         self.refit_done = data.get("refitDone")
         self.path_version = data.get("pathVersion")
+        self.reload_owed = data.get("reloadOwed")
         self.intent = Intent.from_wire(data["intent"]) if data.get("intent") else None
 
     @property

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from aiohttp import web
-from pydantic import TypeAdapter
+from pydantic import BaseModel, TypeAdapter
 
 from rljob.agent.errors import Refused
 from rljob.agent.http_util import (
@@ -53,7 +53,7 @@ def build_trainer_app(
         return reply(await lease.wait_granted(wait) if wait > 0 else lease.status())
 
     async def publish(request: web.Request) -> web.Response:
-        return reply(lease.publish(await read_body(request, PUBLISH)))
+        return reply(lease.publish(await read_body(request, PUBLISH)))  # clears the last refusal itself
 
     async def abandon(request: web.Request) -> web.Response:
         return reply(lease.abandon((await read_body(request, ABANDON)).reason))
@@ -66,16 +66,18 @@ def build_trainer_app(
         return reply(windows.view())
 
     async def push_tensor(request: web.Request) -> web.Response:
-        return reply(await windows.push_tensor(await read_body(request, TENSOR)))
+        return accepted(await windows.push_tensor(await read_body(request, TENSOR)))
 
     async def push_distributed(request: web.Request) -> web.Response:
-        return reply(await windows.push_distributed(await read_body(request, DISTRIBUTED)))
+        return accepted(await windows.push_distributed(await read_body(request, DISTRIBUTED)))
 
     async def init_group(request: web.Request) -> web.Response:
-        return reply(windows.init_group(await read_body(request, GROUP)), 202)
+        return accepted(windows.init_group(await read_body(request, GROUP)), 202)
 
     async def close_window(request: web.Request) -> web.Response:
-        return reply(windows.trainer_close((await read_body(request, CLOSE)).error))
+        error = (await read_body(request, CLOSE)).error
+        window = windows.trainer_close(error)
+        return reply(window) if error else accepted(window)  # a close with an error is no recovery
 
     async def report_rollout(request: web.Request) -> web.Response:
         """The trainer's count of completed samples, added to this rollout's report: the cost per rollout
@@ -96,6 +98,11 @@ def build_trainer_app(
             else:
                 await store.wait_stage(int(since), stage, wait)
         return reply(store.state)
+
+    def accepted(body: BaseModel, status: int = 200) -> web.Response:
+        """A handoff call taken: the trainer's last refusal is behind it (LeaseDesk.accepted)."""
+        lease.accepted()
+        return reply(body, status)
 
     @web.middleware
     async def note_refusals(request: web.Request, handler: Handler) -> web.StreamResponse:

@@ -205,8 +205,9 @@ class TrainerReport(WireModel):
         default=None,
         max_length=1024,
         description="Why the agent refused the trainer's last refused call (its SGLang-compatible endpoint "
-        "or the SDK's routes); cleared when the trainer next asks for the GPU. The operator puts it in the "
-        "RLJob's status message and an Event when the trainer ends.",
+        "or the SDK's routes); cleared by the trainer's next accepted handoff call (a lease request or "
+        "answer, a publish, a push, a load, a resume, a window closed without an error). The operator puts "
+        "it in the RLJob's status message and an Event when the trainer ends.",
     )
     refit_window_version: WeightVersion | None = Field(
         default=None, description="Set while a tensor/distributed refit window is open for this version."

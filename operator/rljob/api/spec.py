@@ -369,6 +369,15 @@ class RLJobSpec(WireModel):
     )
     suspend: bool = False
     backoff_limit: int = Field(default=3, ge=0, le=1000)
+    max_leases_without_weights: int = Field(
+        default=3,
+        ge=0,
+        le=1000,
+        description="Leases in a row the trainers may give back without new weights (a framework's release "
+        "then resume with nothing pushed, e.g. AReaL's start-up offload and onload: the gang serves the "
+        "committed version again); one more fails the job (LeasesWithoutWeightsExceeded). From 2 in a row "
+        "the job says so: condition Degraded, reason LeasesWithoutWeights, and a Warning event.",
+    )
     phase_timeout_seconds: PhaseTimeouts = Field(default_factory=PhaseTimeouts)
     active_deadline_seconds: int | None = Field(default=None, ge=1, le=31_536_000)
     ttl_seconds_after_finished: int | None = Field(default=None, ge=0, le=31_536_000)

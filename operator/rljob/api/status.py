@@ -319,6 +319,13 @@ class RLJobStatus(StatusModel):
     )
     observed_generation: int | None = Field(default=None, ge=0)
     restarts: int = Field(default=0, ge=0)
+    leases_without_weights: int = Field(
+        default=0,
+        ge=0,
+        description="Leases in a row the trainers gave back without new weights (the gang served the "
+        "committed version again); 0 again once an iteration commits. Past spec.maxLeasesWithoutWeights "
+        "the job fails.",
+    )
     start_time: str | None = Field(default=None, max_length=64)
     completion_time: str | None = Field(default=None, max_length=64)
 

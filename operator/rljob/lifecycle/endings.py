@@ -40,19 +40,41 @@ def fail(step: Step, reason: EventReason, message: str) -> None:
 
 def succeed_if_trainers_finished(step: Step, ran: int) -> bool:
     """Every trainer of the gang finished (exited 0; finishing.py) once `ran` iterations were committed:
-    the job succeeded, also before spec.iterations, and says how many ran. True when it did."""
+    the job succeeded, also before spec.iterations, and says how many ran; with none committed it failed
+    (NoIterationCommitted). True when it ended either way."""
     st, spec = step.status, step.spec
     if len(step.finished_trainers()) < spec.replicas:
         return False
     st.iteration = ran
-    st.completion_time = step.now
     of = f" of {spec.iterations}" if spec.iterations is not None else ""
+    if ran == 0:
+        _fail_without_iterations(step, of)
+        return True
+    st.completion_time = step.now
     message = (
         f"every trainer finished after {ran}{of} iteration{'' if ran == 1 else 's'}, "
         f"serving weights {step.committed().version}"
     )
     step.enter(Phase.SUCCEEDED, EventReason.TRAINERS_FINISHED, message)
     return True
+
+
+def _fail_without_iterations(step: Step, of: str) -> None:
+    """Every trainer exited 0 and no iteration committed: nothing was trained, and a pipeline that waits
+    for Complete must not take the initial weights for trained ones."""
+    empty = step.status.leases_without_weights
+    what = (
+        f"after {empty} lease{'' if empty == 1 else 's'} given back without new weights"
+        if empty
+        else "without publishing weights"
+    )
+    fail(
+        step,
+        EventReason.NO_ITERATION_COMMITTED,
+        f"every trainer exited 0 {what}: 0{of} iterations committed, the pods serve the initial weights "
+        f"{step.committed().version}; check the trainer's command and its step count (a framework that "
+        "ends at once: no data, 0 steps configured, or not pointed at $RLJOB_ENGINE_URL)",
+    )
 
 
 def fail_on_permanent_refusal(step: Step, refusal: AgentRefusal) -> None:

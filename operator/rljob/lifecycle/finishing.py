@@ -1,9 +1,10 @@
 """A trainer container that exited 0 has finished, not failed (docs/lifecycle.md, "When trainers finish").
 
 Its pod stays a gang member while the iteration in flight no longer needs its trainer: before it asked for
-the GPU, or once it returned the lease (published, or gave it back without new weights). A trainer that
-exits 0 while it asked for the GPU or holds the lease leaves an iteration that cannot complete: that pod
-is lost, as with any other exit. Any other container that exits 0 (SGLang, the agent) is lost too."""
+the GPU, or once it returned the lease (published, or gave it back without new weights) and, for a pushed
+refit, closed its refit window. A trainer that exits 0 while it asked for the GPU, holds the lease or
+leaves its refit window open leaves an iteration that cannot complete: that pod is lost, as with any other
+exit. Any other container that exits 0 (SGLang, the agent) is lost too."""
 
 from __future__ import annotations
 
@@ -42,6 +43,10 @@ def unclean_finish(
     returned = agent is not None and Evidence.LEASE_RETURNED.shown_by(agent, epoch, None)
     if phase == Phase.TRAINING and not returned:
         return "its trainer finished (exit 0) holding the GPU lease, without weights or giving it back"
+    window = agent.trainer.refit_window_version if agent is not None else None
+    if phase == Phase.REFITTING and window is not None:
+        # Only the trainer pushes into its window and closes it: nobody will, so the refit cannot finish.
+        return f"its trainer finished (exit 0) with its refit window of weights {window} open"
     return None
 
 

@@ -120,13 +120,7 @@ def _refit_published_version(step: Step, agents: list[AgentState]) -> None:
         )
         return
     if unchanged:
-        committed = step.committed()
-        step.status.target_weights = committed.model_copy(update={"committed_at": None})
-        step.enter(
-            Phase.REFITTING,
-            EventReason.NO_NEW_WEIGHTS,
-            f"every trainer gave the lease back without new weights: back to committed {committed.version}",
-        )
+        _back_to_committed(step)
         return
     versions = sorted({str(a.trainer.published_version) for a in agents})
     if len(versions) != 1:
@@ -147,6 +141,42 @@ def _refit_published_version(step: Step, agents: list[AgentState]) -> None:
     step.enter(Phase.REFITTING, EventReason.PHASE_CHANGED, f"every trainer published {version}")
 
 
+WARN_LEASES_WITHOUT_WEIGHTS = 2  # in a row: the job says so (one is AReaL's start-up offload and onload)
+
+
+def _back_to_committed(step: Step) -> None:
+    """Every trainer gave the lease back without weights: the gang serves the committed version again, and
+    the leases in a row that brought none are counted (status.leasesWithoutWeights, 0 again at the next
+    commit). From WARN_LEASES_WITHOUT_WEIGHTS the job is Degraded with a Warning; past the spec's bound it
+    fails: trainers that release and resume without ever training would loop for as long as they run."""
+    st, bound = step.status, step.spec.max_leases_without_weights
+    st.leases_without_weights += 1
+    count, committed = st.leases_without_weights, step.committed()
+    in_a_row = f"{count} lease{'' if count == 1 else 's'} in a row given back without new weights"
+    if count > bound:
+        fail(
+            step,
+            EventReason.LEASES_WITHOUT_WEIGHTS_EXCEEDED,
+            f"{in_a_row}, more than spec.maxLeasesWithoutWeights ({bound}): the trainers release and resume "
+            f"SGLang without pushing or loading weights, and the pods serve committed {committed.version}; "
+            "check that the framework refits after its release, or raise spec.maxLeasesWithoutWeights if "
+            "it releases without training on purpose",
+        )
+        return
+    back = f"back to committed {committed.version}"
+    if count >= WARN_LEASES_WITHOUT_WEIGHTS:
+        why = f"{in_a_row} (at most {bound}: spec.maxLeasesWithoutWeights); {back}"
+        reason = EventReason.LEASES_WITHOUT_WEIGHTS
+        set_condition(st, ConditionType.DEGRADED, True, reason.value, why, step.now)
+        step.event(reason, why, warning=True)
+    st.target_weights = committed.model_copy(update={"committed_at": None})
+    step.enter(
+        Phase.REFITTING,
+        EventReason.NO_NEW_WEIGHTS,
+        f"every trainer gave the lease back without new weights ({count} in a row): {back}",
+    )
+
+
 def _commit_and_open_rollout(step: Step, agents: list[AgentState]) -> None:
     """Resuming done: commit the target weights, then open the next iteration's rollout (or the same
     iteration's, after a rejoin), or finish when spec.iterations are done."""
@@ -163,6 +193,7 @@ def _commit_and_open_rollout(step: Step, agents: list[AgentState]) -> None:
             f"rollout of iteration {st.iteration} open at {target.version}",
         )
         return
+    st.leases_without_weights = 0  # a lease brought weights: the count of those that did not restarts
     step.close_span()  # fold the Resuming span into this iteration's report
     record_iteration(st, step.spec.profile)  # report, history, verdict, diagnosis
     set_condition(

@@ -109,6 +109,9 @@ class EventReason(StrEnum):
     TRAINERS_FINISHED = "TrainersFinished"  # every trainer container exited 0: the job is done
     TRAINER_FINISHED_EARLY = "TrainerFinishedEarly"  # a trainer exited 0 while another wants an iteration
     NO_NEW_WEIGHTS = "NoNewWeights"  # the trainers returned the lease without weights: committed again
+    NO_ITERATION_COMMITTED = "NoIterationCommitted"  # every trainer exited 0 before any iteration committed
+    LEASES_WITHOUT_WEIGHTS = "LeasesWithoutWeights"  # leases in a row came back without weights (a Warning)
+    LEASES_WITHOUT_WEIGHTS_EXCEEDED = "LeasesWithoutWeightsExceeded"  # past spec.maxLeasesWithoutWeights
 
 
 @dataclass(frozen=True)

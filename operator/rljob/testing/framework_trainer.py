@@ -3,6 +3,7 @@ the recorded sequence (tests/replays/<framework>.json: bodies byte for byte, eac
 path:line@commit), against the agent's SGLang-compatible endpoint.
 
     python -m rljob.testing.framework_trainer --replay tests/replays/slime.json [--iterations N]
+        [--last-call STEP]
     env: RLJOB_ENGINE_URL (the endpoint), RLJOB_ITERATIONS (N when --iterations is not given; 0: forever),
          RLJOB_WEIGHTS_DIR (where AReaL's disk checkpoints are written), RLJOB_POD_INDEX
 
@@ -12,7 +13,8 @@ steps named per framework in ITERATIONS, a contiguous run of the recorded sequen
 sends AReaL's start-up offload and first onload (a lease that ends without weights); slime's startup
 offload and slime's and verl's first weight sync are not sent: in an RLJob the pods start serving the
 launch weights and iteration 1's handoff is the first. The final iteration stops at the framework's last
-call (AReaL: its last refit; the onload after it belongs to a step it never runs), and the trainer exits 0.
+call (AReaL: its last refit; the onload after it belongs to a step it never runs), and the trainer exits 0;
+`--last-call` names another step to stop after (a framework that ends in the middle of its handoff).
 
 Only the version changes between iterations: slime names it (the push body's `weight_version`, recorded as
 the rollout id; here i, and its rollout reads back i - 1 from iteration 2 on); verl and AReaL name none.
@@ -42,7 +44,7 @@ import os
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -186,12 +188,17 @@ class FrameworkTrainer:
         weights_dir: Path,
         step_timeout: float,
         real_payloads: bool = False,
+        last_call: str | None = None,
     ) -> None:
         client = seq["client"]
         if client not in ITERATIONS:
             raise ValueError(f"no iteration defined for client {client!r} (known: {sorted(ITERATIONS)})")
         self.url = url
         self.plan = ITERATIONS[client]
+        if last_call is not None:
+            if last_call not in self.plan.handoff:
+                raise ValueError(f"{last_call!r} is not a handoff step of {client}: {self.plan.handoff}")
+            self.plan = replace(self.plan, last_call=last_call)
         self.steps: list[Step] = seq["steps"]
         run = select(self.steps, self.plan.rollout + self.plan.handoff)
         self.rollout, self.handoff = run[: len(self.plan.rollout)], run[len(self.plan.rollout) :]
@@ -301,6 +308,10 @@ def parser() -> argparse.ArgumentParser:
         help="send the framework's start-up calls first (AReaL's offload and onload, with no weights)",
     )
     p.add_argument(
+        "--last-call",
+        help="the handoff step of the last iteration to exit 0 after (default: the framework's last call)",
+    )
+    p.add_argument(
         "--step-timeout",
         type=float,
         default=600.0,
@@ -323,7 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     if not url:
         return 1
     weights_dir = Path(os.environ.get("RLJOB_WEIGHTS_DIR", "/tmp/rljob-weights"))
-    trainer = FrameworkTrainer(url, load(args.replay), weights_dir, args.step_timeout, args.real_payloads)
+    trainer = FrameworkTrainer(
+        url, load(args.replay), weights_dir, args.step_timeout, args.real_payloads, args.last_call
+    )
     try:
         trainer.wait_for_server()
         if args.startup:
