@@ -109,6 +109,8 @@ class EventReason(StrEnum):
     TRAINERS_FINISHED = "TrainersFinished"  # every trainer container exited 0: the job is done
     TRAINER_FINISHED_EARLY = "TrainerFinishedEarly"  # a trainer exited 0 while another wants an iteration
     NO_NEW_WEIGHTS = "NoNewWeights"  # the trainers returned the lease without weights: committed again
+    RESUME_WAITING_FOR_MEMORY = "ResumeWaitingForMemory"  # a resume's GPU memory is held by another process
+    TRAINER_HOLDS_GPU_MEMORY = "TrainerHoldsGpuMemory"  # a trainer kept GPU memory after returning its lease
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,7 @@ class Awaited:
     epoch: int
     action: Action
     evidence: Evidence = Evidence.COMMAND_SUCCEEDED
+    memory_wait: str | None = None  # what its resume waited for in the report decided (memory_waits.py)
 
 
 @dataclass(frozen=True)
