@@ -213,8 +213,7 @@ def test_a_trainer_that_keeps_memory_is_named_when_the_resume_did_not_wait(
     print(f"\nnamed: {h['trainerHeld']}")
     assert not h["waiting"] and h["waitedSeconds"] == 0 and h.get("message") is None
     assert h["trainerHeld"] == f"pid {trainer.pid} (trainer) holds 2.0 GiB on GPU 0 after returning its lease"
-    os.kill(trainer.pid, signal.SIGUSR1)
-    assert trainer.wait_exit(60) == 0, trainer.log_text()[-3000:]
+    assert trainer.wait_exit(60) == 0, trainer.log_text()[-3000:]  # Serving: it ends, and its memory with it
 
 
 def test_a_restarted_agent_gates_the_resume_it_runs_again(
