@@ -26,6 +26,7 @@ from rljob.api.agent import (
     RefitCommand,
     ReleaseCommand,
     ResumeCommand,
+    ResumeHeadroom,
     RolloutReport,
     SGLangInfo,
     Stage,
@@ -81,6 +82,7 @@ class FakeAgent:
     refusals: list[str] = field(default_factory=list)
     release_calls: list[tuple[str, ...]] = field(default_factory=list)
     node_rank: int = 0
+    headroom: ResumeHeadroom | None = None  # the headroom gate of its last resume (agent/headroom.py)
 
     def report(self) -> AgentState:
         return AgentState(
@@ -113,6 +115,7 @@ class FakeAgent:
             ),
             rollout=RolloutReport(samples=3, cache_hit_rate=0.5, generation_tokens_per_second=100.0),
             fatal=self.fatal,
+            headroom=copy.deepcopy(self.headroom),
         )
 
     def facts(self) -> ServerFacts:

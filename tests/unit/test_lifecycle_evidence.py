@@ -23,6 +23,7 @@ from rljob.api.agent import (
     MemoryReport,
     RecoveryReport,
     RecoveryState,
+    ResumeHeadroom,
     RolloutReport,
     SGLangInfo,
     Stage,
@@ -77,6 +78,15 @@ def running_reports(draw: st.DrawFn) -> dict[str, Any]:
         "fatal": draw(st.none() | st.just("SGLang died")),
         "trainer": trainer,
         "recovery": RecoveryReport(state=draw(st.sampled_from(list(RecoveryState)))),
+        "headroom": draw(
+            st.none()
+            | st.builds(
+                ResumeHeadroom,
+                epoch=EPOCHS,
+                waiting=st.booleans(),
+                message=st.none() | st.just("GPU 0: pid 7 (trainer) holds 17.2 GiB"),
+            )
+        ),
         "epoch": epoch,
         "last_command": command,
     }
@@ -116,6 +126,7 @@ def test_a_change_the_lifecycle_reads_is_sent(sent: dict[str, Any], rest: dict[s
         "fatal": None if before.fatal else "SGLang died",
         "trainer": before.trainer.model_copy(update={"requested": not before.trainer.requested}),
         "recovery": RecoveryReport(restarts=before.recovery.restarts + 1),
+        "headroom": ResumeHeadroom(epoch=before.epoch, waiting=True, message="another holder"),
     }
     after = before.model_copy(update={field: changes[field]})
     assert carried(operator_view(before), operator_view(after))

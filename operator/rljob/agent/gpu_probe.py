@@ -1,17 +1,19 @@
 """How the agent sees GPU memory: NVML on a real node (every GPU visible to the pod), or a probe plugin
 named by import path (`--gpu-probe module:factory`, the factory called with the agent's SGLang client).
-Release verification compares samples taken before and after the release; the rollout sampler reads each
+Release verification compares samples taken before and after the release; the headroom gate
+(agent/headroom.py) reads free memory and the processes that hold it; the rollout sampler reads each
 GPU's busy fraction (docs/profiling.md)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import os
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -31,8 +33,26 @@ class GpuMemory:
     name: str = ""  # the device's name (NVML's nvmlDeviceGetName), e.g. "NVIDIA H200"
 
 
+@dataclass(frozen=True)
+class GpuProcessUse:
+    """One process on one of the pod's GPUs, as NVML lists it: `pid` in the driver's view (the host's PID
+    namespace on a node), `used_bytes` None where NVML cannot tell (its usedGpuMemory is unavailable)."""
+
+    gpu: int
+    pid: int
+    used_bytes: int | None
+
+
 class GpuProbe(Protocol):
+    # True when the pids `processes` reports are the host's (NVML in a container), not the agent's own
+    # PID namespace's: a pid the agent sees is then the same process only if it maps a GPU device.
+    host_pids: bool
+
     async def sample(self) -> list[GpuMemory]: ...
+
+    async def processes(self) -> list[GpuProcessUse]:
+        """Every process NVML lists on the pod's GPUs (compute and graphics), one entry per (GPU, pid)."""
+        ...
 
     async def utilization(self) -> list[float] | None:
         """Per GPU, the fraction of time (0..1) a kernel ran since the previous call (the first call
@@ -52,6 +72,7 @@ class NvmlProbe:
 
     scope: Selection | None = None  # which GPUs are the pod's (agent/gpu_scope.py), once NVML started
     proc_root = Path("/proc")
+    host_pids = True  # the driver does not translate pids into a container's namespace (nvidia-docker#1483)
 
     def _own_handles(self, nvml: Any) -> list[Any]:
         """The pod's GPUs only: all visible ones when the container sees only those, else the ones a pod
@@ -93,6 +114,26 @@ class NvmlProbe:
             out.append(GpuMemory(i, int(info.used), int(info.total), name=self._names[i]))
         return out
 
+    def _processes_blocking(self) -> list[GpuProcessUse]:
+        if self._nvml is None:
+            self._init()
+        if self.scope is not None and self.scope.scope == GpuScope.UNKNOWN:
+            raise GpuScopeUnknown(f"cannot tell which GPUs are this pod's: {self.scope.reason}")
+        nvml, out = self._nvml, []
+        for i, handle in enumerate(self._handles):
+            listed = [*nvml.nvmlDeviceGetComputeRunningProcesses(handle)]
+            with contextlib.suppress(nvml.NVMLError):  # NOT_SUPPORTED on compute-only boards
+                listed += nvml.nvmlDeviceGetGraphicsRunningProcesses(handle)
+            out += processes_of(i, listed)
+        return out
+
+    async def processes(self) -> list[GpuProcessUse]:
+        started = time.monotonic()
+        try:
+            return await asyncio.to_thread(self._processes_blocking)
+        finally:
+            add_external(time.monotonic() - started)
+
     def _busy(self, i: int) -> float:
         """Mean of the driver's utilization samples (percent of each sample period in which a kernel ran)
         newer than the last one read: the whole interval since the previous call, not only NVML's last
@@ -125,6 +166,20 @@ class NvmlProbe:
             return await asyncio.to_thread(self._sample_blocking)
         finally:
             add_external(time.monotonic() - started)
+
+
+def processes_of(gpu: int, listed: Iterable[Any]) -> list[GpuProcessUse]:
+    """pynvml's process structs of one GPU (`pid`, `usedGpuMemory`: None where NVML reports
+    NVML_VALUE_NOT_AVAILABLE, pynvml.py:4193-4226@nvidia-ml-py 13.615.71), one entry per pid: a process in
+    both the compute and the graphics list counts once, with the larger figure."""
+    by_pid: dict[int, int | None] = {}
+    for proc in listed:
+        pid, used = int(proc.pid), proc.usedGpuMemory
+        used = None if used is None else int(used)
+        if pid in by_pid and (used is None or (by_pid[pid] or 0) >= used):
+            continue
+        by_pid[pid] = used
+    return [GpuProcessUse(gpu, pid, used) for pid, used in sorted(by_pid.items())]
 
 
 def _text(name: str | bytes) -> str:

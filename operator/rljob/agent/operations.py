@@ -25,6 +25,7 @@ from typing import TypeAlias
 from rljob.agent.errors import CommandFailed, PermanentFailure, StateLost
 from rljob.agent.gpu_probe import GpuMemory, GpuProbe
 from rljob.agent.gpu_scope import report_gpu_scope
+from rljob.agent.headroom import HeadroomGate
 from rljob.agent.lease import LeaseDesk
 from rljob.agent.metrics import AgentMetrics
 from rljob.agent.record import Intent
@@ -119,6 +120,7 @@ class Operations:
         self.metrics = metrics
         self.call_timeout_s = call_timeout_s
         self._probe_warmed: asyncio.Task[None] | None = None
+        self.headroom = HeadroomGate(store, probe, self._sample)  # before every resume
 
     @property
     def pause_mode(self) -> DrainMode | None:
@@ -266,6 +268,7 @@ class Operations:
         """The release itself, announced with the memory before it (a restarted agent's evidence)."""
         tags = [t.value for t in unique]
         self.store.release_before = {g.index: g.used_bytes for g in before}
+        self.store.release_freed, self.store.taken_back = {}, {}  # a new cycle for the headroom gate
         with self.store.change() as s:
             s.memory = MemoryReport(used_before_bytes=sum(g.used_bytes for g in before), gpus=len(before))
         self.store.announce(Intent("release", cmd.epoch, tuple(tags), used_before=self.store.release_before))
@@ -295,7 +298,7 @@ class Operations:
         report_gpu_scope(self.store, self.probe)  # which GPUs are the pod's, before any release
 
     async def _quiet_memory(self) -> list[GpuMemory]:
-        """Used memory before a resume, for the record (a restarted agent's evidence); [] on errors."""
+        """Used memory after a resume, what it took back for the headroom gate; [] on errors."""
         try:
             return await self.probe.sample()
         except Exception:  # evidence only: the resume does not depend on it
@@ -351,6 +354,7 @@ class Operations:
     def _report_freed(self, after: list[GpuMemory], freed: dict[int, int], ok: bool) -> None:
         for i, f in freed.items():
             self.metrics.freed_bytes.labels(str(i)).set(max(0, f))
+        self.store.release_freed = {i: max(0, f) for i, f in freed.items()}  # what the resumes take back
         with self.store.change() as s:
             s.memory.used_after_bytes = sum(g.used_bytes for g in after)
             s.memory.freed_bytes = max(0, min(freed.values()))
@@ -372,10 +376,12 @@ class Operations:
         await self._resume_call(tags, dl)
 
     async def _resume_call(self, tags: list[ReleaseTag], dl: Deadline) -> None:
-        """The resume itself, announced with the memory before it (a restarted agent's evidence)."""
+        """The resume itself, once the headroom gate found its memory free on every GPU (agent/headroom.py),
+        announced with the memory before it (a restarted agent's evidence)."""
         names = [t.value for t in tags]
-        used = {g.index: g.used_bytes for g in await self._quiet_memory()}
         epoch = self.store.state.epoch
+        before = await self.headroom.clear(tags, epoch, dl.remaining)
+        used = {g.index: g.used_bytes for g in before}
         self.store.announce(Intent("resume", epoch, tuple(names), used_before=used))
         try:
             await self.client.resume(names, timeout=dl.remaining())
@@ -388,8 +394,10 @@ class Operations:
             with self.store.outcome():
                 pass
             raise CommandFailed(str(e)) from e
+        after = await self._quiet_memory()
         with self.store.outcome() as s:
             s.released_tags = [t for t in s.released_tags if t not in tags]
+            self.headroom.took_back(before, after)
 
     def _released(self, *candidates: ReleaseTag) -> list[ReleaseTag]:
         return [t for t in candidates if t in self.store.state.released_tags]

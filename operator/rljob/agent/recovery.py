@@ -133,6 +133,7 @@ class Recovery:
         return None
 
     async def _released(self, intent: Intent, cmd: ReleaseCommand) -> str | None:
+        self.store.release_freed, self.store.taken_back = {}, {}  # a new cycle (re-measured by verify)
         if not await self._freed(intent, cmd):
             return None
         self.store.state.released_tags = list(
@@ -141,10 +142,13 @@ class Recovery:
         return f"{intent.describe()}: made (every GPU freed what verify asks)"
 
     async def _resumed(self, intent: Intent) -> str | None:
-        if not await self._grew(intent):
+        grown = await self._grew(intent)
+        if grown is None:
             return None
         resumed = set(intent.tags)
         self.store.state.released_tags = [t for t in self.store.state.released_tags if t.value not in resumed]
+        for i, grew in grown.items():  # what it took back counts against the next resume (agent/headroom.py)
+            self.store.taken_back[i] = self.store.taken_back.get(i, 0) + grew
         return f"{intent.describe()}: made (every GPU's used memory grew)"
 
     async def _refitted(self, intent: Intent, cmd: RefitCommand) -> str | None:
@@ -185,19 +189,22 @@ class Recovery:
         until = min(self._deadline(verify.timeout_seconds), time.monotonic() + verify.timeout_seconds)
         return await self._poll(until, freed)
 
-    async def _grew(self, intent: Intent) -> bool:
+    async def _grew(self, intent: Intent) -> dict[int, int] | None:
+        """Per GPU, how much used memory grew since the sample before the resume; None without evidence."""
         if not intent.used_before:
-            return False
+            return None
+        grown: dict[int, int] = {}
 
         async def grew() -> bool:
             now = {g.index: g.used_bytes for g in await self.probe.sample()}
             before = intent.used_before
+            grown.update({i: now[i] - before[i] for i in before if i in now})
             return set(now) == set(before) and all(now[i] - before[i] > FREED_NOISE_BYTES for i in before)
 
         last = self.store.command
         seconds = float(getattr(last, "timeout_seconds", RESOLVE_CAP_S))
         until = min(self._deadline(seconds), time.monotonic() + RESOLVE_CAP_S)
-        return await self._poll(until, grew)
+        return grown if await self._poll(until, grew) else None
 
     async def _loaded(self, intent: Intent, cmd: RefitCommand) -> bool:
         st = self.store.state

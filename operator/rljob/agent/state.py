@@ -44,6 +44,9 @@ class ServerFacts:
     dp_size: int
     dp_attention: bool = False
     tp_size: int = 1
+    # Per GPU, the bytes of each memory tag as SGLang reports them (C-MEM-USAGE-REPORT); a tag it does not
+    # report is absent. The headroom gate's split of one release between the resumes that follow it.
+    tag_bytes: tuple[tuple[str, int], ...] = ()
 
     @property
     def weight_cache_active(self) -> bool:
@@ -60,7 +63,38 @@ class ServerFacts:
             dp_size=int(info.get("dp_size") or 1),
             dp_attention=bool(info.get("enable_dp_attention", False)),
             tp_size=int(info.get("tp_size") or 1),  # the decode roofline's bytes per GPU (docs/profiling.md)
+            tag_bytes=tuple(sorted(reported_tag_bytes(info).items())),
         )
+
+
+GIB = 1 << 30  # SGLang's memory_usage figures are GB of 2^30 bytes (C-MEM-USAGE-REPORT)
+USAGE_KEYS = {"weights": "weight", "kv_cache": "kvcache", "cuda_graph": "graph"}
+
+
+def reported_tag_bytes(info: dict[str, Any]) -> dict[str, int]:
+    """Per GPU, the bytes of each memory tag from /server_info's `internal_states[*].memory_usage`
+    (C-MEM-USAGE-REPORT: `weight`, `kvcache` and `graph` in GB, `graph` a number up to 0.5.15.post1 and
+    per capture phase from 0.5.20); the largest over the DP ranks. A tag missing or unreadable on any
+    rank is left out: the gate then takes the measured figure alone."""
+    states = info.get("internal_states")
+    if not isinstance(states, list) or not states:
+        return {}
+    usages = [s.get("memory_usage") if isinstance(s, dict) else None for s in states]
+    out: dict[str, int] = {}
+    for tag, key in USAGE_KEYS.items():
+        values = [_gb(u.get(key)) if isinstance(u, dict) else None for u in usages]
+        if all(v is not None for v in values):
+            out[tag] = int(max(v for v in values if v is not None) * GIB)
+    return out
+
+
+def _gb(value: Any) -> float | None:
+    if isinstance(value, dict):
+        parts = [_gb(v) for v in value.values()]
+        return None if any(p is None for p in parts) else sum(p for p in parts if p is not None)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        return None
+    return float(value)
 
 
 class StateStore:
@@ -82,6 +116,10 @@ class StateStore:
         # decides the flush form and the per-rank idle proof (C-IDLE-FLUSH-DEFERRED, C-IDLE-RELEASE).
         self.pause_mode: DrainMode | None = None
         self.release_before: dict[int, int] = {}  # per-GPU used bytes before the last release
+        # The headroom gate's inputs (agent/headroom.py): per GPU, what the last release freed (verified),
+        # and what the resumes since took back (measured around each).
+        self.release_freed: dict[int, int] = {}
+        self.taken_back: dict[int, int] = {}
         self.refit_done: str | None = None  # the running refit's load call returned, loading this version
         self.path_version: str | None = None  # the version SGLang's model_path holds (None: unknown)
         # A reload of this version resumed weights the release discarded: its disk load is still owed.
@@ -102,6 +140,8 @@ class StateStore:
             ),
             "pauseMode": self.pause_mode.value if self.pause_mode is not None else None,
             "releaseBefore": {str(k): v for k, v in self.release_before.items()},
+            "releaseFreed": {str(k): v for k, v in self.release_freed.items()},
+            "takenBack": {str(k): v for k, v in self.taken_back.items()},
             "refitDone": self.refit_done,
             "pathVersion": self.path_version,
             "reloadOwed": self.reload_owed,
@@ -143,6 +183,8 @@ class StateStore:
         st.recovery.state = RecoveryState.RECOVERING
         st.recovery.restarts = int(data.get("boots") or 1)
         st.recovery.detail = None
+        if st.headroom is not None:  # a wait is this process's: a re-run command checks again
+            st.headroom.waiting = False
         self.state = st
         self.boots = int(data.get("boots") or 1) + 1
         self.lease_epoch = data.get("leaseEpoch")
@@ -150,6 +192,8 @@ class StateStore:
         self.command = COMMAND_ADAPTER.validate_python(command) if command else None
         self.pause_mode = DrainMode(data["pauseMode"]) if data.get("pauseMode") else None
         self.release_before = {int(k): int(v) for k, v in (data.get("releaseBefore") or {}).items()}
+        self.release_freed = {int(k): int(v) for k, v in (data.get("releaseFreed") or {}).items()}
+        self.taken_back = {int(k): int(v) for k, v in (data.get("takenBack") or {}).items()}
         self.refit_done = data.get("refitDone")
         self.path_version = data.get("pathVersion")
         self.reload_owed = data.get("reloadOwed")

@@ -13,6 +13,10 @@ from rljob.api.spec import DrainMode, RefitSource, ReleaseTag, ReleaseVerify, We
 from rljob.api.status import MAX_UNMEASURED, Unmeasured
 
 AGENT_API_VERSION = "v1"
+# Set by the operator: every container's own name, and, on the agent, the pod's trainer container. The agent
+# reads the first in /proc/<pid>/environ to tell whose process holds GPU memory (agent/gpu_holders.py).
+CONTAINER_ENV = "RLJOB_CONTAINER"
+TRAINER_CONTAINER_ENV = "RLJOB_TRAINER_CONTAINER"
 
 
 class Action(StrEnum):
@@ -183,6 +187,59 @@ class GpuScopeReport(WireModel):
     reason: str | None = Field(default=None, max_length=1024, description="Why the scope is Unknown.")
 
 
+class GpuProcess(WireModel):
+    """One process on a GPU of this pod, as NVML lists it (nvmlDeviceGetComputeRunningProcesses and the
+    graphics list), and whose it is where the agent can tell."""
+
+    gpu: int = Field(ge=0)
+    pid: int = Field(ge=0, description="As NVML reports it: in a container usually the host's pid.")
+    used_bytes: int | None = Field(
+        default=None, ge=0, description="NVML's usedGpuMemory; unset where NVML cannot tell."
+    )
+    container: str | None = Field(
+        default=None,
+        max_length=253,
+        description="The pod's container that runs it (its RLJOB_CONTAINER), where the agent can tell.",
+    )
+    not_attributable: str | None = Field(
+        default=None, max_length=256, description="Why the agent cannot tell whose process it is."
+    )
+
+
+class GpuHeadroom(WireModel):
+    """One GPU the resume takes memory back on: what it needs (margin excluded) and what is free."""
+
+    gpu: int = Field(ge=0)
+    need_bytes: int = Field(ge=0)
+    free_bytes: int = Field(ge=0)
+
+
+class ResumeHeadroom(WireModel):
+    """The headroom gate before a resume (agent/headroom.py): a resume is sent only once every GPU of the
+    pod has the bytes it takes back free, with a margin. Written by the last gated resume."""
+
+    epoch: int = Field(ge=0, description="The command whose resume this is.")
+    tags: list[ReleaseTag] = Field(default_factory=list, max_length=3)
+    waiting: bool = Field(default=False, description="The resume waits for GPU memory now.")
+    message: str | None = Field(
+        default=None,
+        max_length=1024,
+        description="Who holds the memory, what the resume needs and what is free, on each GPU short of it "
+        "(set while waiting, and kept when the wait ended the command).",
+    )
+    waited_seconds: float = Field(default=0, ge=0, description="How long this resume waited for memory.")
+    gpus: list[GpuHeadroom] = Field(default_factory=list, max_length=64)
+    holders: list[GpuProcess] = Field(
+        default_factory=list, max_length=64, description="NVML's process list on the GPUs short of memory."
+    )
+    trainer_held: str | None = Field(
+        default=None,
+        max_length=1024,
+        description="The trainer's processes that still hold GPU memory after returning the lease, at this "
+        "check: named whether or not the resume had to wait.",
+    )
+
+
 class TrainerReport(WireModel):
     requested: bool = Field(default=False, description="The trainer asked for the GPU and waits.")
     request_epoch: int | None = Field(default=None, description="Agent epoch when the request arrived.")
@@ -337,12 +394,15 @@ class AgentState(WireModel):
         default=None, max_length=1024, description="Set when SGLang died or state is lost."
     )
     recovery: RecoveryReport = Field(default_factory=RecoveryReport)
+    headroom: ResumeHeadroom | None = Field(
+        default=None, description="The headroom gate of the last resume: whether it waits for GPU memory."
+    )
 
 
 # Which committed states the channel sends the operator (agent/reports.py applies it): facts, not conclusions.
 NOT_SENT_ALONE = frozenset({"revision", "rollout"})
 """AgentState fields whose change alone is not sent (rollout samples: read once the drain finished)."""
-SENT_WHILE_RUNNING = frozenset({"boot_id", "fatal", "trainer", "recovery"})
+SENT_WHILE_RUNNING = frozenset({"boot_id", "fatal", "trainer", "recovery", "headroom"})
 """While `last_command` is Running, a state is sent only when one of these changed or the stage became
 Failed. Invariant: no evidence the operator checks reads another field of a report whose command runs."""
 

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from rljob.api.agent import CONTAINER_ENV, TRAINER_CONTAINER_ENV
 from rljob.api.crd import GROUP, KIND, VERSION
 
 # The names injected into every pod are reserved in the spec (api/spec.py refuses them in a template).
@@ -262,11 +263,13 @@ def gang_pod(
         *_env_list(layout.instance_env(index)),
     ]
     for container in pod_spec["containers"]:
+        own = [_env(CONTAINER_ENV, container["name"])]  # whose GPU process it is (docs/agent.md)
         if container["name"] == spec.trainer.container:
             _with_env(
                 container,
                 [
                     *common_env,
+                    *own,
                     *_env_list(layout.trainer_env(index)),
                     _env("RLJOB_AGENT_URL", f"http://127.0.0.1:{TRAINER_PORT}"),
                     _env("RLJOB_ENGINE_URL", f"http://127.0.0.1:{AGENT_ENGINE_PORT}"),
@@ -276,12 +279,19 @@ def gang_pod(
                 ],
             )
         elif container["name"] == spec.rollout.container:
-            _with_env(container, common_env)
+            _with_env(container, [*common_env, *own])
             container["livenessProbe"] = sglang_liveness(spec)
         else:
-            _with_env(container, common_env)
+            _with_env(container, [*common_env, *own])
     agent = agent_container(spec, options)
-    _with_env(agent, common_env)
+    _with_env(
+        agent,
+        [
+            *common_env,
+            _env(CONTAINER_ENV, AGENT_CONTAINER),
+            _env(TRAINER_CONTAINER_ENV, spec.trainer.container),
+        ],
+    )
     rollout = next(c for c in pod_spec["containers"] if c["name"] == spec.rollout.container)
     claims = (rollout.get("resources") or {}).get("claims")
     if claims:

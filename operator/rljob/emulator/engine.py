@@ -299,7 +299,10 @@ class Engine:
                 if tag not in self.offload_tags:
                     fatal.scheduler_exception("KeyError", repr(tag))
                 self.offload_tags.remove(tag)
+            mapped = [t for t in tags if self._effective(t)]
             oom = self.faults.resume_oom_tags.intersection(tags)
+            if not oom and not self.backend.resume_fits(mapped):
+                oom = set(mapped)  # another process holds the memory the regions need
             if oom:
                 # C-MEM-RESUME-OOM: torch_memory_saver cannot map the region again and exits the scheduler
                 # process with code 1 (seen on an H100 at 0.5.15.post1, tests/gpu/RESULTS.md): a death the

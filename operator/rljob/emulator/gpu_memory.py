@@ -279,6 +279,9 @@ class CudaRegionBackend:
     def is_paused(self, region: str) -> bool:
         return self._paused[region]
 
+    def resume_fits(self, regions: list[str]) -> bool:
+        return True  # the driver answers: torch_memory_saver exits the scheduler where it cannot map
+
     def used_bytes(self, gpu: int) -> int:
         free, total = self._torch.cuda.mem_get_info(gpu)
         return int(total - free)

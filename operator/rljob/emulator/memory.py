@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from rljob.emulator.gpu_processes import ProcessTable
+
 if TYPE_CHECKING:
     from rljob.emulator.config import EmulatorConfig
 
@@ -54,6 +56,11 @@ class RegionBackend(Protocol):
 
     def is_paused(self, region: str) -> bool: ...
 
+    def resume_fits(self, regions: list[str]) -> bool:
+        """Whether mapping `regions` again fits every GPU beside what is used there now; the cuda backend
+        says True and lets the driver answer for real (C-MEM-RESUME-OOM)."""
+        ...
+
     def used_bytes(self, gpu: int) -> int: ...
 
     def total_bytes(self, gpu: int) -> int: ...
@@ -78,16 +85,19 @@ class _Region:
 @dataclass
 class AccountingBackend:
     """Same sizes on every GPU: `baseline` (CUDA context, NCCL, allocator cache: never released) plus the
-    regions. A delayed unmap keeps the bytes counted for a while after pause returned, as slime#579."""
+    regions, plus other processes' memory (`others`, emulator/gpu_processes.py). A delayed unmap keeps the
+    bytes counted for a while after pause returned, as slime#579."""
 
     gpus: int
     total: int
     baseline: int
     sizes: dict[str, int]
     _regions: dict[str, _Region] = field(default_factory=dict)
+    others: ProcessTable = field(init=False)
 
     def __post_init__(self) -> None:
         self._regions = {name: _Region(self.sizes.get(name, 0)) for name in REGIONS}
+        self.others = ProcessTable(self.gpus)
         if self.baseline + sum(self.sizes.values()) > self.total:
             raise ValueError("regions plus baseline exceed --gpu-total-bytes")
 
@@ -101,8 +111,15 @@ class AccountingBackend:
     def is_paused(self, region: str) -> bool:
         return self._regions[region].paused
 
+    def resume_fits(self, regions: list[str]) -> bool:
+        now = time.monotonic()
+        mapping = sum(
+            r.size for name, r in self._regions.items() if name in regions and not r.mapped_bytes(now)
+        )
+        return all(self.used_bytes(g) + mapping <= self.total for g in range(self.gpus))
+
     def used_bytes(self, gpu: int) -> int:
-        return self.baseline + sum(self.region_bytes(gpu).values())
+        return self.baseline + sum(self.region_bytes(gpu).values()) + self.others.bytes_on(gpu)
 
     def total_bytes(self, gpu: int) -> int:
         return self.total

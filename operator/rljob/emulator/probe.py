@@ -1,10 +1,11 @@
 """The emulator's GPU probe, an agent plugin: `rljob-agent --gpu-probe rljob.emulator.probe:EmulatorProbe`.
-It reads the emulator's per-GPU accounting (`/_emulator/memory` and `/_emulator/utilization`, not SGLang
-routes) through the agent's SGLang client, so the agent's product code never names the emulator."""
+It reads the emulator's per-GPU accounting (`/_emulator/memory`, `/_emulator/processes` and
+`/_emulator/utilization`, not SGLang routes) through the agent's SGLang client, so the agent's product code
+never names the emulator."""
 
 from __future__ import annotations
 
-from rljob.agent.gpu_probe import GpuMemory
+from rljob.agent.gpu_probe import GpuMemory, GpuProcessUse
 from rljob.agent.sglang_client import SGLangClient
 
 PROBE = "rljob.emulator.probe:EmulatorProbe"  # what the test world passes as --gpu-probe
@@ -14,6 +15,8 @@ TIMEOUT_S = 60.0
 
 
 class EmulatorProbe:
+    host_pids = False  # the emulated GPUs' processes are this machine's: their pids are the agent's own
+
     def __init__(self, client: SGLangClient) -> None:
         self._client = client
         self._last: tuple[float, list[float]] | None = None  # (emulator clock, busy seconds per GPU)
@@ -25,6 +28,19 @@ class EmulatorProbe:
                 int(g["index"]), int(g["used_bytes"]), int(g["total_bytes"]), name=str(g.get("name", ""))
             )
             for g in body["gpus"]
+        ]
+
+    async def processes(self) -> list[GpuProcessUse]:
+        """NVML's per-process list as the emulator answers it (emulator/gpu_processes.py)."""
+        body = await self._client.get_json("emulator_processes", "/_emulator/processes", timeout=TIMEOUT_S)
+        return [
+            GpuProcessUse(
+                int(g["gpu"]),
+                int(p["pid"]),
+                None if p["usedGpuMemory"] is None else int(p["usedGpuMemory"]),
+            )
+            for g in body["gpus"]
+            for p in g["processes"]
         ]
 
     async def utilization(self) -> list[float] | None:

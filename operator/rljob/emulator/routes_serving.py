@@ -114,7 +114,8 @@ async def server_info(request: web.Request) -> web.Response:
     eng = engine_of(request)
     info = dict(eng.cfg.server_args)
     async with eng.control("get_internal_state") as ranks:
-        states = [{"last_gen_throughput": rank.gen_throughput()} for rank in ranks]
+        usage = memory_usage(eng)
+        states = [{"last_gen_throughput": rank.gen_throughput(), "memory_usage": usage} for rank in ranks]
     info.update(
         version=eng.profile.version,
         launch_command=eng.cfg.launch_command,
@@ -123,6 +124,31 @@ async def server_info(request: web.Request) -> web.Response:
         internal_states=states,
     )
     return web.json_response(info)
+
+
+GRAPH_PHASES = ("prefill", "decode", "target_verify", "draft_prefill", "draft_decode", "draft_extend")
+
+
+def memory_usage(eng: Engine) -> dict[str, Any]:
+    """C-MEM-USAGE-REPORT: one rank's region sizes in GB of 2^30 bytes, as the version lays them out (the
+    emulated graphs are decode graphs)."""
+    sizes, GB = eng.cfg.region_sizes, float(1 << 30)
+    if not eng.profile.memory_usage_per_phase:
+        return {
+            "weight": round(sizes["weights"] / GB, 2),
+            "kvcache": round(sizes["kv_cache"] / GB, 2),
+            "token_capacity": eng.cfg.max_total_tokens,
+            "graph": round(sizes["cuda_graph"] / GB, 2),
+        }
+    graph = dict.fromkeys(GRAPH_PHASES, 0.0) | {"decode": round(sizes["cuda_graph"] / GB, 3)}
+    return {
+        "weight": round(sizes["weights"] / GB, 3),
+        "kvcache": round(sizes["kv_cache"] / GB, 3),
+        "startup_available": round((eng.cfg.gpu_total_bytes - eng.cfg.baseline_bytes) / GB, 3),
+        "token_capacity": eng.cfg.max_total_tokens,
+        "token_capacity_swa": None,
+        "graph": graph,
+    }
 
 
 def _load(eng: Engine, s: Scheduler) -> dict[str, Any]:

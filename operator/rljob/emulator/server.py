@@ -8,7 +8,15 @@ import sys
 
 from aiohttp import web
 
-from rljob.emulator import fatal, nodes, openai_routes, routes_control, routes_debug, routes_serving
+from rljob.emulator import (
+    fatal,
+    nodes,
+    openai_routes,
+    routes_control,
+    routes_debug,
+    routes_processes,
+    routes_serving,
+)
 from rljob.emulator.config import EmulatorConfig, parse_config, startup_error
 from rljob.emulator.engine import Engine
 from rljob.emulator.http_common import ENGINE_KEY, sglang_middleware
@@ -37,6 +45,7 @@ def build_app(cfg: EmulatorConfig) -> web.Application:
     routes_serving.add_routes(app, cfg.profile, enable_metrics=cfg.enable_metrics)
     openai_routes.add_routes(app)
     routes_debug.add_routes(app)
+    routes_processes.add_routes(app)
     if cfg.scheduler_kill_after_s > 0:
         app.on_startup.append(_kill_scheduler_later)
     return app

@@ -107,6 +107,18 @@ class VersionProfile:
         return self._at_least(20)
 
     @property
+    def memory_usage_per_phase(self) -> bool:
+        """C-MEM-USAGE-REPORT: `internal_states[*].memory_usage` of /server_info has `weight`, `kvcache`
+        and `graph` in GB of 2^30 bytes per GPU, rounded to 2 places with `graph` one number up to
+        0.5.15.post1; from 0.5.20 rounded to 3 places with `startup_available`, `token_capacity_swa` and
+        `graph` per capture phase."""
+        # …/managers/scheduler.py:2257-2270@0.5.6; scheduler.py:3770-3780@0.5.15.post1;
+        # scheduler.py:5026-5034@0.5.20, …/managers/scheduler_components/memory_usage.py:15-41@0.5.20;
+        # scheduler.py:5232-5241@0.5.21; …/managers/scheduler_components/internal_state.py:76-89@0.5.23,
+        # memory_usage.py:15-41@0.5.23, …/model_executor/graph_memory_usage.py:5-12@0.5.23
+        return self._at_least(20)
+
+    @property
     def metrics_middleware_reads_route_path(self) -> bool:
         """C-METRIC-LOAD-ASGI: with --enable-metrics SGLang's request-metrics middleware reads `route.path` of
         every route in order; under FastAPI >= 0.137 the included router that holds `/v1/loads` is an

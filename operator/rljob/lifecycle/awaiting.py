@@ -8,6 +8,7 @@ from enum import StrEnum
 
 from rljob.api.agent import AgentState, Stage
 from rljob.lifecycle.evidence import Progress, command_progress
+from rljob.lifecycle.memory_waits import memory_wait
 from rljob.lifecycle.model import Awaited
 
 
@@ -22,6 +23,8 @@ class AwaitedReport(StrEnum):
 def awaited_report(awaited: Awaited, agent: AgentState | None, accepted: bool) -> AwaitedReport:
     """`accepted`: the pod's agent took the awaited command (the operator knows; the report may lag)."""
     if agent is None or agent.boot_id != awaited.boot_id or agent.fatal or agent.stage == Stage.FAILED:
+        return AwaitedReport.DECIDE
+    if memory_wait(agent, awaited.epoch) != awaited.memory_wait:  # the status message says what it waits for
         return AwaitedReport.DECIDE
     evidence = awaited.evidence
     if evidence.of_command:

@@ -16,6 +16,7 @@ from rljob.lifecycle.endings import (
 )
 from rljob.lifecycle.evidence import KINDS, Progress, command_progress
 from rljob.lifecycle.lock_steps import LockStep
+from rljob.lifecycle.memory_waits import memory_wait, show_memory_waits
 from rljob.lifecycle.model import Awaited, PodObservation
 from rljob.lifecycle.roles import Role, role_of
 from rljob.lifecycle.step import Step
@@ -62,6 +63,7 @@ def send_and_collect(step: Step, row: LockStep) -> list[AgentState] | None:
     for pod in sorted(step.gang().values(), key=lambda p: p.index):  # a leader before its followers
         if not gang.take(pod):
             return None
+    show_memory_waits(step, gang.memory_waits)
     if gang.waiting and not gang.undecidable:
         step.awaiting = gang.awaited
     return None if gang.waiting else gang.finished
@@ -80,6 +82,7 @@ class _Round:
     undecidable: bool = False  # something else is awaited too: every report is decided
     leaders_done: set[int] = field(default_factory=set)  # leaders that showed the row's evidence
     built: dict[tuple[Role, str | None], Command] = field(default_factory=dict)  # by role, LockStep.varies
+    memory_waits: list[tuple[str, str]] = field(default_factory=list)  # (pod, what its resume waits for)
 
     def __post_init__(self) -> None:
         # What every pod of the pass reads, looked up once: a pass visits the whole gang.
@@ -90,7 +93,8 @@ class _Round:
         self.awaited_as = self.row.evidence.awaited_as
 
     def _awaited(self, pod: PodObservation, agent: AgentState) -> Awaited:
-        return Awaited(pod.name, agent.boot_id, self.epoch, self.row.action, self.awaited_as)
+        waits = memory_wait(agent, self.epoch)
+        return Awaited(pod.name, agent.boot_id, self.epoch, self.row.action, self.awaited_as, waits)
 
     def wait(self, awaited: Awaited | None) -> None:
         self.waiting = True
@@ -121,6 +125,9 @@ class _Round:
     def collect(self, pod: PodObservation, agent: AgentState, cmd: CommandStatus, progress: Progress) -> bool:
         """`pod` reports this epoch's command: it runs, failed, or finished with or without the evidence."""
         if progress == Progress.RUNNING:
+            waits = memory_wait(agent, self.epoch)
+            if waits is not None:
+                self.memory_waits.append((pod.name, waits))
             self.wait(self._awaited(pod, agent))
         elif progress == Progress.FAILED:
             return self.failed(pod, agent, cmd)

@@ -105,6 +105,8 @@ def restart_gang_if_timed_out(step: Step, limit: int | None) -> bool:
     if not past(step, limit):
         return False
     why = f"phase {st.phase.value} exceeded {limit}s"
+    if st.reason == EventReason.RESUME_WAITING_FOR_MEMORY:  # what it waited for (memory_waits.py)
+        why = f"{why}; {st.message}"
     step.event(EventReason.PHASE_TIMEOUT, why, warning=True)
     set_condition(st, ConditionType.DEGRADED, True, EventReason.PHASE_TIMEOUT.value, why, step.now)
     recover(step, why)

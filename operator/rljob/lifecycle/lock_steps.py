@@ -24,6 +24,7 @@ from rljob.lifecycle import timeline
 from rljob.lifecycle.conditions import set_condition
 from rljob.lifecycle.endings import fail, succeed_if_trainers_finished
 from rljob.lifecycle.evidence import Evidence, returned_unchanged
+from rljob.lifecycle.memory_waits import name_trainers_holding_memory
 from rljob.lifecycle.model import EventReason
 from rljob.lifecycle.profile import record_iteration
 from rljob.lifecycle.roles import Role
@@ -184,6 +185,8 @@ def _commit_and_open_rollout(step: Step, agents: list[AgentState]) -> None:
     target = st.target_weights
     assert target is not None
     rejoin = target.version == step.committed().version
+    gang = [(p, step.agent(p)) for p in step.gang().values()]
+    name_trainers_holding_memory(step, gang, {st.epoch - 1, st.epoch})  # the refit's and this resume's
     _commit(step, target)
     st.target_weights = None
     if rejoin:

@@ -112,6 +112,8 @@ class EventReason(StrEnum):
     NO_ITERATION_COMMITTED = "NoIterationCommitted"  # every trainer exited 0 before any iteration committed
     LEASES_WITHOUT_WEIGHTS = "LeasesWithoutWeights"  # leases in a row came back without weights (a Warning)
     LEASES_WITHOUT_WEIGHTS_EXCEEDED = "LeasesWithoutWeightsExceeded"  # past spec.maxLeasesWithoutWeights
+    RESUME_WAITING_FOR_MEMORY = "ResumeWaitingForMemory"  # a resume's GPU memory is held by another process
+    TRAINER_HOLDS_GPU_MEMORY = "TrainerHoldsGpuMemory"  # a trainer kept GPU memory after returning its lease
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,7 @@ class Awaited:
     epoch: int
     action: Action
     evidence: Evidence = Evidence.COMMAND_SUCCEEDED
+    memory_wait: str | None = None  # what its resume waited for in the report decided (memory_waits.py)
 
 
 @dataclass(frozen=True)

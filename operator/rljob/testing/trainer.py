@@ -19,6 +19,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import sys
 import time
 import urllib.request
@@ -34,6 +35,7 @@ from rljob.emulator.rendezvous import Rank0
 from rljob.emulator.tokens import GARBAGE_MARKER
 from rljob.testing.collective import BACKENDS, World, WorldError
 from rljob.testing.collective import join as join_world
+from rljob.testing.emulated_gpu import EmulatedGpuMemory
 from rljob.testing.ipc_stand_in import cuda_reduction
 from rljob.trainer import Handoff, packing
 
@@ -262,6 +264,22 @@ def parser() -> argparse.ArgumentParser:
         "RLJOB_REQUIRE_TORCH=1 makes torch required); exits 3 when the world is not the env's",
     )
     p.add_argument("--weights-bytes", type=int, default=64 << 10, help="checkpoint size written per version")
+    p.add_argument(
+        "--gpu-bytes",
+        type=int,
+        default=0,
+        help="emulated GPU memory per GPU the training step allocates while it holds the lease (needs the "
+        "SGLang emulator at RLJOB_SGLANG_URL)",
+    )
+    p.add_argument(
+        "--keep-gpu-bytes", type=int, default=0, help="of it, what the trainer still holds after publishing"
+    )
+    p.add_argument(
+        "--keep-seconds",
+        type=float,
+        default=-1.0,
+        help="how long it keeps --keep-gpu-bytes after publishing (negative: until SIGUSR1 or its exit)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for Serving, lease, window")
     p.add_argument("--request-timeout", type=float, default=120.0)
     return p
@@ -278,6 +296,7 @@ def train_loop(
     on_step: Callable[[str, float], None] = lambda _version, _seconds: None,
     log: Callable[..., None] = _log,
     world: World | None = None,
+    gpu: EmulatedGpuMemory | None = None,
 ) -> None:
     """The simulated trainer: rollout at the served version, lease, checkpoint, publish, refit push; then
     the final served version checked. `on_step(version, s)`: seconds from lease granted to publish
@@ -296,10 +315,14 @@ def train_loop(
         tensors = make_tensors(version, args.weights_bytes)
         with handoff.train(timeout=args.timeout) as lease:
             granted = time.perf_counter()
+            if gpu is not None:
+                gpu.hold(args.gpu_bytes)  # the step's memory, in what the release freed
             time.sleep(args.train_seconds)
             if world is not None:  # the step's collective over every trainer process of the gang
                 log("collective", iteration=iteration, **world.step())
             path = write_checkpoint(weights_dir, version, tensors)
+            if gpu is not None:  # frees the step's memory, but for what it keeps after its lease
+                gpu.hold_for(args.keep_gpu_bytes, args.keep_seconds)
             lease.publish(version, str(path))
             on_step(version, time.perf_counter() - granted)
         log("published", iteration=iteration, version=version, path=str(path), source=source)
@@ -330,7 +353,13 @@ def main(argv: list[str] | None = None) -> int:
         world = join_world(args.world) if args.world != "none" else None
         if world is not None:
             _log("world", backend=world.backend, world_size=world.size, rank=world.rank)
-        train_loop(args, Handoff(), rollout, weights_dir, source, world=world)
+        gpu = None
+        if args.gpu_bytes or args.keep_gpu_bytes:
+            gpu = EmulatedGpuMemory(
+                rollout.url, {k: v for k, v in rollout.headers.items() if k != "Content-Type"}
+            )
+            gpu.free_on(signal.SIGUSR1)
+        train_loop(args, Handoff(), rollout, weights_dir, source, world=world, gpu=gpu)
         return 0
     except StaleServing as e:
         print(f"STALE SERVING: {e}", file=sys.stderr, flush=True)

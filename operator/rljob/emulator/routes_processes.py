@@ -1,0 +1,41 @@
+"""`/_emulator/processes` (not an SGLang route): NVML's per-process list of the emulated GPUs, and the
+allocations of other processes (emulator/gpu_processes.py)."""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+from rljob.emulator.gpu_processes import ProcessTable, nvml_list, parse_entry
+from rljob.emulator.http_common import engine_of
+
+
+async def get_processes(request: web.Request) -> web.Response:
+    return web.json_response({"gpus": nvml_list(engine_of(request))})
+
+
+async def set_process(request: web.Request) -> web.Response:
+    """A process allocates (or frees) GPU memory. More than is free is its own CUDA OOM: 409, nothing held."""
+    b = engine_of(request).backend
+    others: ProcessTable | None = getattr(b, "others", None)
+    if others is None:
+        return web.json_response({"error": "a GPU backend: other processes' memory is real"}, status=409)
+    try:
+        entry = parse_entry(json.loads(await request.read() or b"{}"), b.gpus)
+    except (ValueError, TypeError, KeyError) as e:
+        return web.json_response({"error": str(e)}, status=400)
+    old = others.held.get(entry.pid)
+    for g in range(b.gpus):
+        grows = entry.per_gpu[g] - (old.per_gpu[g] if old is not None else 0)
+        if grows > b.total_bytes(g) - b.used_bytes(g):
+            free = b.total_bytes(g) - b.used_bytes(g)
+            error = f"CUDA out of memory: tried to allocate {grows} bytes on GPU {g}, {free} free"
+            return web.json_response({"error": error}, status=409)
+    others.set(entry)
+    return web.json_response({"gpus": nvml_list(engine_of(request))})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/_emulator/processes", get_processes)
+    app.router.add_post("/_emulator/processes", set_process)
