@@ -16,6 +16,7 @@ check fails, 4 when an answer has no usable logprobs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -35,6 +36,7 @@ from rljob.emulator.tokens import GARBAGE_MARKER
 from rljob.testing.collective import BACKENDS, World, WorldError
 from rljob.testing.collective import join as join_world
 from rljob.testing.ipc_stand_in import cuda_reduction
+from rljob.testing.rollout_gate import RolloutGate
 from rljob.trainer import Handoff, packing
 
 
@@ -264,6 +266,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--weights-bytes", type=int, default=64 << 10, help="checkpoint size written per version")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for Serving, lease, window")
     p.add_argument("--request-timeout", type=float, default=120.0)
+    p.add_argument(
+        "--gate-dir",
+        help="wait at each rollout's first request and after its last answer for a test reading SGLang's "
+        "/metrics there (rljob.testing.rollout_gate)",
+    )
     return p
 
 
@@ -278,6 +285,7 @@ def train_loop(
     on_step: Callable[[str, float], None] = lambda _version, _seconds: None,
     log: Callable[..., None] = _log,
     world: World | None = None,
+    gate: RolloutGate | None = None,
 ) -> None:
     """The simulated trainer: rollout at the served version, lease, checkpoint, publish, refit push; then
     the final served version checked. `on_step(version, s)`: seconds from lease granted to publish
@@ -289,7 +297,8 @@ def train_loop(
         served = handoff.wait_for_stage("Serving", timeout=args.timeout)["sglang"]["servedVersion"]
         if expected is not None and served != expected:
             raise StaleServing(f"agent serves {served!r} after this trainer published {expected!r}")
-        stats = rollout.run(iteration, served)
+        with gate.edges(iteration) if gate is not None else contextlib.nullcontext():
+            stats = rollout.run(iteration, served)
         log("rollout", iteration=iteration, served=served, **stats)
         handoff.report_rollout(samples=stats["completed"])  # the job's cost per rollout divides by it
         version = next_version(served)
@@ -330,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         world = join_world(args.world) if args.world != "none" else None
         if world is not None:
             _log("world", backend=world.backend, world_size=world.size, rank=world.rank)
-        train_loop(args, Handoff(), rollout, weights_dir, source, world=world)
+        gate = RolloutGate(Path(args.gate_dir), args.timeout) if args.gate_dir else None
+        train_loop(args, Handoff(), rollout, weights_dir, source, world=world, gate=gate)
         return 0
     except StaleServing as e:
         print(f"STALE SERVING: {e}", file=sys.stderr, flush=True)
