@@ -60,16 +60,16 @@ def load_model(spec: str) -> Any:
     return getattr(importlib.import_module(module), attr)()
 
 
-def cuda_weights(model: Any, seed: int) -> dict[str, Any]:
-    """The model's weights of `seed` as bf16 CUDA tensors."""
+def model_weights(model: Any, seed: int, device: str = "cuda") -> dict[str, Any]:
+    """The model's weights of `seed` as bf16 tensors on `device`."""
     own = getattr(model, "cuda_weights", None)
-    if own is not None:
+    if own is not None and device == "cuda":
         return dict(own(seed))
     import numpy as np
     import torch
 
     return {
-        name: torch.from_numpy(bits.view(np.int16).reshape(shape).copy()).view(torch.bfloat16).cuda()
+        name: torch.from_numpy(bits.view(np.int16).reshape(shape).copy()).view(torch.bfloat16).to(device)
         for name, (shape, bits) in model.weights(seed).items()
     }
 
@@ -175,12 +175,12 @@ class ModelTrainer:
         with self.handoff.train(timeout=self.args.timeout) as lease:
             granted = time.perf_counter()
             if self.source == "tensor" or last:
-                weights = cuda_weights(self.model, seed)
+                weights = model_weights(self.model, seed, self.args.device)
                 rec["weights_seconds"] = round(time.perf_counter() - granted, 3)
             if last:
                 assert weights is not None
                 t0 = time.perf_counter()
-                ref = reference(Path(self.args.model_path), weights)
+                ref = reference(Path(self.args.model_path), weights, self.args.device)
                 path = self.weights_dir / f"reference-v{version}.json"
                 path.write_text(json.dumps(ref))
                 rec["reference_seconds"] = round(time.perf_counter() - t0, 3)
@@ -223,6 +223,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model-path", required=True, help="the checkpoint SGLang launched from (its config)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="the model's factory, module:attr")
     p.add_argument("--seed-base", type=int, default=100, help="version v trains the weights of seed base + v")
+    p.add_argument(
+        "--device",
+        default="cuda",
+        help="where the weights and the reference live: cpu only to test a disk loop",
+    )
     return p
 
 
@@ -233,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     source = os.environ.get("RLJOB_REFIT_SOURCE", "disk")
     if source not in ("disk", "tensor"):
         print(f"RLJOB_REFIT_SOURCE must be disk or tensor here, not {source!r}", file=sys.stderr)
+        return 1
+    if source == "tensor" and args.device != "cuda":
+        print("a tensor refit pushes CUDA tensors: --device cuda", file=sys.stderr)
         return 1
     iterations = args.iterations or int(os.environ.get("RLJOB_ITERATIONS", "0"))
     if iterations < 1:
