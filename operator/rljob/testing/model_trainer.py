@@ -246,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     if iterations < 1:
         print("the number of iterations is needed (--iterations or RLJOB_ITERATIONS)", file=sys.stderr)
         return 1
+    if source == "tensor":
+        import torch  # noqa: F401  # imported as a torch trainer has it: the SDK warms its codec in the lease
+
     weights_dir = Path(os.environ.get("RLJOB_WEIGHTS_DIR", "/tmp/rljob-weights"))
     weights_dir.mkdir(parents=True, exist_ok=True)
     trainer = ModelTrainer(args, Handoff(), load_model(args.model), weights_dir, source)
