@@ -46,9 +46,10 @@ NAMESPACE = "gpu-loop"
 CHART_NAMESPACE = "rljob-system"
 ITERATIONS = 3
 SEED_BASE = 100  # version v's weights are the model's of seed 100 + v
-# One rollout: 4 prompts sharing a 64-word prefix, 4 samples each, all 16 requests in flight at once.
+# One rollout: 4 prompts sharing a 64-word prefix, 2 samples each, all 8 requests in flight at once (the
+# decode batch the tier's CUDA graphs cover: --cuda-graph-max-bs-decode 8).
 ROLLOUT_ARGS = (
-    "--prompts", "4", "--samples-per-prompt", "4", "--prefix-tokens", "64", "--max-new-tokens", "128",
+    "--prompts", "4", "--samples-per-prompt", "2", "--prefix-tokens", "64", "--max-new-tokens", "128",
     "--concurrency", "4", "--timeout", "600",
 )  # fmt: skip
 GATE = "/weights/gate"
@@ -110,15 +111,17 @@ def say(text: str) -> None:
 
 
 def scrape(url: str) -> dict[str, float]:
-    """SGLang's /metrics, each sample name summed over its label sets (prometheus_client's parser)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
+    """SGLang's /metrics: each sample name's value summed over its label sets (the text format: `name{labels}
+    value`, comments skipped)."""
     with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
         text = resp.read().decode()
     sums: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            sums[sample.name] = sums.get(sample.name, 0.0) + float(sample.value)
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = re.split(r"[{\s]", line, maxsplit=1)[0]
+        value = line.rsplit("}", 1)[-1].split()[0] if "}" in line else line.split()[1]
+        sums[name] = sums.get(name, 0.0) + float(value)
     return sums
 
 

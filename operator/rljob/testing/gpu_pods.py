@@ -27,16 +27,10 @@ from rljob.testing.pods import TRAINER_ENTRY, classify, pod_loopback
 
 # This machine's variables a GPU container would have from its image (its driver, CUDA and caches).
 GPU_RUNTIME_PREFIXES = (
-    "CUDA_",
-    "NVIDIA_",
-    "NCCL_",
-    "TRITON_",
-    "TORCH_",
-    "TORCHINDUCTOR_",
-    "FLASHINFER_",
-    "HF_",
-)
-GPU_RUNTIME_NAMES = ("LD_LIBRARY_PATH",)
+    "CUDA_", "NVIDIA_", "NCCL_", "TRITON_", "TORCH_", "TORCHINDUCTOR_", "FLASHINFER_", "HF_", "TRANSFORMERS_",
+    "TOKENIZERS_", "XDG_",
+)  # fmt: skip
+GPU_RUNTIME_NAMES = ("LD_LIBRARY_PATH", "LIBRARY_PATH", "CPATH", "CC", "CXX", "OMP_NUM_THREADS")
 _PYTHON = re.compile(r"python(3(\.\d+)?)?")
 
 
