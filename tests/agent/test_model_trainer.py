@@ -73,3 +73,4 @@ def test_model_trainer_publishes_checkpoints_and_the_last_reference(
         assert len(ref["input_logprobs"]) == len(ref["input_ids"]) - 1 > 3
         assert all(lp <= 0 for lp in ref["input_logprobs"]) and ref["next_logprob"] <= 0
         assert 0 <= ref["next_token"] < TinyLlama().config.vocab_size
+        assert len(ref["top"]) == 5 and ref["top"][0] == [ref["next_token"], ref["next_logprob"]]

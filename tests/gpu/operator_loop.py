@@ -568,6 +568,14 @@ def rows_json(rows: list[Row]) -> list[dict[str, Any]]:
     return [vars(r) for r in rows]
 
 
+def same_next_token(token: int, ref: dict[str, Any], tolerance: float) -> bool:
+    """`token` is the trainer's greedy next token, or ties with it within `tolerance` nats in the trainer's
+    forward (a near tie may fall either way in other kernels)."""
+    if token == ref["next_token"]:
+        return True
+    return any(t == token and ref["next_logprob"] - lp <= tolerance for t, lp in ref.get("top", []))
+
+
 def served_logprobs(url: str, reference: dict[str, Any]) -> dict[str, Any]:
     """SGLang's input-token logprobs and greedy next token for each reference prompt, against the
     trainer's transformers forward of the weights it published last."""

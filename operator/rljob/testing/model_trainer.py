@@ -83,8 +83,8 @@ def check_prompts(model_path: Path) -> dict[str, list[int]]:
 
 def reference(model_path: Path, weights: dict[str, Any], device: str = "cuda") -> dict[str, Any]:
     """transformers' Llama forward of `weights` (bf16 on their device, the tensors themselves: no copy), per
-    check prompt: its ids, the logprob of each token after the first, and the greedy next token with its
-    logprob."""
+    check prompt: its ids, the logprob of each token after the first, the greedy next token with its
+    logprob, and the 5 likeliest next tokens with theirs (`top`)."""
     import torch
     from transformers import AutoConfig, LlamaForCausalLM
 
@@ -104,12 +104,13 @@ def reference(model_path: Path, weights: dict[str, Any], device: str = "cuda") -
             logits = net(torch.tensor([ids], device=device)).logits[0].float()
             logp = torch.log_softmax(logits, dim=-1)
             token_lp = logp[:-1].gather(1, torch.tensor(ids[1:], device=device)[:, None])[:, 0]
-            nxt = int(logp[-1].argmax())
+            top = torch.topk(logp[-1], 5)
             out[name] = {
                 "input_ids": ids,
                 "input_logprobs": token_lp.tolist(),
-                "next_token": nxt,
-                "next_logprob": float(logp[-1, nxt]),
+                "next_token": int(top.indices[0]),
+                "next_logprob": float(top.values[0]),
+                "top": [[int(t), float(v)] for t, v in zip(top.indices, top.values, strict=True)],
             }
     del net
     return out
