@@ -254,7 +254,7 @@ class Loop:
         say(f"== helm upgrade --install rljob charts/rljob-operator -n {CHART_NAMESPACE} ({probe} probe)")
         installed = install_chart(binaries.helm, self.plane.kubeconfig, "rljob", CHART_NAMESPACE, [NAMESPACE],
                                   extra_values={"agent": {"gpuProbe": probe}})  # fmt: skip
-        say("\n".join(installed.strip().splitlines()[:13]))  # up to the chart's summary of what it set up
+        say("\n".join(installed.strip().splitlines()[:17]))  # up to the chart's summary of what it set up
         operator_config = operator_kubeconfig(
             self.api, self.plane, CHART_NAMESPACE, self.work / "operator.kubeconfig"
         )
