@@ -40,6 +40,8 @@ from rljob.testing.rollout_gate import GateKeeper
 
 STAND_IN_ENV = "RLJOB_GPU_LOOP_STAND_IN"  # "emulator": the CPU stand-in; unset: real SGLang and torch
 MODEL_ENV = "RLJOB_GPU_LOOP_MODEL"  # the model's factory, module:attr (model_trainer's --model)
+# Variables (comma-separated names) the factory reads, copied from this process into the trainer's container
+MODEL_VARS_ENV = "RLJOB_GPU_LOOP_MODEL_ENV"
 SOURCES_ENV = "RLJOB_GPU_LOOP_SOURCES"  # the refit sources to run a job for, in order
 DEFAULT_MODEL = "rljob.testing.tiny_model:TinyLlama"
 NAMESPACE = "gpu-loop"
@@ -188,7 +190,7 @@ def loop_rljob(name: str, source: str, model: str) -> dict[str, Any]:
                             "image": "ghcr.io/rljob/rljob-testing:0.1.0",
                             "command": ["python3", "-m", "rljob.testing.model_trainer"],
                             "args": trainer_args,
-                            "env": [{"name": "RLJOB_WEIGHTS_DIR", "value": "/weights"}],
+                            "env": [{"name": "RLJOB_WEIGHTS_DIR", "value": "/weights"}, *model_vars()],
                             "volumeMounts": [{"name": "weights", "mountPath": "/weights"}],
                         },
                     ],
@@ -199,6 +201,12 @@ def loop_rljob(name: str, source: str, model: str) -> dict[str, Any]:
             },
         },
     }
+
+
+def model_vars() -> list[dict[str, str]]:
+    """The model factory's variables (RLJOB_GPU_LOOP_MODEL_ENV names them) as the trainer container's env."""
+    names = [n for n in os.environ.get(MODEL_VARS_ENV, "").split(",") if n]
+    return [{"name": n, "value": os.environ[n]} for n in names if n in os.environ]
 
 
 def stand_in_trainer_args() -> list[str]:
