@@ -439,7 +439,8 @@ def test_c_refit_lock(emu: Emulator, version: str, tmp_path: Path) -> None:
     assert r.status == 200 and time.monotonic() - started > 0.2
     # The request's reply went out before the refit ran; its client thread may store it a little later.
     job["thread"].join(10)
-    assert job["result"].status == 200 and job["result"].body["meta_info"]["finish_reason"]["type"] == "length"
+    reply = job["result"]
+    assert reply.status == 200 and reply.body["meta_info"]["finish_reason"]["type"] == "length"
     _idle(emu)
     emu.call("POST", "/pause_generation", {"mode": "abort"})
     started = time.monotonic()
@@ -705,6 +706,32 @@ def test_c_metric_load_route(emu: Emulator, version: str) -> None:
                 "dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens", "num_pending_tokens", "ts_tic",
             }  # fmt: skip
     emu.call("POST", "/abort_request", {"abort_all": True})
+
+
+def test_c_metric_device_timer(start_emulator: Callable[..., Emulator]) -> None:
+    """C-METRIC-DEVICE-TIMER: with SGLANG_ENABLE_METRICS_DEVICE_TIMER=1 and --enable-metrics, /metrics counts
+    forward-pass GPU seconds by category once a pass ran (0.5.10.post1 under its own name and category);
+    0.5.6 has no device timer; without the env no version serves the counter."""
+    flags = ("--enable-metrics", "--saturation-batch", "1")  # one running request keeps the GPU busy
+    on = {"SGLANG_ENABLE_METRICS_DEVICE_TIMER": "1"}
+    emus = _start_all(start_emulator, {v: (v, flags) for v in (*VERSIONS, V10)}, env=on, tps=200)
+    emus |= _start_all(start_emulator, {"off": ("0.5.15.post1", flags)}, tps=200)
+    want = {
+        "0.5.6": None,
+        V10: ("sglang:gpu_execution_seconds_total{", 'category="forward_decode"'),
+        "off": None,
+    }
+    for name, emu in emus.items():
+        assert "execution_seconds_total{" not in emu.call("GET", "/metrics").text, name  # no pass timed yet
+        assert _generate(emu, 20).status == 200
+        lines = [x for x in emu.call("GET", "/metrics").text.splitlines() if "execution_seconds_total{" in x]
+        expected = want.get(name, ("sglang:forward_execution_seconds_total{", 'category="decode"'))
+        if expected is None:
+            assert lines == [], (name, lines)
+            continue
+        assert len(lines) == 1 and lines[0].startswith(expected[0]) and expected[1] in lines[0], (name, lines)
+        assert 'tp_rank="0"' in lines[0]
+        assert 0.05 < float(lines[0].rsplit(" ", 1)[1]) < 10, lines  # 20 tokens at 200/s: about 0.1 s
 
 
 # --- auth ------------------------------------------------------------------------------------------

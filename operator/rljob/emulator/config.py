@@ -46,6 +46,7 @@ class EmulatorConfig:
     baseline_bytes: int
     region_sizes: dict[str, int]
     cuda_graph_in_memory_saver: bool  # env SGLANG_MEMORY_SAVER_CUDA_GRAPH=1 at launch
+    metrics_device_timer: bool  # env SGLANG_ENABLE_METRICS_DEVICE_TIMER at launch (C-METRIC-DEVICE-TIMER)
     tokens_per_second: float
     saturation_batch: int
     gpu_name: str
@@ -234,6 +235,7 @@ def parse_config(argv: list[str]) -> EmulatorConfig:
         # get_bool_env_var: "true" or "1", any case (…/utils/common.py@0.5.6)
         cuda_graph_in_memory_saver=os.environ.get("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "").lower()
         in ("1", "true"),
+        metrics_device_timer=_env_bool("SGLANG_ENABLE_METRICS_DEVICE_TIMER"),
         tokens_per_second=args.tokens_per_second,
         saturation_batch=max(1, args.saturation_batch),
         gpu_name=args.gpu_name,
@@ -260,6 +262,16 @@ def parse_config(argv: list[str]) -> EmulatorConfig:
     cfg.server_args = _server_args(cfg, args)
     cfg.launch_command = "python -m sglang.launch_server " + " ".join(argv)
     return cfg
+
+
+def _env_bool(name: str) -> bool:
+    """SGLang's EnvBool (…/environ.py:56-67,114-121@0.5.15.post1): true/1/yes/y, any case; any other value
+    is False (an unparsable one with a warning, its default)."""
+    value = os.environ.get(name)
+    if value is not None and value.lower() not in ("true", "1", "yes", "y", "false", "0", "no", "n"):
+        log.warning('Invalid value for %s: "%s" is not a valid boolean value, using default "False"',
+                    name, value)  # fmt: skip
+    return value is not None and value.lower() in ("true", "1", "yes", "y")
 
 
 def _prefill_graph_backend(profile: VersionProfile, args: argparse.Namespace) -> str:

@@ -9,7 +9,9 @@ docs/sglang-conformance.md), rendered by hand: names contain colons and labels d
   383-390@0.5.6), {model_name, engine_type} from 0.5.15.post1 (tokenizer_manager.py:534-537@0.5.15.post1);
   `cached_tokens_total` gains `cache_source` from 0.5.15.post1 ("device" for radix hits:
   metrics_collector.py:1655-1661@0.5.15.post1), and prompt/generation/num_requests gain `is_streaming`
-  from 0.5.20 (metrics_collector.py:1559-1566,1644-1646@0.5.20)."""
+  from 0.5.20 (metrics_collector.py:1559-1566,1644-1646@0.5.20).
+- With SGLANG_ENABLE_METRICS_DEVICE_TIMER=1, the scheduler's forward-pass GPU seconds by category
+  (C-METRIC-DEVICE-TIMER)."""
 
 from __future__ import annotations
 
@@ -83,6 +85,18 @@ def render(engine: Engine) -> str:
         lines.append(f"# TYPE sglang:{name} counter")
         if present:
             lines.append(f"sglang:{name}_total{_render_labels(lab)} {float(value)}")
+
+    timer = prof.device_timer_metric if engine.cfg.metrics_device_timer else None
+    if timer is not None:
+        # C-METRIC-DEVICE-TIMER: forward-pass GPU seconds per category, a series once its first pass was
+        # timed; the emulator times its decode only (the busy seconds its GPU probe reads)
+        name, decode = timer
+        lines.append(f"# TYPE sglang:{name} counter")
+        for s in engine.ranks:
+            busy = s.busy_seconds
+            if busy > 0:
+                labelled = _render_labels({**scheduler_labels(engine, s), "category": decode})
+                lines.append(f"sglang:{name}_total{labelled} {busy}")
 
     if prof.has_weight_load_duration_metric:
         lines.append("# TYPE sglang:weight_load_duration_seconds gauge")

@@ -404,3 +404,18 @@ class VersionProfile:
     def has_weight_load_duration_metric(self) -> bool:
         # C-METRIC-PROM: metrics_collector.py:399-400,1147@0.5.15.post1; not in …/metrics/collector.py@0.5.6
         return self._at_least(15)
+
+    @property
+    def device_timer_metric(self) -> tuple[str, str] | None:
+        """C-METRIC-DEVICE-TIMER: the counter of forward-pass GPU seconds SGLang serves with
+        SGLANG_ENABLE_METRICS_DEVICE_TIMER=1 (its name without `_total`) and its decode passes' `category`,
+        or None where it has none."""
+        # …/observability/metrics_collector.py:689-690@0.5.10.post1,
+        # scheduler_metrics_mixin.py:1036@0.5.10.post1 ("forward_" + the mode);
+        # metrics_collector.py:878-879@0.5.15.post1,
+        # …/model_executor/runner/eager_runner.py:245@0.5.15.post1; no device timer in 0.5.6
+        if not self._at_least(10):
+            return None
+        if not self._at_least(15):
+            return "gpu_execution_seconds", "forward_decode"
+        return "forward_execution_seconds", "decode"

@@ -28,11 +28,14 @@ class OperatorProcess:
         namespaces: Sequence[str],
         log_path: Path,
         extra_args: Sequence[str] = (),
+        agent_gpu_probe: str = "rljob.emulator.probe:EmulatorProbe",
     ) -> None:
+        """`agent_gpu_probe`: the agents' --gpu-probe (`nvml` for pods on a real GPU)."""
         self.kubeconfig = Path(kubeconfig)
         self.namespaces = list(namespaces)
         self.log_path = log_path
         self.extra_args = list(extra_args)
+        self.agent_gpu_probe = agent_gpu_probe
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
@@ -43,7 +46,7 @@ class OperatorProcess:
             "-m",
             "rljob.controller.main",
             "--agent-gpu-probe",
-            "rljob.emulator.probe:EmulatorProbe",
+            self.agent_gpu_probe,
             "--metrics-port",
             "0",
             "--health-endpoint",

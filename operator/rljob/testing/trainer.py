@@ -16,6 +16,7 @@ check fails, 4 when an answer has no usable logprobs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -37,6 +38,7 @@ from rljob.testing.collective import BACKENDS, World, WorldError
 from rljob.testing.collective import join as join_world
 from rljob.testing.emulated_gpu import EmulatedGpuMemory
 from rljob.testing.ipc_stand_in import cuda_reduction
+from rljob.testing.rollout_gate import RolloutGate
 from rljob.trainer import Handoff, packing
 
 
@@ -282,6 +284,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for Serving, lease, window")
     p.add_argument("--request-timeout", type=float, default=120.0)
+    p.add_argument(
+        "--gate-dir",
+        help="wait at each rollout's first request and after its last answer for a test reading SGLang's "
+        "/metrics there (rljob.testing.rollout_gate)",
+    )
     return p
 
 
@@ -297,6 +304,7 @@ def train_loop(
     log: Callable[..., None] = _log,
     world: World | None = None,
     gpu: EmulatedGpuMemory | None = None,
+    gate: RolloutGate | None = None,
 ) -> None:
     """The simulated trainer: rollout at the served version, lease, checkpoint, publish, refit push; then
     the final served version checked. `on_step(version, s)`: seconds from lease granted to publish
@@ -308,7 +316,8 @@ def train_loop(
         served = handoff.wait_for_stage("Serving", timeout=args.timeout)["sglang"]["servedVersion"]
         if expected is not None and served != expected:
             raise StaleServing(f"agent serves {served!r} after this trainer published {expected!r}")
-        stats = rollout.run(iteration, served)
+        with gate.edges(iteration) if gate is not None else contextlib.nullcontext():
+            stats = rollout.run(iteration, served)
         log("rollout", iteration=iteration, served=served, **stats)
         handoff.report_rollout(samples=stats["completed"])  # the job's cost per rollout divides by it
         version = next_version(served)
@@ -359,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
                 rollout.url, {k: v for k, v in rollout.headers.items() if k != "Content-Type"}
             )
             gpu.free_on(signal.SIGUSR1)
-        train_loop(args, Handoff(), rollout, weights_dir, source, world=world, gpu=gpu)
+        gate = RolloutGate(Path(args.gate_dir), args.timeout) if args.gate_dir else None
+        train_loop(args, Handoff(), rollout, weights_dir, source, world=world, gpu=gpu, gate=gate)
         return 0
     except StaleServing as e:
         print(f"STALE SERVING: {e}", file=sys.stderr, flush=True)
