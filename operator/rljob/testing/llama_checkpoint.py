@@ -16,6 +16,9 @@ every logit.
 Each tensor is drawn from a generator of its own (seeded by the version and its name), so the same
 version's tensors are the same bytes whichever process makes them on the same kind of device.
 
+`llama3_8b()` is the same with its root from RLJOB_LLAMA_CHECKPOINT_ROOT: a factory with no arguments,
+for a process that names its model as `module:attr`.
+
     python -m rljob.testing.llama_checkpoint --root DIR --seeds 0[,1,...] [--device cuda] [--out FILE]
 
 prints (and writes to FILE) the timings of the build as JSON. Needs torch; imported only when run."""
@@ -52,6 +55,8 @@ LLAMA3_8B = TinyConfig(
     init_std=0.02,
 )
 LAYERS_PER_SHARD = 8  # four layer shards of ~3.5 GB at 8B, written side by side
+ROOT_ENV = "RLJOB_LLAMA_CHECKPOINT_ROOT"
+DEFAULT_ROOT = "/tmp/rljob-llama3-8b"
 INDEX = "model.safetensors.index.json"
 COMPLETE = "complete.json"  # written last into base/: its presence says base/ is whole
 DTYPES = {"bfloat16": "BF16", "float32": "F32"}
@@ -151,6 +156,9 @@ class ShardedLlama:
         """Every tensor of version `seed`, in the order of the model's parameters."""
         return {name: self.tensor(name, seed, device) for name in self.shapes}
 
+    def cuda_weights(self, seed: int) -> dict[str, Any]:
+        return self.tensors(seed, device="cuda")
+
     def write_base(self, device: str = "cuda") -> Path:
         """root/base, once: the layer shards (side by side, each generated on `device`), the index, the
         config and tokenizer."""
@@ -201,6 +209,11 @@ class ShardedLlama:
         spent = write_shard(path, tensors)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         return {"shard": shard, "bytes": nbytes, "generate_s": generated, **spent}
+
+
+def llama3_8b() -> ShardedLlama:
+    """The Llama-3-8B-shaped checkpoints under $RLJOB_LLAMA_CHECKPOINT_ROOT (default /tmp/rljob-llama3-8b)."""
+    return ShardedLlama(Path(os.environ.get(ROOT_ENV, DEFAULT_ROOT)))
 
 
 def main(argv: list[str] | None = None) -> int:
