@@ -12,9 +12,10 @@ agent iterations the test makes the same SGLang calls itself (no agent; a tensor
 SGLang by direct_push.py), so each phase's agent command compares with SGLang's own calls in the same run.
 Figures: $RLJOB_GPU_RESULTS_DIR/real_sglang.{json,md}.
 
-test_differential: every sequence of tests/differential/sequences.json and tests/replays to real SGLang
-and to the emulator at the same version, each server launched as the sequence's client launches SGLang
-(differential.launch_groups), each sequence from a stated server state (differential.RESET); the real
+test_differential (and, last, test_differential_without_memory_saver): every sequence of
+tests/differential/sequences.json and tests/replays to real SGLang and to the emulator at the same
+version, each server launched as the sequence's client launches SGLang (with or without the memory saver:
+differential.without_memory_saver), each sequence from a stated server state (differential.RESET); the real
 answers are written to $RLJOB_GPU_RESULTS_DIR/real-0.5.15.post1.json (committed as
 tests/differential/real-0.5.15.post1.json, which tests/agent/test_differential.py holds the emulator to in
 CI) with the differences table."""
