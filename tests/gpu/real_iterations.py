@@ -347,6 +347,17 @@ def drive(
         )
         assert r.status == 200 and r.body["success"], r.text
         it |= check_same_weights(server, prompts, it["served"])
+        o = own[-1]
+        print(
+            f"iteration {i + 1} ({kind}{', at once' if i in at_once else ''}): agent ms drain "
+            f"{ms(it['drain']['seconds'])} release {ms(it['release']['seconds'])} refit "
+            f"{ms(it['refit']['seconds'])} resume {ms(it['resume']['seconds'])}, switching "
+            f"{ms(it['switching_seconds'])}; SGLang's own drain {ms(o['drain'])} release {ms(o['release'])} "
+            f"refit {ms(o['refit'])} resume+token {ms(o['resume_plus_token'])}; vs own disk load "
+            f"{it['same_weights_max_abs_diff']:.4f} nats, vs previous "
+            f"{_nats(it.get('previous_version_diff'))}",
+            flush=True,
+        )
     trainer.wait_exit(120)
     assert trainer.returncode() == 0, trainer.log_text()[-4000:]
     assert server.alive(), "SGLang exited"
