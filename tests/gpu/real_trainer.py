@@ -42,7 +42,7 @@ def reference(
     model_dir: Path, weights: dict[str, torch.Tensor], prompts: dict[str, list[int]]
 ) -> dict[str, Any]:
     """transformers' Llama forward of `weights` (bf16 on this GPU): per prompt, the logprob of each token
-    after the first given the ones before it, and the greedy next token with its logprob."""
+    after the first given the ones before it, the greedy next token with its logprob, and the 5 best."""
     from transformers import AutoConfig, LlamaForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir)
@@ -56,10 +56,12 @@ def reference(
             logp = torch.log_softmax(logits, dim=-1)
             token_lp = logp[:-1].gather(1, torch.tensor(ids[1:], device="cuda")[:, None])[:, 0]
             nxt = int(logp[-1].argmax())
+            top = torch.topk(logp[-1], 5)
             out[name] = {
                 "input_logprobs": token_lp.tolist(),
                 "next_token": nxt,
                 "next_logprob": float(logp[-1, nxt]),
+                "top": [[int(t), float(v)] for t, v in zip(top.indices, top.values, strict=True)],
             }
     del net
     torch.cuda.empty_cache()
