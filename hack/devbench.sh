@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The control benchmark on a lent device machine (its image: Python 3.12 without kopf, kubernetes or
-# pydantic; at most 64 MiB travels a call), in two steps:
+# The control benchmark on a machine with no package index (its image: Python 3.12 without kopf,
+# kubernetes or pydantic), where the files travel in transfers of limited size, in two steps:
 #   here:  bash hack/devbench.sh pack    -> .whl/ (wheels), .devbench/a (etcd, kube-apiserver) and
 #                                           .devbench/b (kube-scheduler, kube-controller-manager, kubectl)
 #   there: bash hack/devbench.sh setup   -> the wheels under /tmp/site, the binaries where ensure_binaries
 #                                           looks; run it in each call, carrying .whl + .devbench/a in the
-#                                           first and .devbench/b in the second (both under 64 MiB).
+#                                           first and .devbench/b in the second. pack fails if either
+#                                           would not fit one transfer of RLJOB_TRANSFER_MIB (default 64)
+#                                           beside the repository's tracked files.
 # Both read .devbench/versions, written by pack from the versions this checkout pins. The image has
 # uvloop (the package's loop) already; py-spy is carried for --profile.
 set -euo pipefail
@@ -34,6 +36,15 @@ pack() {
     iso8601 jsonpatch jsonpointer python-json-logger durationpy oauthlib requests-oauthlib \
     websocket-client aiohttp-retry aiohttp py-spy
   du -sh .whl .devbench/a .devbench/b
+  local limit repo first second
+  limit=$(( ${RLJOB_TRANSFER_MIB:-64} << 20 ))
+  repo=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | awk '$2 == "total" {s += $1} END {print s + 0}')
+  first=$(du -cb .whl .devbench/a | tail -1 | cut -f1)
+  second=$(du -cb .devbench/b | tail -1 | cut -f1)
+  if (( repo + first >= limit || repo + second >= limit )); then
+    echo "devbench.sh: a transfer would carry $(( (repo + first) >> 20 )) and $(( (repo + second) >> 20 )) MiB, over RLJOB_TRANSFER_MIB" >&2
+    return 1
+  fi
 }
 
 setup() {

@@ -18,7 +18,7 @@ PYTHON312=${PYTHON312:-$(command -v python3.12 || ls "$HOME"/.pyenv/versions/3.1
 [[ -x $PYTHON312 ]] || { echo "check-imports.sh: no CPython 3.12 (set PYTHON312)" >&2; exit 1; }
 
 # The image, as far as SGLang's path needs it: torch 2.11.0 and what image-requirements.txt names, at the
-# versions KINDS.md's pip list gives, else at closure.txt's.
+# versions of image-packages.txt's `pip list`, else at closure.txt's.
 VENV=$CACHE/py312
 IMAGE_VERSIONS=(torch==2.11.0 torchvision==0.26.0 torchaudio==2.11.0 triton==3.6.0 numpy==2.5.2
   huggingface-hub==1.33.0 safetensors==0.8.0 sentencepiece==0.2.2 tiktoken==0.14.0 transformers==5.17.0

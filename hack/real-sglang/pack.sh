@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Builds, from PyPI, the files that carry real SGLang 0.5.15.post1 to a GPU machine without a package
-# index whose image already has torch 2.11.0+cu130 on CPython 3.12 (the lent H100/H200): the dependency
+# index whose image already has torch 2.11.0+cu130 on CPython 3.12 (image-packages.txt): the dependency
 # closure (closure.txt, resolved by uv from requirements.in with overrides.txt), less the image's own
 # packages (image-packages.txt), with the paths in trim.txt left out, packed with xz -9e into OUT.
 # hack/real-sglang/unpack.sh unpacks it there. docs/real-sglang.md says what is in it and why.
 #
 #   bash hack/real-sglang/pack.sh [--relock] [OUT]    # OUT: default .sglang-pack (gitignored)
+#
+# RLJOB_TRANSFER_MIB (default 64): what one transfer to the GPU machine carries; the pack must fit in it
+# beside the repository's tracked files, or pack.sh fails.
 #
 # --relock resolves closure.txt again from today's PyPI. Downloads, unpacked wheels and the tools venv are
 # cached under ~/.cache/rljob/real-sglang (RLJOB_REAL_SGLANG_CACHE); a part is packed again only when
@@ -17,7 +20,9 @@ CACHE=${RLJOB_REAL_SGLANG_CACHE:-$HOME/.cache/rljob/real-sglang}
 RELOCK=0
 [[ ${1:-} == --relock ]] && { RELOCK=1; shift; }
 OUT=${1:-$ROOT/.sglang-pack}
-LIMIT_MIB=55  # one device call carries 64 MiB with the repository (about 4 MB)
+TRANSFER_MIB=${RLJOB_TRANSFER_MIB:-64}
+REPO_BYTES=$(git -C "$ROOT" ls-files -z | (cd "$ROOT" && xargs -0 du -cb 2>/dev/null) | awk '$2 == "total" {s += $1} END {print s + 0}')
+LIMIT_MIB=$(( TRANSFER_MIB - (REPO_BYTES >> 20) - 1 ))  # the pack beside the repository, 1 MiB spare
 UV_VERSION=0.13.9
 
 TOOLS=$CACHE/tools

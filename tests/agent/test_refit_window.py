@@ -6,14 +6,16 @@ CUDA IPC reduction: no torch here), which the emulator's accounting backend read
 from __future__ import annotations
 
 import hashlib
+import importlib.abc
 import math
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-from agent_procs import Agent, AgentDriver, Emulator
+from agent_procs import ALL_TAGS, Agent, AgentDriver, Emulator
 
 from rljob.emulator.rendezvous import Rank0
 from rljob.testing.ipc_stand_in import cuda_reduction
@@ -342,3 +344,51 @@ def test_push_named_tensors_without_torch_says_what_is_missing(
     with pytest.raises(ModuleNotFoundError, match="needs torch"), handoff.refit_window(timeout=10) as w:
         w.push_named_tensors([("w", object())])
     assert _outcome(agent)["state"] == "Failed"
+
+
+class _SGLangImports(importlib.abc.MetaPathFinder):
+    """Records every attempt to import sglang in this process (and refuses it)."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
+        if fullname.split(".")[0] == "sglang":
+            self.asked.append(fullname)
+            raise ImportError(f"no {fullname} in this trainer")
+
+
+def test_a_trainer_that_publishes_at_once_waits_on_no_import(
+    start_emulator: Callable[..., Emulator],
+    start_agent: Callable[..., Agent],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A torch trainer that publishes right after train() returns: nothing was imported or started for
+    its push meanwhile (SGLang's serializer took 8.3 s to import in a trainer on an H100)."""
+    pytest.importorskip("torch")
+    finder = _SGLangImports()
+    monkeypatch.setattr(sys, "meta_path", [finder, *sys.meta_path])
+    for name in [m for m in sys.modules if m.split(".")[0] == "sglang"]:
+        monkeypatch.delitem(sys.modules, name)
+    emu = start_emulator("0.5.23")
+    agent = start_agent(emu)
+    c = AgentDriver(agent)
+    handoff = Handoff(agent.trainer_url)
+    before = set(threading.enumerate())
+
+    def trainer() -> None:
+        with handoff.train(timeout=20) as lease:
+            lease.publish("1")
+
+    t = threading.Thread(target=trainer, name="trainer")
+    t.start()
+    agent.wait_state(lambda s: s["trainer"]["requested"], 15, "the trainer to ask for the GPU")
+    c.ok("drain")
+    c.ok("release", tags=ALL_TAGS)
+    c.ok("grant")
+    t.join(20)
+    assert not t.is_alive() and agent.state()["stage"] == "Trained"
+    started = [x for x in threading.enumerate() if x not in before and x is not t]
+    for x in started:
+        x.join(5)
+    assert finder.asked == [] and [x.name for x in started] == []

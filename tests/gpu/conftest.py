@@ -1,11 +1,17 @@
 """GPU tier: the real agent drives the SGLang emulator whose regions are real CUDA memory
-(torch_memory_saver), with a real torch trainer in between. Tests marked `gpu` are skipped unless torch
-with a CUDA device, torch_memory_saver and NVML are all there (CI has none of them)."""
+(torch_memory_saver), or real SGLang, with a real torch trainer in between. Tests marked `gpu` are skipped
+unless torch with a CUDA device, torch_memory_saver and NVML are all there (CI has none of them), and
+once the run's deadline (RLJOB_GPU_TIMEOUT seconds from its start, less DEADLINE_MARGIN_S) has passed, so
+that the figures and logs so far are written before the run is stopped."""
 
 from __future__ import annotations
 
 import functools
+import json
+import os
+import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +20,14 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "agent"))  # agent_procs: shared helpers
 
-from agent_procs import Agent, AgentDriver, Emulator, Proc
+from agent_procs import PY, Agent, AgentDriver, Emulator, Proc
+from real_models import Built8B
+
+from rljob.testing.llama_checkpoint import ROOT_ENV, ShardedLlama
+
+SESSION_STARTED = time.monotonic()
+DEADLINE_MARGIN_S = 60.0  # a test that starts later than this before the deadline is skipped
+BUILD_TIMEOUT_S = 600
 
 
 @functools.cache
@@ -39,12 +52,48 @@ def gpu_missing() -> str | None:
     return None
 
 
+def seconds_left() -> float | None:
+    """Seconds to the run's deadline ($RLJOB_GPU_TIMEOUT from the start), None without one."""
+    timeout = os.environ.get("RLJOB_GPU_TIMEOUT")
+    return None if not timeout else float(timeout) - (time.monotonic() - SESSION_STARTED)
+
+
 @pytest.fixture(autouse=True)
 def _skip_without_gpu(request: pytest.FixtureRequest) -> None:
     if request.node.get_closest_marker("gpu") is not None:
         reason = gpu_missing()
         if reason:
             pytest.skip(f"GPU tier: {reason}")
+        left = seconds_left()
+        if left is not None and left < DEADLINE_MARGIN_S:
+            pytest.skip(f"GPU tier: {left:.0f} s left of RLJOB_GPU_TIMEOUT, too little to start a test")
+
+
+@pytest.fixture(scope="session")
+def llama8b(tmp_path_factory: pytest.TempPathFactory) -> Built8B:
+    """Built once per run, on the GPU, in a process of its own (python -m rljob.testing.llama_checkpoint);
+    $RLJOB_LLAMA_CHECKPOINT_ROOT names it to the processes the tests start (llama_checkpoint.llama3_8b)."""
+    reason = gpu_missing()
+    if reason:
+        pytest.skip(f"GPU tier: {reason}")
+    root = tmp_path_factory.mktemp("llama3-8b")
+    out = root / "build.json"
+    cmd = [PY, "-m", "rljob.testing.llama_checkpoint", "--root", str(root), "--seeds", "0", "--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    build = json.loads(out.read_text())
+    shards = [s for w in build["writes"] for s in w.get("shards", [w])]
+    print(
+        f"\nLlama-3-8B-shaped checkpoint: {build['bytes'] / 1e9:.2f} GB in {build['seconds']:.1f} s; "
+        + "per shard "
+        + "; ".join(
+            f"{s['shard']} generate {s['generate_s']:.2f} s, to host {s['copy_s']:.2f} s, "
+            f"write {s['write_s']:.2f} s"
+            for s in shards
+        )
+    )
+    os.environ[ROOT_ENV] = str(root)
+    return Built8B(ShardedLlama(root), root / "v0", build)
 
 
 @pytest.fixture

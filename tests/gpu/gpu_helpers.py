@@ -33,6 +33,18 @@ def nvml_total(index: int = 0) -> int:
     return int(pynvml.nvmlDeviceGetMemoryInfo(_handle(index)).total)
 
 
+def card(index: int = 0) -> str:
+    """The card as NVML names it, with its memory and the driver: what a figure was measured on."""
+    import pynvml
+
+    h = _handle(index)
+    name = pynvml.nvmlDeviceGetName(h)
+    name = name.decode() if isinstance(name, bytes) else str(name)
+    driver = pynvml.nvmlSystemGetDriverVersion()
+    driver = driver.decode() if isinstance(driver, bytes) else str(driver)
+    return f"{name} ({nvml_total(index) >> 20} MiB, driver {driver})"
+
+
 def wait_used_below(limit: int, timeout: float, index: int = 0) -> int:
     """NVML used bytes once at most `limit` (a process that exited may take a moment to give memory back)."""
     deadline = time.monotonic() + timeout

@@ -1,11 +1,12 @@
 """Plain-torch floor of a CUDA IPC refit, two processes on one GPU, no HTTP, no agent: the producer holds
-15 GiB of bf16 in buckets and sends one bucket at a time as torch's ForkingPickler bytes (IPC handles);
-the consumer unpickles them (opening the handles), copies each into its own 15 GiB buffer, synchronizes and
-answers. Timed per round: "drop" rounds release each bucket's mapping after the copy, as SGLang does when
-its update call returns; "keep" rounds hold every mapping (torch then reuses the opened handles). Also an
-in-process device-to-device copy of the same bytes. Writes JSON to --out.
+`--bytes` of bf16 (15 GiB unless told) in buckets of each `--bucket-mib` size (the last one of a size
+holds the rest) and sends one bucket at a time as torch's ForkingPickler bytes (IPC handles); the
+consumer unpickles them (opening the handles), copies each into its own buffer of as many bytes,
+synchronizes and answers. Timed per round: "drop" rounds release each bucket's mapping after the copy,
+as SGLang does when its update call returns; "keep" rounds hold every mapping (torch then reuses the
+opened handles). Also an in-process device-to-device copy of the same bytes. Writes JSON to --out.
 
-python tests/gpu/ipc_floor.py --out FILE [--gib 15]"""
+python tests/gpu/ipc_floor.py --out FILE [--bytes N] [--bucket-mib 1024,256]"""
 
 from __future__ import annotations
 
@@ -70,24 +71,24 @@ def run_round(buckets: list[torch.Tensor], requests: Any, answers: Any, keep: bo
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--gib", type=int, default=15)
+    p.add_argument("--bytes", type=int, default=15 * GiB, help="the bytes refitted (even: bf16)")
+    p.add_argument("--bucket-mib", default="1024,256", help="bucket sizes, one set of rounds each")
     args = p.parse_args()
-    total = args.gib * GiB
+    total = args.bytes
     ctx = mp.get_context("spawn")
     requests, answers = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=consumer, args=(requests, answers, total), daemon=True)
     proc.start()
-    results: dict[str, Any] = {"gib": args.gib}
+    results: dict[str, Any] = {"bytes": total, "gib": total / GiB}
     try:
-        for bucket_mib in (1024, 256):
-            n = total // (bucket_mib << 20)
+        for bucket_mib in (int(m) for m in args.bucket_mib.split(",")):
+            size = bucket_mib << 20
+            sizes = [min(size, total - off) for off in range(0, total, size)]
             g = torch.Generator(device="cuda").manual_seed(bucket_mib)
-            buckets = [
-                torch.randn(bucket_mib << 19, device="cuda", generator=g, dtype=torch.float32)
-                .to(torch.bfloat16)
-                .view(torch.uint8)
-                for _ in range(n)
-            ]
+            bf16 = [torch.empty(n // 2, device="cuda", dtype=torch.bfloat16) for n in sizes]
+            buckets = [b.normal_(generator=g).view(torch.uint8) for b in bf16]
+            del bf16
+            n = len(buckets)
             rounds = {
                 "drop_cold": run_round(buckets, requests, answers, keep=False),
                 "drop_reused_1": run_round(buckets, requests, answers, keep=False),
@@ -100,7 +101,7 @@ def main() -> None:
             results[f"{bucket_mib}MiB"] = {"buckets": n, **rounds}
             del buckets
             torch.cuda.empty_cache()
-        src = torch.randn(total // 4, device="cuda").view(torch.uint8)
+        src = torch.empty(total // 2, device="cuda", dtype=torch.bfloat16).normal_().view(torch.uint8)
         dst = torch.empty_like(src)
         times = []
         for _ in range(6):

@@ -1,5 +1,6 @@
-"""Real SGLang for the GPU tier: `python -m sglang.launch_server` on a model rljob.testing.tiny_model builds,
-with the flags docs/real-sglang.md explains; whether it can run here; a process handle shaped like the
+"""Real SGLang for the GPU tier: `python -m sglang.launch_server` on a model rljob.testing builds (the tiny
+model, or the Llama-3-8B-shaped one of llama_checkpoint), with the flags docs/real-sglang.md explains,
+its static memory sized from the card; whether it can run here; a process handle shaped like the
 emulator's (url, call, alive, log_text) so the agent and the differential runner drive either."""
 
 from __future__ import annotations
@@ -7,11 +8,13 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
+import re
 import time
 from pathlib import Path
 from typing import Any
 
 from agent_procs import PY, Proc, Reply, free_port, http
+from gpu_helpers import GiB, nvml_used, wait_used_below
 
 VERSION = "0.5.15.post1"
 # docs/real-sglang.md says why each: memory saver on (release/resume), no FlashAttention-3, flashinfer
@@ -29,6 +32,33 @@ LAUNCH_FLAGS = (
     "--weight-version", "0",
 )  # fmt: skip
 START_TIMEOUT_S = 420
+# What stays beside SGLang's static pool (weights + KV cache) while it serves at 8B: its CUDA graphs,
+# activations and context (3-4 GiB), a trainer's two 2 GiB bucket buffers and context. The trainer's 15 GiB
+# of weights are there only while the kv_cache is released (it gives them back before the resume).
+BESIDE_STATIC = 12 * GiB
+MAX_MEM_FRACTION = 0.8
+
+
+def mem_fraction(total: int) -> float:
+    """--mem-fraction-static for a card of `total` bytes: 0.8 where BESIDE_STATIC fits beside it (an
+    80 GB H100: 63.7 GiB static; a 141 GB H200: 112 GiB), less on a smaller card."""
+    return round(min(MAX_MEM_FRACTION, (total - BESIDE_STATIC) / total), 2)
+
+
+def launch_flags(fraction: float) -> tuple[str, ...]:
+    """LAUNCH_FLAGS with another --mem-fraction-static."""
+    flags = list(LAUNCH_FLAGS)
+    flags[flags.index("--mem-fraction-static") + 1] = f"{fraction:g}"
+    return tuple(flags)
+
+
+# SGLang's own account of its start (model_runner.py, memory_pool.py, http_server.py @0.5.15.post1).
+START_LINES = re.compile(r"(Load weight end\.|Capture .* end\.|KV Cache is allocated\.|ready to roll).*")
+
+
+def start_phases(log_text: str) -> list[str]:
+    """The lines of SGLang's log that say where its start went (weights, KV cache, graph capture)."""
+    return [m.group(0).strip()[:240] for m in START_LINES.finditer(log_text)]
 
 
 @functools.cache
@@ -54,6 +84,8 @@ class RealSGLang(Proc):
         self.version = VERSION
         argv = [PY, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--host", "127.0.0.1",
                 "--port", str(self.port), *(flags or LAUNCH_FLAGS)]  # fmt: skip
+        self.flags = tuple(flags or LAUNCH_FLAGS)
+        self.used_before = nvml_used()
         self.started = time.monotonic()
         super().__init__("sglang", argv, tmp / f"sglang-{self.port}.log", env)
         self.start_seconds: float | None = None
@@ -74,3 +106,9 @@ class RealSGLang(Proc):
 
     def call(self, method: str, path: str, body: Any = None, *, timeout: float = 60) -> Reply:
         return http(method, self.url + path, body, timeout=timeout)
+
+    def stop(self) -> None:
+        """Stops it, then waits until the GPU memory it held is the driver's again (its scheduler is a
+        child process that exits after it): the next test sizes itself from what is free."""
+        super().stop()
+        wait_used_below(self.used_before + GiB, timeout=60)

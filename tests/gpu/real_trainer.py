@@ -1,20 +1,27 @@
-"""The trainer process of test_real_sglang.py: a real torch trainer beside real SGLang, through rljob.trainer.
+"""The trainer process of the real-SGLang tests: a torch trainer beside real SGLang, through rljob.trainer.
 
-Per iteration of `--plan` (`disk` or `tensor`), version `first + i`, weights TinyLlama().weights(seed_base+i):
-take the lease (Handoff.train); measure the memory free at the grant and allocate most of it (a tensor
-filled on the GPU: the trainer's footprint in the memory SGLang released); on the first iteration time
-torch_memory_saver's own pause and resume of a region as large as SGLang's freed memory (the floor of a
-release and a resume); load the weights into transformers' LlamaForCausalLM and compute the reference:
-each prompt's token logprobs and next greedy token; then publish by path (disk: the checkpoint written
-with tiny_model) or by version and push the tensors through the refit window (tensor: the SDK's CUDA-IPC
-packing). Writes `<result-dir>/iteration-<i>.json` and `<result-dir>/reference-<version>.json`.
+Per iteration of `--plan` (`disk` or `tensor`), version `first + i`, weights of seed `seed_base + i` of the
+`--model` (real_models.py: tiny, or 8b under --model-root): take the lease (Handoff.train); unless the
+iteration is in `--at-once` (a trainer that publishes as soon as it holds the lease), measure the memory
+free at the grant and allocate most of it in a child process (the trainer's footprint in the memory SGLang
+released) and, on the first such iteration, time torch_memory_saver's own pause and resume of a region as
+large as SGLang's freed memory (the floor of a release and a resume); make the version's weights on the GPU
+(in the lease: the memory SGLang released); with `--reference` (the tiny model) compute transformers'
+logprobs of them (each prompt's token logprobs and next greedy token); publish by path (disk: the
+checkpoint written) or by version and push the tensors through the refit window (tensor: the SDK's
+CUDA-IPC packing). Then give the GPU memory back (the weights; the bucket buffers are kept for the next
+refit) before SGLang resumes, as a colocated trainer must, and write the version's checkpoint (a tensor
+version too: the test loads it to check what was pushed). Writes `<result-dir>/reference-<version>.json`
+and, last, `<result-dir>/iteration-<i>.json`: the test resumes SGLang only once it is there.
 
-python tests/gpu/real_trainer.py --plan disk,tensor,disk --model-dir DIR --prompts FILE --result-dir DIR"""
+python tests/gpu/real_trainer.py --plan disk,tensor,disk --model tiny --model-dir DIR --prompts FILE
+    --weights-dir DIR --floor-bytes-file FILE --result-dir DIR [--at-once 0] [--reference]"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import subprocess
@@ -23,27 +30,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+import real_models
 import torch
 
-from rljob.testing.tiny_model import TinyLlama
 from rljob.trainer import Handoff
 
 FILL_FRACTION = 0.9  # of the memory free at the grant
-
-
-def cuda_weights(model: TinyLlama, seed: int) -> dict[str, torch.Tensor]:
-    return {
-        name: torch.from_numpy(bits.view(np.int16).reshape(shape).copy()).view(torch.bfloat16).cuda()
-        for name, (shape, bits) in model.weights(seed).items()
-    }
 
 
 def reference(
     model_dir: Path, weights: dict[str, torch.Tensor], prompts: dict[str, list[int]]
 ) -> dict[str, Any]:
     """transformers' Llama forward of `weights` (bf16 on this GPU): per prompt, the logprob of each token
-    after the first given the ones before it, and the greedy next token with its logprob."""
+    after the first given the ones before it, the greedy next token with its logprob, and the 5 best."""
     from transformers import AutoConfig, LlamaForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir)
@@ -57,10 +56,12 @@ def reference(
             logp = torch.log_softmax(logits, dim=-1)
             token_lp = logp[:-1].gather(1, torch.tensor(ids[1:], device="cuda")[:, None])[:, 0]
             nxt = int(logp[-1].argmax())
+            top = torch.topk(logp[-1], 5)
             out[name] = {
                 "input_logprobs": token_lp.tolist(),
                 "next_token": nxt,
                 "next_logprob": float(logp[-1, nxt]),
+                "top": [[int(t), float(v)] for t, v in zip(top.indices, top.values, strict=True)],
             }
     del net
     torch.cuda.empty_cache()
@@ -135,63 +136,104 @@ def main() -> None:
         os._exit(0)
     p = argparse.ArgumentParser()
     p.add_argument("--plan", default="disk,tensor,disk")
+    p.add_argument("--model", choices=real_models.MODELS, default="tiny")
+    p.add_argument("--model-root", help="the 8b model's root (holding base/)")
     p.add_argument("--first-version", type=int, default=1)
     p.add_argument("--seed-base", type=int, default=100)
-    p.add_argument("--model-dir", required=True)
+    p.add_argument("--model-dir", required=True, help="the launch checkpoint (its config and tokenizer)")
     p.add_argument("--weights-dir", required=True)
     p.add_argument("--prompts", required=True)
     p.add_argument("--floor-bytes-file", required=True, help="JSON {bytes}: written by the test at release")
     p.add_argument("--result-dir", required=True)
+    p.add_argument("--at-once", default="", help="iterations (0-based, comma-separated) that publish at once")
+    p.add_argument("--reference", action="store_true", help="transformers' logprobs of each version")
     args = p.parse_args()
     out = Path(args.result_dir)
     out.mkdir(parents=True, exist_ok=True)
     prompts = json.loads(Path(args.prompts).read_text())
-    model = TinyLlama()
+    at_once = {int(i) for i in args.at_once.split(",") if i}
+    model = real_models.load(args.model, args.model_root)
     handoff = Handoff()
+    floor_taken = False
     for i, kind in enumerate(args.plan.split(",")):
         version, seed = str(args.first_version + i), args.seed_base + i
         rec: dict[str, Any] = {"iteration": i, "kind": kind, "version": version, "seed": seed}
-        weights = cuda_weights(model, seed)
+        rec["at_once"] = i in at_once
+        path = Path(args.weights_dir) / f"v{version}"
+        weights: dict[str, torch.Tensor] = {}
+        requested = time.perf_counter()
         with handoff.train(timeout=600) as lease:
-            floor = int(json.loads(Path(args.floor_bytes_file).read_text())["bytes"]) if i == 0 else 0
-            rec |= in_child(floor)
-            t0 = time.perf_counter()
-            (out / f"reference-{version}.json").write_text(
-                json.dumps(reference(Path(args.model_dir), weights, prompts))
-            )
-            rec["reference_seconds"] = time.perf_counter() - t0
+            rec["lease_wait_seconds"] = time.perf_counter() - requested
+            granted = time.perf_counter()
+            if i not in at_once:
+                floor_file = Path(args.floor_bytes_file)
+                floor = 0 if floor_taken else int(json.loads(floor_file.read_text())["bytes"])
+                rec |= in_child(floor)
+                floor_taken = True
+            if kind == "tensor" or args.reference:
+                t0 = time.perf_counter()
+                weights = real_models.cuda_weights(model, seed)
+                rec["make_weights_seconds"] = time.perf_counter() - t0
+            if args.reference and i not in at_once:
+                t0 = time.perf_counter()
+                (out / f"reference-{version}.json").write_text(
+                    json.dumps(reference(Path(args.model_dir), weights, prompts))
+                )
+                rec["reference_seconds"] = time.perf_counter() - t0
+            if kind == "tensor" and i not in at_once:
+                rec["d2d_copy_seconds"] = d2d_copy(weights)
             rec["free_at_publish"], _ = torch.cuda.mem_get_info()
             if kind == "disk":
-                path = model.write(Path(args.weights_dir) / f"v{version}", seed)
+                t0 = time.perf_counter()
+                real_models.write(model, path, seed)
+                rec["write_seconds"] = time.perf_counter() - t0
                 rec["path"] = str(path)
                 lease.publish(version, str(path))
             else:
                 lease.publish(version)
+            rec["lease_seconds"] = time.perf_counter() - granted
         if kind == "tensor":
-            nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            flat = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-            off = 0
-            for t in weights.values():
-                n = t.numel() * t.element_size()
-                flat[off : off + n].copy_(t.reshape(-1).view(torch.uint8))
-                off += n
-            torch.cuda.synchronize()
-            rec["d2d_copy_seconds"] = time.perf_counter() - t0
-            del flat
             opened = time.perf_counter()
             with handoff.refit_window(timeout=600) as window:
                 entered = time.perf_counter()
                 report = window.push_named_tensors(weights.items())
             rec["window_wait_seconds"] = entered - opened
             rec["window_seconds"] = time.perf_counter() - entered  # packed, pushed, answered, closed
-            rec["push_bytes"] = nbytes
+            rec["push_bytes"] = report.bytes
             rec["report"] = dataclasses.asdict(report)
+        # The GPU back before SGLang resumes its KV cache (the bucket buffers stay: the next refit reuses
+        # them; SGLang's sizing leaves room for them), then the version's checkpoint for the test's check.
+        weights.clear()
+        gc.collect()
+        torch.cuda.empty_cache()
+        rec["free_after"], _ = torch.cuda.mem_get_info()
+        rec["kept_buffer_bytes"] = handoff._buffers().nbytes if kind == "tensor" else None
+        if kind == "tensor":
+            t0 = time.perf_counter()
+            real_models.write(model, path, seed)
+            torch.cuda.empty_cache()
+            rec["write_seconds"] = time.perf_counter() - t0
+            rec["path"] = str(path)
         (out / f"iteration-{i}.json").write_text(json.dumps(rec, indent=1))
         print(f"iteration {i} ({kind}, version {version}) done", flush=True)
-        del weights
-        torch.cuda.empty_cache()
+
+
+def d2d_copy(weights: dict[str, torch.Tensor]) -> float:
+    """The same bytes copied once on this GPU into one buffer (synchronized): a floor of any refit."""
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    flat = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    off = 0
+    for t in weights.values():
+        n = t.numel() * t.element_size()
+        flat[off : off + n].copy_(t.reshape(-1).view(torch.uint8))
+        off += n
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    del flat
+    torch.cuda.empty_cache()
+    return seconds
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
-"""The trainer process of test_gpu_tensor_refit.py: Llama-3-8B-shaped bf16 weights (14.96 GiB) on the GPU,
-handed to SGLang through rljob.trainer (Handoff.train, then RefitSession.push_named_tensors), iteration by
-iteration as `--plan` says: `tensor@MiB` (new weights, CUDA IPC refit in buckets of MiB; the bucket
-buffers of the previous refit are reused when the size is the same, else freed first) or `disk` (the
-current weights saved as safetensors, published by path). Each iteration's figures go to
-`<result-dir>/iteration-<n>.json`: the synchronized device-to-device copy of the same bytes (the floor),
-the push report and the checksum of the tensors in push order computed as the emulator computes its own
-(tensor_refit.device_checksum).
+"""The trainer process of test_gpu_tensor_refit.py: Llama-3-8B-shaped bf16 weights (14.96 GiB) made on the
+GPU in each lease (the memory SGLang released) and given back before SGLang resumes, as a colocated
+trainer's, handed to SGLang through rljob.trainer (Handoff.train, then RefitSession.push_named_tensors),
+iteration by iteration as `--plan` says: `tensor@MiB` (new weights, CUDA IPC refit in buckets of MiB;
+the bucket buffers of the previous refit are reused when the size is the same, else freed first) or
+`disk` (new weights saved as safetensors, published by path). Each iteration's figures go, last, to
+`<result-dir>/iteration-<n>.json` (the test resumes SGLang once it is there): the synchronized
+device-to-device copy of the same bytes (the floor), the push report and the checksum of the tensors in
+push order computed as the emulator computes its own (tensor_refit.device_checksum).
 
 python tests/gpu/tensor_trainer.py --plan tensor@1024,tensor@1024,disk --first-version 2 --result-dir DIR"""
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -83,17 +85,9 @@ def main() -> None:
     out = Path(args.result_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    started = time.perf_counter()
-    named = {n: torch.empty(s, dtype=torch.bfloat16, device="cuda") for n, s in llama3_8b_shapes()}
-    fill(named, 1)
+    shapes = llama3_8b_shapes()
     (out / "trainer.json").write_text(
-        json.dumps(
-            {
-                "tensors": len(named),
-                "bytes": sum(t.numel() * t.element_size() for t in named.values()),
-                "startup_seconds": time.perf_counter() - started,
-            }
-        )
+        json.dumps({"tensors": len(shapes), "bytes": sum(math.prod(s) * 2 for _, s in shapes)})
     )
     handoff = Handoff()
     bucket_bytes = 0
@@ -108,8 +102,12 @@ def main() -> None:
         rec["bucket_bytes"] = bucket_bytes
         with handoff.train(timeout=600) as lease:
             rec["free_at_grant"] = torch.cuda.mem_get_info()[0]
+            # The weights live in the memory SGLang released, as a colocated trainer's model does.
+            t0 = time.perf_counter()
+            named = {n: torch.empty(s, dtype=torch.bfloat16, device="cuda") for n, s in shapes}
+            fill(named, 100 + i)
+            rec["make_weights_seconds"] = time.perf_counter() - t0
             if kind == "tensor":
-                fill(named, 100 + i)
                 rec["floor"] = d2d_floor(named)
                 lease.publish(version)
             else:
@@ -137,6 +135,11 @@ def main() -> None:
             t0 = time.perf_counter()
             rec["checksum"] = device_checksum([named[n].reshape(-1).view(torch.uint8) for n in report.order])
             rec["checksum_seconds"] = time.perf_counter() - t0
+        # The weights back before the emulator resumes its KV cache (the bucket buffers stay for the next
+        # refit of the same size: the regions are sized to leave room for them); this file comes last.
+        del named
+        torch.cuda.empty_cache()
+        rec["free_after"] = torch.cuda.mem_get_info()[0]
         (out / f"iteration-{i}.json").write_text(json.dumps(rec, indent=1))
         print(f"iteration {i} ({kind}, version {version}) done", flush=True)
 

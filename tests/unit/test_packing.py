@@ -190,6 +190,24 @@ def test_metadata_entry_is_sglangs_flattened_tensor_metadata() -> None:
     assert e.state["shape"] == Call(TORCH_SIZE, ((4, 2),))
 
 
+def test_a_bucket_s_metadata_is_written_once_and_the_same_bytes() -> None:
+    """Every refit sends the same buckets: their metadata lists are written once (metadata_fragment) and
+    spliced into each payload, which is byte for byte what writing them anew gives."""
+    specs = [spec("embed", "bfloat16", 64, 8), spec("w", "bfloat16", 8, 8), spec("norm", "bfloat16", 8)]
+    (plan,) = plan_buckets(specs, bucket_bytes=4096)
+    key = tuple(
+        (specs[p.index].name, specs[p.index].shape, plan.dtype, p.start, p.end) for p in plan.placements
+    )
+    packing.metadata_fragment.cache_clear()
+    cached = packing.metadata_fragment(key)
+    assert packing.metadata_fragment(key) is cached
+    assert packing.metadata_fragment.cache_info().hits == 1
+    ipc = fake_cuda_reduction(plan.nbytes)
+    assert bucket_payload(ipc, cached) == payload_for(specs, plan)
+    bucket = read_push(unpickle(bucket_payload(ipc, cached), V0_5_23, stand_in), "flattened_bucket")
+    assert [e.name for e in bucket.entries] == ["embed", "w", "norm"]
+
+
 def test_wire_form_is_base64_of_the_pickle() -> None:
     raw = dumps({"a": 1})
     assert base64.b64decode(packing.to_wire(raw), validate=True) == raw

@@ -11,6 +11,11 @@ background/join, sleep_s, only_versions) with, per step, optionally:
   depends on timing no sequence controls (which of several identical prompts in flight hits the cache).
 A sequence with `"fatal": true` is expected to end the server and runs last.
 
+Each sequence starts from a stated server state (RESET, sent before it and not observed): the launch
+weights served as version "0", generation running, the cache flushed; so what a sequence sees does not
+depend on the sequences or tests before it. A replay runs on a server launched as its client launches
+SGLang: with or without --enable-memory-saver (`load_sequences`, `without_memory_saver`).
+
 tests/gpu/test_real_sglang.py records real SGLang's answers (`observe`), committed as
 tests/differential/real-<version>.json; tests/agent/test_differential.py sends the same sequences to the
 emulator and compares (`differences`)."""
@@ -172,6 +177,10 @@ def observe(
         answer, seconds = _send(url, step, ctx)
         obs.steps.append(observe_answer(label, step, answer, seconds, waits=False))
     _join(pending, obs)
+    for st in obs.steps:  # a message naming a file of this run's (a missing checkpoint) names it alike
+        st.values = {
+            k: v.replace(str(ctx.tmp), "{{TMP}}") if isinstance(v, str) else v for k, v in st.values.items()
+        }
     obs.alive_after = _still_alive(alive, dropped=any(st.status == 0 for st in obs.steps))
     if obs.alive_after:
         obs.state_after = state_of(url)
@@ -284,17 +293,45 @@ def as_dict(obs: SequenceObservation) -> dict[str, Any]:
 
 
 MEMORY_SAVER = "--enable-memory-saver"
+# The stated state every sequence starts from: the launch weights as version "0" (the load flushes the
+# cache), generation running. Needs a server that serves with every tag resident, as every sequence but a
+# fatal one leaves it.
+_JSON = {"Content-Type": "application/json"}
+RESET = (
+    {"method": "POST", "path": "/continue_generation", "headers": _JSON, "body": "{}"},
+    {
+        "method": "POST",
+        "path": "/update_weights_from_disk",
+        "headers": _JSON,
+        "body": '{"model_path": "{{LAUNCH_MODEL_PATH}}", "weight_version": "0"}',
+    },
+)
+# Where a hit was cached (GPU or host): present or not by which of several prompts in flight hit the cache.
+CACHE_SPLIT = ("meta_info.cached_tokens_details.device", "meta_info.cached_tokens_details.host")
+RESET_STATE = 'the launch weights as weight_version "0", generation running, the cache flushed'
+
+
+def without_memory_saver(launch_flags: list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """The launch of a client that runs SGLang without the memory saver (AReaL's default): the same flags
+    less --enable-memory-saver."""
+    return tuple(f for f in launch_flags if f != MEMORY_SAVER)
 
 
 def load_sequences(
-    sequences_file: Path, replays_dir: Path, launch_flags: list[str] | tuple[str, ...]
+    sequences_file: Path,
+    replays_dir: Path,
+    launch_flags: list[str] | tuple[str, ...],
+    own_sequences: bool = True,
 ) -> tuple[list[dict[str, Any]], dict[str, str]]:
-    """The differential sequences, then every replay (named `replay:<file stem>`) whose client launches
-    SGLang with the memory saver as the server under test was launched, the fatal ones last; and the
-    replays left out, with why (without the saver a release frees nothing, and a refit of released
-    weights writes to unmapped memory)."""
+    """The differential sequences (unless `own_sequences` is false), then every replay (named
+    `replay:<file stem>`) whose client launches SGLang with the memory saver as the server under test was
+    launched, or without it as it was not, the fatal ones last; and the replays left out, with why
+    (without the saver a release frees nothing, and a refit of released weights writes to unmapped
+    memory)."""
     doc = json.loads(sequences_file.read_text())
     own = [{**seq, "placeholders": doc.get("placeholders", {})} for seq in doc["sequences"]]
+    if not own_sequences:
+        own = []
     replays, left_out = [], {}
     saver = MEMORY_SAVER in launch_flags
     for p in sorted(replays_dir.glob("*.json")):
@@ -303,6 +340,9 @@ def load_sequences(
             how = "without" if saver else "with"
             left_out[seq["name"]] = f"its client launches SGLang {how} {MEMORY_SAVER}"
             continue
+        for step in seq["steps"]:  # identical prompts in flight: which one hits the cache is timing's
+            if step.get("background") and step.get("path") == "/generate":
+                step.setdefault("volatile_fields", list(CACHE_SPLIT))
         replays.append(seq)
     ordered = own + replays
     return [s for s in ordered if not s.get("fatal")] + [s for s in ordered if s.get("fatal")], left_out
@@ -337,16 +377,31 @@ def run_all(
     sequences: list[dict[str, Any]],
     version: str,
     context: Callable[[str], Context],
+    reset: bool = False,
 ) -> list[dict[str, Any]]:
-    """Each sequence in order, each with a fresh Context from `context(name)`; stops after the server died."""
+    """Each sequence in order, each with a fresh Context from `context(name)`, with `reset` from the RESET
+    state; stops after the server died."""
     out = []
     for seq in sequences:
         ctx = context(seq["name"])
         ctx.build_all(seq)
+        if reset:
+            reset_server(url, ctx)
         out.append(as_dict(observe(url, seq, ctx, version, alive)))
         if not alive():
             break
     return out
+
+
+def reset_server(url: str, ctx: Context) -> None:
+    """The RESET steps; each must succeed, or no sequence can start from the stated state."""
+    for step in RESET:
+        answer, _ = _send(url, dict(step), ctx)
+        if answer.status != 200 or '"success":false' in answer.text.replace(" ", ""):
+            raise AssertionError(
+                f"reset {step['path']}: {answer.status} {answer.text[:300]} {answer.error}: the server "
+                f"is not in a state a sequence can start from ({RESET_STATE})"
+            )
 
 
 def table(real: list[dict[str, Any]], emulated: list[dict[str, Any]], recorded: dict[str, str]) -> str:

@@ -158,6 +158,7 @@ class TinyConfig:
     trained_vocab: int = 2048
     max_position_embeddings: int = 4096  # a prompt and 3,000 tokens fit: long requests stay in flight
     rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
     # Logits of std ~3 (lm_head std 3/sqrt(hidden)): each version's distribution is peaked and far from
     # another version's, so logprobs tell versions apart by nats, not by rounding.
     lm_head_std: float = 3.0 / 16.0
@@ -256,8 +257,7 @@ class TinyLlama:
             **c,
             "hidden_act": "silu",
             "head_dim": self.config.hidden_size // self.config.num_attention_heads,
-            "rope_theta": 10000.0,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.config.rope_theta},
             "attention_bias": False,
             "mlp_bias": False,
             "tie_word_embeddings": False,
@@ -294,6 +294,12 @@ class TinyLlama:
 
     def write(self, directory: Path, seed: int) -> Path:
         """A checkpoint directory: config.json, model.safetensors (bf16), the tokenizer files."""
+        self.write_config(directory)
+        write_safetensors_bf16(directory / "model.safetensors", self.weights(seed))
+        return directory
+
+    def write_config(self, directory: Path) -> None:
+        """Everything of a checkpoint directory but the weights: config.json, the tokenizer files."""
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "config.json").write_text(json.dumps(self.hf_config(), indent=1))
         (directory / "generation_config.json").write_text(
@@ -312,5 +318,3 @@ class TinyLlama:
                 }
             )
         )
-        write_safetensors_bf16(directory / "model.safetensors", self.weights(seed))
-        return directory

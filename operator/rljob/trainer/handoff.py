@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -221,16 +219,6 @@ class RefitSession:
         self._send_held(last=True)
 
 
-def _warm_tensor_codec() -> None:
-    """In a torch trainer, resolve the tensor push's codec (SGLang's serializer, seconds to import) in the
-    background while it trains, not in its first refit window."""
-    if "torch" not in sys.modules:
-        return
-    from rljob.trainer import packing
-
-    threading.Thread(target=packing.warm_codec, name="rljob-codec-warm-up", daemon=True).start()
-
-
 class Handoff:
     """One per trainer process. Under torchrun with several processes per pod (spec.trainer.processesPerPod,
     LOCAL_RANK set), every rank may use `train()`: LOCAL_RANK 0 makes the pod's one lease request and its
@@ -306,7 +294,6 @@ class Handoff:
             yield Lease(self.client, self._wait_pods_lease(timeout), by_local_rank_0=True)
             return
         self.client.call("POST", "/v1/trainer/request", {})
-        _warm_tensor_codec()
         lease = Lease(self.client, self._wait_lease(timeout))
         try:
             yield lease

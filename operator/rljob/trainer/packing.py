@@ -17,11 +17,13 @@ device given as its UUID, as SGLang's `monkey_patch_torch_reductions` sends it (
 trainer and server containers may number the GPUs differently. Every version this project supports
 (0.5.6 to 0.5.23) reads this format.
 
-Two ways to write it: with `sglang` importable in the trainer, its own `FlattenedTensorMetadata` and
-`MultiprocessingSerializer`; without it, this module writes the same pickle itself (`dumps`: a small
-opcode writer, no torch needed for the envelope, so CI can check the format without torch). The class of
-the metadata must be named `sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata`: both SGLang
-allowlists accept it and the receiver reads its attributes.
+This module writes the pickle itself (`dumps`: a small opcode writer, no torch needed for the envelope,
+so CI can check the format without torch), and never imports sglang: SGLang's own serializer took 2.2 to
+8.3 s to import in a trainer (tests/gpu/RESULTS.md), which a trainer that pushes right after its lease
+paid inside the refit, and it patches torch's reductions process-wide. SGLang's own receive path reads
+these payloads byte for byte (tests/unit/test_sglang_reads_payloads.py). The class of the metadata must
+be named `sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata`: both SGLang allowlists accept
+it and the receiver reads its attributes.
 
 Buckets hold one dtype each: a slice of a uint8 buffer can only be viewed as a dtype at an offset that is
 a multiple of its size, and on SGLang's tensor route a misaligned view is fatal (C-REFIT-BUCKET-LAYOUT).
@@ -44,9 +46,8 @@ from __future__ import annotations
 import base64
 import functools
 import struct
-import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,6 +144,13 @@ class Instance:
     state: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class Raw:
+    """Pickle opcodes written as they are: a value `fragment` wrote before (no PROTO, no STOP, no memo)."""
+
+    data: bytes
+
+
 METADATA_CLASS = Global("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
 TORCH_SIZE = Global("torch", "Size")
 
@@ -232,6 +240,8 @@ def _write(obj: Any, out: list[bytes]) -> None:
         out.append(_NEWOBJ)
         _write(dict(obj.state), out)
         out.append(_BUILD)
+    elif isinstance(obj, Raw):
+        out.append(obj.data)
     else:
         raise TypeError(f"cannot pickle {type(obj).__name__} here")
 
@@ -265,10 +275,28 @@ def metadata_entry(name: str, shape: Sequence[int], dtype: str, start: int, end:
     )
 
 
-def bucket_payload(flattened_tensor: Any, metadata: list[Instance]) -> bytes:
+def bucket_payload(flattened_tensor: Any, metadata: list[Instance] | Raw) -> bytes:
     """The pickled dict `_update_weights_from_flattened_bucket` reads; `flattened_tensor` is the tensor's
-    reduction (a Call) as `reduced_tensor` returns it."""
+    reduction (a Call) as `reduced_tensor` returns it, `metadata` the entries or their `fragment`."""
     return dumps({"flattened_tensor": flattened_tensor, "metadata": metadata})
+
+
+def fragment(obj: Any) -> Raw:
+    """`obj` as the opcodes `dumps` writes for it, to be written again as they are."""
+    out: list[bytes] = []
+    _write(obj, out)
+    return Raw(b"".join(out))
+
+
+# (name, shape, dtype, start, end) of each entry of a bucket
+MetadataKey = tuple[tuple[str, tuple[int, ...], str, int, int], ...]
+
+
+@functools.lru_cache(maxsize=1024)
+def metadata_fragment(key: MetadataKey) -> Raw:
+    """A bucket's metadata list, written once: every refit of a model sends the same buckets, and writing
+    ~40 entries took 0.8 ms a bucket on a 2-core CPU, beside the push in flight."""
+    return fragment([metadata_entry(*entry) for entry in key])
 
 
 def to_wire(payload: bytes) -> str:
@@ -328,41 +356,6 @@ def reduced_tensor(t: Any) -> Call:
     return Call(Global(func.__module__, func.__name__), tuple(_reduced_arg(a) for a in args))
 
 
-_CODEC_LOCK = threading.Lock()
-
-
-def warm_codec() -> None:
-    """Resolve the codec now: importing SGLang's serializer took 2.24 s in a real trainer on the H100
-    (tests/gpu/RESULTS.md), which the first push would otherwise pay inside the refit."""
-    _sglang_codec()
-
-
-def _sglang_codec() -> tuple[Any, Callable[[Any], str]] | None:
-    with _CODEC_LOCK:  # a warm-up thread and the first push may both ask
-        return _resolve_sglang_codec()
-
-
-@functools.cache  # Python does not cache a failed import: it was retried for every bucket
-def _resolve_sglang_codec() -> tuple[Any, Callable[[Any], str]] | None:
-    """SGLang's own metadata class and serializer when the trainer has sglang, else None."""
-    try:
-        from sglang.srt.utils import MultiprocessingSerializer  # type: ignore[import-not-found]
-        from sglang.srt.utils.patch_torch import (  # type: ignore[import-not-found]
-            monkey_patch_torch_reductions,
-        )
-        from sglang.srt.weight_sync.tensor_bucket import (  # type: ignore[import-not-found]
-            FlattenedTensorMetadata,
-        )
-    except ImportError:
-        return None
-    monkey_patch_torch_reductions()  # device UUIDs in the IPC reduction, as SGLang-based trainers send
-
-    def serialize(obj: Any) -> str:
-        return str(MultiprocessingSerializer.serialize(obj, output_str=True))
-
-    return FlattenedTensorMetadata, serialize
-
-
 def ring_size(tp_size: int) -> int:
     """Bucket buffers per device for TP size `tp_size` (module docstring)."""
     return 2 if tp_size == 1 else 3
@@ -406,7 +399,6 @@ class PushReport:
     """What one `push_named_tensors` did. `send_seconds` fills in as the pushes go out; the last one is
     sent when the refit window closes (it carries the version)."""
 
-    codec: str = ""  # "sglang" (its own helpers) or "rljob" (this module's writer)
     buckets: int = 0
     tensors: int = 0
     bytes: int = 0
@@ -469,34 +461,18 @@ def pack_and_serialize(
     # complete whatever the receiver does, and the packing time honest.
     torch.cuda.synchronize(device)
     packed_at = time.perf_counter()
-    codec = _sglang_codec()
-    if codec is not None:
-        metadata_cls, serialize = codec
-        report.codec = "sglang"
-        metas = [
-            metadata_cls(
-                name=named[p.index][0],
-                shape=named[p.index][1].shape,
-                dtype=named[p.index][1].dtype,
-                start_idx=p.start,
-                end_idx=p.end,
-                numel=p.end - p.start,
-            )
+    entries = metadata_fragment(
+        tuple(
+            (named[p.index][0], tuple(int(d) for d in named[p.index][1].shape), plan.dtype, p.start, p.end)
             for p in plan.placements
-        ]
-        payloads = [serialize({"flattened_tensor": flat, "metadata": metas}) for _ in range(tp_size)]
-    else:
-        report.codec = "rljob"
-        entries = [
-            metadata_entry(named[p.index][0], named[p.index][1].shape, plan.dtype, p.start, p.end)
-            for p in plan.placements
-        ]
-        payloads = []
-        for _ in range(tp_size):
-            shared_at = time.perf_counter()
-            reduction = reduced_tensor(flat)
-            report.ipc_share_seconds += time.perf_counter() - shared_at
-            payloads.append(to_wire(bucket_payload(reduction, entries)))
+        )
+    )
+    payloads = []
+    for _ in range(tp_size):
+        shared_at = time.perf_counter()
+        reduction = reduced_tensor(flat)
+        report.ipc_share_seconds += time.perf_counter() - shared_at
+        payloads.append(to_wire(bucket_payload(reduction, entries)))
     report.pack_seconds += packed_at - started
     report.serialize_seconds += time.perf_counter() - packed_at
     report.buckets += 1
