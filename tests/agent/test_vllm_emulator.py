@@ -168,6 +168,21 @@ def test_abort_requests_and_rpc_bodies(version: str, start_vllm: StartVllm) -> N
     )
 
 
+@pytest.mark.parametrize("version", VLLM_VERSIONS)
+def test_abort_requests_by_id_does_not_pause(version: str, start_vllm: StartVllm) -> None:
+    """V-ROUTE-ABORT: the client's ids (`cmpl-{request_id}-{prompt index}`) abort those requests only; the
+    engine is not paused, so new requests run."""
+    emu = start_vllm(version, tps=50)
+    running = Background(lambda: emu.complete(max_tokens=100_000, request_id="r1"))
+    wait_until(lambda: emu.stats()["running"] == 1, 10, "the request to run")
+    r = emu.ok("POST", "/abort_requests", {"request_ids": ["cmpl-r1-0"]})
+    assert r.body == {"status": "aborted", "aborted": 1}
+    reply = running.wait()
+    assert (reply.body["id"], reply.body["choices"][0]["finish_reason"]) == ("cmpl-r1", "abort")
+    assert emu.ok("GET", "/is_paused").body == {"is_paused": False}
+    assert emu.complete(max_tokens=2).body["choices"][0]["finish_reason"] == "length"
+
+
 # --- 2. drain ----------------------------------------------------------------------------------------
 
 

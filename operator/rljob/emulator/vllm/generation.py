@@ -40,6 +40,7 @@ class _Body(BaseModel):
     stream: bool = False
     return_token_ids: bool = False
     return_weight_versions: bool = False  # 0.34 (…/entrypoints/openai/completion/protocol.py:182@0.34.0)
+    request_id: str | None = None
 
 
 class CompletionBody(_Body):
@@ -114,14 +115,21 @@ def _logprobs(req: Request, k: int) -> dict[str, Any]:
 
 
 async def _run(
-    llm: AsyncLLM, prompts: list[list[int]], body: _Body, max_tokens: int, external_id: str
+    llm: AsyncLLM, prompts: list[list[int]], body: _Body, max_tokens: int, ids: list[str]
 ) -> list[Request]:
+    """One engine request per prompt and sample; `ids[i]` is prompt i's (external) request id."""
     reqs = [
-        Request(prompt, max_tokens, _sampler(body, s), external_id=external_id)
-        for prompt in prompts
+        Request(prompt, max_tokens, _sampler(body, s), external_id=ids[i])
+        for i, prompt in enumerate(prompts)
         for s in range(max(1, body.n))
     ]
     return list(await asyncio.gather(*(llm.generate(r) for r in reqs)))
+
+
+def _base_id(body: _Body, header: str | None) -> str:
+    """_base_request_id: the X-Request-Id header, else the body's request_id, else a random one
+    (…/entrypoints/serve/engine/serving.py:117-126@0.26.0)."""
+    return header if header is not None else body.request_id or uuid.uuid4().hex
 
 
 def _usage(reqs: list[Request], n: int) -> dict[str, Any]:
@@ -143,8 +151,9 @@ async def completions(llm: AsyncLLM, raw: bytes, request_id: str | None) -> web.
     body: CompletionBody = parse(raw, CompletionBody)
     model = _check(llm, body)
     prompts = _prompts(body.prompt)
-    external_id = request_id or f"cmpl-{uuid.uuid4().hex}"
-    reqs = await _run(llm, prompts, body, 16 if body.max_tokens is None else body.max_tokens, external_id)
+    response_id = f"cmpl-{_base_id(body, request_id)}"  # prompt i runs as f"{response_id}-{i}"
+    ids = [f"{response_id}-{i}" for i in range(len(prompts))]
+    reqs = await _run(llm, prompts, body, 16 if body.max_tokens is None else body.max_tokens, ids)
     choices = []
     for i, r in enumerate(reqs):
         text = tokens.decode(r.output, garbage=r.garbage)
@@ -165,7 +174,7 @@ async def completions(llm: AsyncLLM, raw: bytes, request_id: str | None) -> web.
         choices.append(choice)
     return web.json_response(
         {
-            "id": external_id,
+            "id": response_id,
             "object": "text_completion",
             "created": int(time.time()),
             "model": model,
@@ -189,8 +198,8 @@ async def chat_completions(llm: AsyncLLM, raw: bytes, request_id: str | None) ->
     model = _check(llm, body)
     prompt = tokens.encode(" ".join(_content(m.get("content")) for m in body.messages))
     max_tokens = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
-    external_id = request_id or f"chatcmpl-{uuid.uuid4().hex}"
-    reqs = await _run(llm, [prompt], body, max_tokens or 16, external_id)
+    response_id = f"chatcmpl-{_base_id(body, request_id)}"
+    reqs = await _run(llm, [prompt], body, max_tokens or 16, [response_id])
     choices = []
     for i, r in enumerate(reqs):
         logprobs = None
@@ -226,7 +235,7 @@ async def chat_completions(llm: AsyncLLM, raw: bytes, request_id: str | None) ->
         choices.append(choice)
     return web.json_response(
         {
-            "id": external_id,
+            "id": response_id,
             "object": "chat.completion",
             "created": int(time.time()),
             "model": model,
