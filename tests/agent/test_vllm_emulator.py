@@ -72,6 +72,7 @@ def test_reads_version_server_info_world_size(version: str, start_vllm: StartVll
     assert isinstance(emu.ok("GET", "/server_info").body["vllm_config"], str)  # config_format=text
     assert emu.ok("GET", "/get_world_size").body == {"world_size": 4}
     assert emu.ok("GET", "/get_world_size?include_dp=false").body == {"world_size": 2}
+    assert emu.ok("GET", "/load").body == {"server_load": 0}  # V-METRIC-LOAD-ROUTE: no tracking flag
 
 
 @pytest.mark.parametrize("version", VLLM_VERSIONS)
@@ -131,6 +132,11 @@ def test_sleep_and_wake_bodies(version: str, start_vllm: StartVllm) -> None:
     assert r.text == "" if version != NEW else r.body == {"status": "sleeping", "tags": ["weights"]}
     r = emu.ok("POST", "/wake_up?tags=kv_cache")
     assert r.text == "" if version != NEW else r.body == {"status": "awake", "tags": ["kv_cache"]}
+    emu.ok("POST", "/sleep?level=0")  # a pause only (V-MEM-LEVELS); `scheduling` wakes no memory
+    assert emu.metric("vllm:engine_sleep_state", sleep_state="awake") == 0.0
+    assert emu.ok("GET", "/is_paused").body == {"is_paused": True} and emu.regions()["weights"] > 0
+    emu.ok("POST", "/wake_up?tags=scheduling")
+    assert emu.ok("GET", "/is_paused").body == {"is_paused": False}
     r = emu.call("POST", "/sleep?level=3")
     assert r.status == (400 if version == NEW else 200)
     if version == NEW:

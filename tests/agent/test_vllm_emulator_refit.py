@@ -172,9 +172,16 @@ def test_session_order(version: str, start_vllm: StartVllm) -> None:
         assert flag.body == {"results": ["True"]}  # not null, a dict or a list: str() (V-ROUTE-RPC)
     else:
         assert "Method 'has_incomplete_weight_update' is not implemented." in _error(flag)["message"]
+    if version == NEW:  # V-ROUTE-WT-SHUTDOWN: refused during an update
+        r = emu.call("POST", "/shutdown_weight_transfer_engine")
+        assert _error(r)["message"] == _worker_error(
+            "Cannot release a trainer connection during a weight update"
+        )
     emu.ok("POST", "/finish_weight_update")  # nothing received: the layers get their old tensors back
     assert emu.weights()["source"] == "launch"
     if version == NEW:
+        r = emu.ok("POST", "/shutdown_weight_transfer_engine")
+        assert r.body == {"message": "Weight transfer shut down"}
         assert emu.ok("POST", "/collective_rpc", {"method": "has_incomplete_weight_update"}).body == {
             "results": ["False"]
         }

@@ -1,7 +1,7 @@
 """vLLM's error replies (V-ROUTE-ERRORS in docs/vllm-conformance.md) and the exceptions that carry them.
 
 - An `HTTPException` a route raises: `{"error": {"message", "type": <HTTP phrase>, "param": null, "code"}}`
-  (http_exception_handler, …/entrypoints/serve/utils/server_utils.py:386-400@0.26.0).
+  (http_exception_handler, …/entrypoints/serve/utils/server_utils.py:395-409@0.26.0).
 - A request validation error: 400, never 422, type "Bad Request", `param` the dotted location
   (validation_exception_handler, server_utils.py:488-531@0.26.0).
 - Any other exception: `create_error_response` (…/entrypoints/serve/utils/error_response.py:16-80@0.26.0):

@@ -91,7 +91,7 @@ class VllmProfile:
 
     @property
     def sleep_and_wake_answer_json(self) -> bool:
-        """V-ROUTE-SLEEP, V-ROUTE-WAKE: 0.34 answers {"status": ...} (sleep:35,56-59@0.34.0); 0.26 an empty
+        """V-ROUTE-SLEEP, V-ROUTE-WAKE: 0.34 answers {"status": ...} (sleep:35,57-59@0.34.0); 0.26 an empty
         200 (sleep:29,42@0.26.0)."""
         return self._rl_router
 

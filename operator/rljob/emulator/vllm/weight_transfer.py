@@ -73,7 +73,7 @@ def parse(kind: str, engine_cls: str, info_cls: str, build: Callable[[], dict[st
 
 
 def _same_length(info: dict[str, Any]) -> None:
-    """The update infos' __post_init__ checks (ipc:72-132@0.26.0, ncce:84-96@0.26.0)."""
+    """The update infos' __post_init__ checks (ipc:72-132@0.26.0, ncce:84-96@0.26.0: __post_init__)."""
     names = info["names"]
     n = len(names)
     if len(info["dtype_names"]) != n:
@@ -173,7 +173,7 @@ def rebuild(args: Any, open_handle: Callable[[list[Any]], Any] | None) -> Rebuil
 
 
 def own_handle(handle: Any, uuid: str) -> Any:
-    """Each worker takes its own GPU's entry (ipc:240-255@0.26.0)."""
+    """Each worker takes its own GPU's entry (ipc:255-272@0.26.0)."""
     if not isinstance(handle, dict) or uuid not in handle:
         available = list(handle.keys()) if isinstance(handle, dict) else []
         raise ValueError(f"IPC handle not found for GPU UUID {uuid}. Available UUIDs: {available}")

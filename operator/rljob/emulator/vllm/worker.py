@@ -60,7 +60,7 @@ def checkpoint_params(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 def _read_checkpoint(path: str) -> LoadedWeights:
     """The loader's `get_all_weights(model_config)` over P: a local directory, else a hub id it would
-    download (…/model_executor/model_loader/default_loader.py:131-200@0.26.0). The emulator reads local
+    download (…/model_executor/model_loader/default_loader.py:128-200@0.26.0). The emulator reads local
     safetensors only; a path that is not there fails as the hub's repo-id check does."""
     p = Path(path)
     if not p.exists():
