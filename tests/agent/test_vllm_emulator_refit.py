@@ -336,8 +336,9 @@ def test_reload_while_serving_mixes_weights(version: str, start_vllm: StartVllm,
 def test_nccl_init_blocks_the_engine_core(version: str, start_vllm: StartVllm) -> None:
     """V-REFIT-NCCL, V-HANG, V-KILL-NCCL-ALONE: the init answers only once every worker joined the
     trainer's store (rank_offset + rank); meanwhile other utility calls wait behind it and /health still
-    answers. Then an update without bytes (the metadata stands in for the broadcast) and a finish."""
-    emu = start_vllm(version, "-tp", "2", "--weight-transfer-config", '{"backend": "nccl"}')
+    answers; an abort waits behind it too. Then an update without bytes (the metadata stands in for the
+    broadcast) and a finish."""
+    emu = start_vllm(version, "-tp", "2", "--weight-transfer-config", '{"backend": "nccl"}', tps=50)
     r = emu.call("POST", "/init_weight_transfer_engine", {"init_info": {"master_address": "127.0.0.1"}})
     missing = "master_port" if version != NEW else "rank_offset"
     assert r.status == 500 and missing in _error(r)["message"]
@@ -349,19 +350,22 @@ def test_nccl_init_blocks_the_engine_core(version: str, start_vllm: StartVllm) -
     assert _reload(emu).status == 200  # the failed update left the layers on meta
     rank0 = Rank0(0, world_size=3)
     info = {"master_address": "127.0.0.1", "master_port": rank0.port, "rank_offset": 1, "world_size": 3}
+    running = start_long_request(emu)
     init = Background(
         lambda: emu.call("POST", "/init_weight_transfer_engine", {"init_info": info}, timeout=60)
     )
     wait_until(lambda: emu.engine()["in_utility"], 10, "the init to block the engine core")
     behind = Background(lambda: emu.call("GET", "/is_paused", timeout=60))
     assert emu.call("GET", "/health").status == 200
+    assert emu.ok("POST", "/abort_requests", {}).body == {"status": "aborted", "aborted": 1}
     behind._thread.join(0.5)
-    assert not behind.done() and not init.done()
+    assert not behind.done() and not init.done() and not running.done()
     joined: list[int] = []
     threading.Thread(target=lambda: joined.extend(rank0.wait(30)), daemon=True).start()
     assert init.wait().body == {"message": "Weight transfer initialized"}
     assert joined == [1, 2]
     assert behind.wait().body == {"is_paused": False}
+    assert running.wait().body["choices"][0]["finish_reason"] == "abort"
     emu.ok("POST", "/start_weight_update")
     params = model_params()
     update = {

@@ -56,6 +56,7 @@ class EngineCore:
         self._in_utility = False
         self._idle_callbacks: list[Callable[[], None]] = []
         self._pending: set[asyncio.Future[Any]] = set()
+        self._tasks: set[asyncio.Future[None]] = set()
         self._work = asyncio.Event()
         self._loop: asyncio.Task[None] | None = None
 
@@ -139,8 +140,20 @@ class EngineCore:
         self.notify()
 
     def abort_requests(self, request_ids: set[str]) -> None:
+        """Aborts reach the busy loop through its input queue: while a utility call blocks it (V-HANG)
+        they wait behind it."""
+        if self._utility_lock.locked():
+            task = asyncio.ensure_future(self._abort_after_utility(request_ids))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return
         self.scheduler.finish_requests(request_ids, "abort")
         self.notify()
+
+    async def _abort_after_utility(self, request_ids: set[str]) -> None:
+        async with self._utility_lock:
+            self.scheduler.finish_requests(request_ids, "abort")
+            self.notify()
 
     # --- death (V-DEATH-EXC) ---------------------------------------------------------------------
 
