@@ -131,10 +131,15 @@ def test_ipc_refit(version: str, start_vllm: StartVllm) -> None:
 @pytest.mark.parametrize("version", VLLM_VERSIONS)
 def test_ipc_needs_insecure_serialization(version: str, start_vllm: StartVllm) -> None:
     """V-REFIT-IPC-INSECURE, V-REFIT-SESSION, V-KILL-REFIT-FAILED: without the env the pickled handles are
-    refused (500); the failed update ended the session (finish: 500) and left the layers on meta until a
-    reload succeeds."""
+    refused (500: 0.26 checks it before building the update info, so even before an unknown field; 0.34
+    after); the failed update ended the session (finish: 500) and left the layers on meta until a reload
+    succeeds."""
     emu = start_vllm(version, *IPC)
     _init_ipc(emu)
+    emu.ok("POST", "/start_weight_update")
+    r = emu.call("POST", "/update_weights", {"update_info": {**ipc_update(model_params()), "bogus": 1}})
+    first = "Invalid update_info" if version == NEW else "Refusing to deserialize"
+    assert r.status == 500 and first in _error(r)["message"]
     emu.ok("POST", "/start_weight_update")
     r = emu.call("POST", "/update_weights", {"update_info": ipc_update(model_params())})
     assert (r.status, _error(r)["message"]) == (

@@ -14,7 +14,6 @@ broadcast (as the SGLang emulator's distributed refit does)."""
 from __future__ import annotations
 
 import base64
-import binascii
 import hashlib
 import io
 import math
@@ -87,14 +86,33 @@ def _same_length(info: dict[str, Any]) -> None:
 # --- IPC -------------------------------------------------------------------------------------------
 
 
+def _unpickle_handles(info: dict[str, Any], insecure_ok: bool, loads: Callable[[bytes], Any]) -> bytes | None:
+    """`ipc_handles_pickled` -> `ipc_handles`, only with VLLM_ALLOW_INSECURE_SERIALIZATION=1; the pickle."""
+    pickled = info.pop("ipc_handles_pickled", None)
+    if pickled is None:
+        return None
+    if info.get("ipc_handles") is not None:
+        raise ValueError("Cannot specify both `ipc_handles` and `ipc_handles_pickled`")
+    if not insecure_ok:
+        raise ValueError(
+            "Refusing to deserialize `ipc_handles_pickled` without VLLM_ALLOW_INSECURE_SERIALIZATION=1"
+        )
+    raw = base64.b64decode(pickled)
+    info["ipc_handles"] = loads(raw)
+    return raw
+
+
 def ipc_update_info(
     given: dict[str, Any], *, packed_field: bool, insecure_ok: bool, loads: Callable[[bytes], Any]
 ) -> dict[str, Any]:
-    """IPCWeightTransferUpdateInfo(**given) with its __post_init__: `ipc_handles_pickled` is unpickled only
-    with VLLM_ALLOW_INSECURE_SERIALIZATION=1 (V-REFIT-IPC-INSECURE)."""
+    """IPCWeightTransferUpdateInfo(**given) and its checks (V-REFIT-IPC, V-REFIT-IPC-INSECURE). 0.26
+    (`packed_field`) unpickles the handles in parse_update_info, before the dataclass is built
+    (ipc:168-196@0.26.0); 0.34 in its __post_init__, after (ipc:72-93@0.34.0)."""
+    given = dict(given)
     optional: dict[str, Any] = {"ipc_handles": None, "ipc_handles_pickled": None, "tensor_sizes": None}
     if packed_field:
         optional["packed"] = False
+    raw = _unpickle_handles(given, insecure_ok, loads) if packed_field else None
 
     def build() -> dict[str, Any]:
         return construct(
@@ -102,20 +120,8 @@ def ipc_update_info(
         )
 
     info = parse("update_info", "IPCWeightTransferEngine", "IPCWeightTransferUpdateInfo", build)
-    pickled = info.pop("ipc_handles_pickled")
-    if pickled is not None:
-        if info["ipc_handles"] is not None:
-            raise ValueError("Cannot specify both `ipc_handles` and `ipc_handles_pickled`")
-        if not insecure_ok:
-            raise ValueError(
-                "Refusing to deserialize `ipc_handles_pickled` without VLLM_ALLOW_INSECURE_SERIALIZATION=1"
-            )
-        try:
-            raw = base64.b64decode(pickled)
-        except (binascii.Error, ValueError, TypeError) as e:
-            raise ValueError(str(e)) from e
-        info["ipc_handles"] = loads(raw)
-        info["_digest_source"] = raw
+    raw = raw or _unpickle_handles(info, insecure_ok, loads)
+    info["_digest_source"] = raw  # what the accounting backend's evidence is computed over
     if info["ipc_handles"] is None:
         raise ValueError("Either `ipc_handles` or `ipc_handles_pickled` must be provided")
     _same_length(info)
