@@ -11,7 +11,6 @@ from typing import Any
 from agent_procs import PY, Proc, Reply, free_port, http, wait_until
 
 from rljob.emulator import tokens
-from rljob.testing.trainer import make_tensors, write_checkpoint
 from rljob.trainer import packing
 
 VLLM_VERSIONS = ("0.26.0", "0.34.0")
@@ -22,11 +21,15 @@ DEV_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 
 def write_model(directory: Path, version: str, size: int = 16 << 10) -> Path:
     """A checkpoint directory (one safetensors file): 4 float32 tensors `model.layers.{i}.mlp.weight`."""
+    from rljob.testing.trainer import make_tensors, write_checkpoint  # numpy, safetensors: only when used
+
     write_checkpoint(directory, version, make_tensors(version, size))
     return directory
 
 
 def model_params(version: str = "1", size: int = 16 << 10) -> dict[str, tuple[int, ...]]:
+    from rljob.testing.trainer import make_tensors
+
     return {name: tuple(a.shape) for name, a in make_tensors(version, size).items()}
 
 
