@@ -6,6 +6,7 @@ test_vllm_emulator_refit.py."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,36 @@ def test_api_key_guards_only_v1(version: str, start_vllm: StartVllm) -> None:
     assert emu.call("POST", "/pause").status == 200
     assert emu.call("GET", "/health").status == 200
     assert emu.call("GET", "/metrics").status == 200
+
+
+@pytest.mark.parametrize("version", VLLM_VERSIONS)
+def test_agent_gpu_probe_reads_the_vllm_emulator(version: str, start_vllm: StartVllm) -> None:
+    """The agent's emulator probe plugin (memory, NVML's per-process list, busy time) reads the vLLM
+    emulator as it reads SGLang's; a level-1 sleep shows on it."""
+    from rljob.agent.sglang_client import SGLangClient
+    from rljob.emulator.probe import EmulatorProbe
+
+    emu = start_vllm(version, "-tp", "2")
+    emu.wait_ready()
+
+    async def read() -> tuple[list[Any], list[Any]]:
+        client = SGLangClient(
+            emu.url, api_key=None, admin_api_key=None, call_timeout_s=10, observe=lambda *_: None
+        )
+        await client.start()
+        try:
+            probe = EmulatorProbe(client)
+            return await probe.sample(), await probe.processes()
+        finally:
+            await client.close()
+
+    memory, processes = asyncio.run(read())
+    assert len(memory) == 2 and {p.gpu for p in processes} == {0, 1}
+    assert {p.pid for p in processes} == {emu.pid}
+    emu.ok("POST", "/sleep?level=1")
+    asleep, _ = asyncio.run(read())
+    freed = memory[0].used_bytes - asleep[0].used_bytes
+    assert freed == (16 + 40) << 30  # the default --weights-bytes and --kv-bytes
 
 
 # --- 1. routes and bodies ----------------------------------------------------------------------------

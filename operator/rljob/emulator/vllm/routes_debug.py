@@ -1,5 +1,5 @@
-"""`/_emulator/*`: not vLLM. The GPU probe's memory and busy-time routes (the same as the SGLang
-emulator's, so `rljob.emulator.probe:EmulatorProbe` reads either), state for tests, runtime faults, the
+"""`/_emulator/*`: not vLLM. The GPU probe's memory, per-process and busy-time routes (the SGLang
+emulator's own, so `rljob.emulator.probe:EmulatorProbe` reads either), state for tests, runtime faults, the
 call log, and a hard death of the engine core (V-DEATH-HARD)."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
+from rljob.emulator import routes_processes
 from rljob.emulator.call_log import CALL_LOG_KEY, CallLog
 from rljob.emulator.routes_debug import memory_report, utilization_report
 from rljob.emulator.vllm.client import AsyncLLM
@@ -97,3 +98,4 @@ def add_routes(app: web.Application) -> None:
     r.add_get("/_emulator/faults", get_faults)
     r.add_post("/_emulator/faults", set_faults)
     r.add_post("/_emulator/kill_engine_core", kill_engine_core)
+    routes_processes.add_routes(app, llm_of)  # NVML's per-process view, other processes' memory
