@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from agent_procs import VERSIONS, Agent, AgentDriver, Emulator, Pod, Proc
+from vllm_procs import VllmEmulator
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -21,11 +22,11 @@ def procs(request: pytest.FixtureRequest) -> Iterator[list[Proc]]:
     started: list[Proc] = []
     yield started
     may_die = request.node.get_closest_marker("emulator_may_die") is not None
-    dead = [p for p in started if isinstance(p, Emulator) and not p.alive()]
+    dead = [p for p in started if isinstance(p, Emulator | VllmEmulator) and not p.alive()]
     for p in started:
         p.stop()
     if dead and not may_die:
-        pytest.fail("SGLang emulator died during the test:\n" + dead[0].log_text()[-3000:])
+        pytest.fail(f"{dead[0].name} died during the test:\n" + dead[0].log_text()[-3000:])
 
 
 @pytest.fixture
@@ -62,3 +63,16 @@ def pod(version: str, start_emulator: Callable[..., Emulator], start_agent: Call
     """An emulator of each SGLang version with its agent, Serving. Both start at once: the agent waits."""
     emu = start_emulator(version)
     return Pod(emu, start_agent(emu))
+
+
+@pytest.fixture
+def start_vllm(procs: list[Proc], tmp_path: Path) -> Callable[..., VllmEmulator]:
+    """The vLLM emulator, stopped at teardown; one that died fails the test unless it is marked
+    `emulator_may_die`, as for SGLang's."""
+
+    def start(version: str, *flags: str, **kw: Any) -> VllmEmulator:
+        emu = VllmEmulator(tmp_path, version, *flags, **kw)
+        procs.append(emu)
+        return emu
+
+    return start

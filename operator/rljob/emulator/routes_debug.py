@@ -5,16 +5,34 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
 from rljob.emulator.call_log import CALL_LOG_KEY, CallLog
 from rljob.emulator.engine import Engine
 from rljob.emulator.http_common import LIFECYCLE_ROUTES, engine_of
+from rljob.emulator.memory import RegionBackend
 
 
-def memory_report(eng: Engine) -> dict[str, Any]:
+class _Named(Protocol):
+    @property
+    def gpu_name(self) -> str: ...
+
+
+class GpuView(Protocol):
+    """What the GPU probe's routes read: an SGLang `Engine` or the vLLM emulator's `AsyncLLM`."""
+
+    @property
+    def backend(self) -> RegionBackend: ...
+
+    @property
+    def cfg(self) -> _Named: ...
+
+    def gpu_busy_seconds(self, gpu: int) -> float: ...
+
+
+def memory_report(eng: GpuView) -> dict[str, Any]:
     b = eng.backend
     return {
         "gpus": [
@@ -30,7 +48,7 @@ def memory_report(eng: Engine) -> dict[str, Any]:
     }
 
 
-def utilization_report(eng: Engine) -> dict[str, Any]:
+def utilization_report(eng: GpuView) -> dict[str, Any]:
     """Cumulative busy seconds per GPU and the clock they are read on (the probe turns two reads into a
     busy fraction, as NVML's utilization samples are turned into one)."""
     return {

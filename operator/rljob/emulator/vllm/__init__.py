@@ -1,0 +1,7 @@
+"""A vLLM server emulator for tests, demos and benchmarks: the RL lifecycle's HTTP contract of vLLM 0.26.0
+and 0.34.0 as docs/vllm-conformance.md reads it from the wheels (the pause modes, sleep levels and tags,
+the wake order, the native weight transfer, disk reloads through /collective_rpc, the prefix-cache reset,
+the DP fan-out, /metrics), memory per GPU and region, and the same deaths, errors and silent corruptions.
+It shares the engine-neutral parts of the SGLang emulator (memory regions, the token model, the prefix
+cache, weights, faults, the GPU-probe routes, the call log).
+Run: `python -m rljob.emulator.vllm --vllm-version 0.26.0 [vllm serve flags] MODEL`."""
