@@ -365,8 +365,9 @@ def test_c_route_validation(emu: Emulator, version: str) -> None:
 
 @_params()
 def test_c_route_checker(emu: Emulator, version: str) -> None:
-    """C-ROUTE-CHECKER: 0.5.6 is POST only with `action` required; later GET|POST, action defaults."""
-    r = emu.call("POST", "/weights_checker", {"action": "checksum"})
+    """C-ROUTE-CHECKER: 0.5.6 is POST only with `action` required; later GET|POST, action defaults (to
+    checksum, which 0.5.6 does not know: C-CHECKER-CHECKSUM)."""
+    r = emu.call("POST", "/weights_checker", {"action": "snapshot"})
     assert r.status == 200 and r.body["success"] is True
     get, empty = emu.call("GET", "/weights_checker"), emu.call("POST", "/weights_checker", {})
     if version == "0.5.6":

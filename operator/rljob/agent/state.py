@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rljob.agent.errors import CommandFailed
 from rljob.agent.record import AgentRecord, Intent
@@ -30,6 +30,10 @@ from rljob.api.agent import (
 )
 from rljob.api.spec import DrainMode
 
+if TYPE_CHECKING:
+    from rljob.agent.weights_check import Held
+    from rljob.api.agent import WeightsDigest
+
 log = logging.getLogger("rljob.agent")
 
 
@@ -44,6 +48,7 @@ class ServerFacts:
     dp_size: int
     dp_attention: bool = False
     tp_size: int = 1
+    quantization: str | None = None  # --quantization: SGLang hashes dequantized weights (C-CHECKER-CHECKSUM)
 
     @property
     def weight_cache_active(self) -> bool:
@@ -60,6 +65,7 @@ class ServerFacts:
             dp_size=int(info.get("dp_size") or 1),
             dp_attention=bool(info.get("enable_dp_attention", False)),
             tp_size=int(info.get("tp_size") or 1),  # the decode roofline's bytes per GPU (docs/profiling.md)
+            quantization=str(info["quantization"]) if info.get("quantization") else None,
         )
 
 
@@ -85,6 +91,11 @@ class StateStore:
         self.refit_done: str | None = None  # the running refit's load call returned, loading this version
         self.path_version: str | None = None  # the version SGLang's model_path holds (None: unknown)
         self.intent: Intent | None = None  # a non-idempotent call announced and not closed
+        # Not in the record (a restarted agent compares without them and says so): the trainer's last digest,
+        # (version, digest or None with why), and the parameters of the agent's last look at SGLang's weights.
+        self.trainer_digest: tuple[str, WeightsDigest | None, str] | None = None
+        self.weights_held: Held | None = None
+        self.architectures: list[str] = []  # /model_info's (from 0.5.15.post1): the SDK's digest reads them
 
     # --- the record ------------------------------------------------------------------------------
 

@@ -75,7 +75,8 @@ def build_trainer_app(
         return reply(windows.init_group(await read_body(request, GROUP)), 202)
 
     async def close_window(request: web.Request) -> web.Response:
-        return reply(windows.trainer_close((await read_body(request, CLOSE)).error))
+        body = await read_body(request, CLOSE)
+        return reply(windows.trainer_close(body.error, digest=body.digest))
 
     async def report_rollout(request: web.Request) -> web.Response:
         """The trainer's count of completed samples, added to this rollout's report: the cost per rollout
