@@ -14,7 +14,7 @@ from rljob.api.status import MAX_UNMEASURED, Unmeasured, WeightsChecksum
 
 AGENT_API_VERSION = "v1"
 
-ParameterHash = Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
+ParameterHash = Annotated[str, Field(min_length=16, max_length=16, pattern=r"^[0-9a-f]{16}$")]
 """One parameter's hash as /weights_checker writes it (rljob.trainer.tensor_hash)."""
 MAX_DIGEST_PARAMETERS = 200_000
 

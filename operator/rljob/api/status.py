@@ -19,7 +19,7 @@ MAX_DIAGNOSIS = 5
 MAX_MESSAGE = 1024
 MAX_UNMEASURED = 8  # at least one entry per Signal
 
-WeightsChecksum = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+WeightsChecksum = Annotated[str, Field(min_length=64, max_length=64, pattern=r"^[0-9a-f]{64}$")]
 """What a pod's SGLang holds: sha256 (hex) over the per-GPU checksums of its /weights_checker, in (pp, tp)
 rank order (agent/weights_check.py)."""
 

@@ -20,9 +20,9 @@ from rljob.api.agent import (
 )
 from rljob.api.spec import PhaseTimeouts
 from rljob.api.status import MAX_WEIGHT_HISTORY, CommittedWeights, ConditionType, Phase
-from rljob.lifecycle import timeline
+from rljob.lifecycle import timeline, weights
 from rljob.lifecycle.conditions import set_condition
-from rljob.lifecycle.endings import fail, succeed_if_trainers_finished
+from rljob.lifecycle.endings import fail, recover, succeed_if_trainers_finished
 from rljob.lifecycle.evidence import Evidence, returned_unchanged
 from rljob.lifecycle.model import EventReason
 from rljob.lifecycle.profile import record_iteration
@@ -78,7 +78,8 @@ def _refit(step: Step, agent: AgentState, role: Role) -> Command:
     target = step.status.target_weights
     assert target is not None
     # After training each pod loads what its own trainer published; a rejoin loads the committed path.
-    rejoin = target.version == step.committed().version
+    committed = step.committed()
+    rejoin = target.version == committed.version
     path = target.path if rejoin else (agent.trainer.published_path or target.path)
     return RefitCommand(
         epoch=step.status.epoch,
@@ -88,6 +89,9 @@ def _refit(step: Step, agent: AgentState, role: Role) -> Command:
         timeout_seconds=step.spec.refit.timeout_seconds,
         # The same pods, whose trainers gave the lease back without weights: what the release discarded.
         reload=rejoin and agent.stage == Stage.TRAINED,
+        # A rejoin or reload must bring back what every pod verified when the version was committed.
+        committed_checksum=committed.checksum if rejoin else None,
+        committed_layout=committed.layout if rejoin else None,
     )
 
 
@@ -145,6 +149,28 @@ def _refit_published_version(step: Step, agents: list[AgentState]) -> None:
         version=version, path=agents[0].trainer.published_path, iteration=step.status.iteration
     )
     step.enter(Phase.REFITTING, EventReason.PHASE_CHANGED, f"every trainer published {version}")
+
+
+def _verify_weights_then_resume(step: Step, agents: list[AgentState]) -> None:
+    """Refitted: every leader's agent verified its own SGLang's weights (a mismatch failed its refit); here
+    the pods of one layout must hold the same weights at the target version, which the commit records.
+    A pod whose SGLang gave no checksum is said in a WeightsNotVerified event (and in status.pods)."""
+    target = step.status.target_weights
+    assert target is not None
+    named = step.named_leaders()
+    held = weights.held_at(named, target.version)
+    odd = weights.disagreement(held, target.version)
+    if odd is not None:
+        step.event(EventReason.WEIGHTS_MISMATCH, odd, warning=True)
+        recover(step, f"weights mismatch: {odd}", EventReason.WEIGHTS_MISMATCH)
+        return
+    both = weights.agreed(held)
+    if both is not None:
+        step.status.target_weights = target.model_copy(update={"checksum": both[0], "layout": both[1]})
+    why = weights.unverified(named, target.version)
+    if why is not None:
+        step.event(EventReason.WEIGHTS_NOT_VERIFIED, why, warning=True)
+    step.enter(Phase.RESUMING, EventReason.PHASE_CHANGED)
 
 
 def _commit_and_open_rollout(step: Step, agents: list[AgentState]) -> None:
@@ -214,15 +240,30 @@ def _delete_gang_then_suspend(step: Step, agents: list[AgentState]) -> None:
         step.event(EventReason.PODS_DELETED, "deleting the gang to suspend")
 
 
-def _commit(step: Step, weights: CommittedWeights) -> None:
+def _commit(step: Step, committed: CommittedWeights) -> None:
     """Invariant 6: weightVersion is written only here, after every pod served it, and never repeats."""
     st = step.status
-    if st.weight_version == weights.version:
+    if st.weight_version == committed.version:
+        last = st.weight_history[-1] if st.weight_history else None
+        if (
+            last is not None
+            and last.version == committed.version
+            and last.checksum is None
+            and committed.checksum
+        ):
+            st.weight_history = [*st.weight_history[:-1], last.model_copy(update=_checksum_of(committed))]
         return
-    entry = weights.model_copy(update={"committed_at": step.now})
-    st.weight_version = weights.version
+    entry = committed.model_copy(update={"committed_at": step.now})
+    st.weight_version = committed.version
     st.weight_history = ([*st.weight_history, entry])[-MAX_WEIGHT_HISTORY:]
-    step.event(EventReason.WEIGHTS_COMMITTED, f"weights {weights.version} served and verified on every pod")
+    held = f" (checksum {committed.checksum[:16]}, {committed.layout})" if committed.checksum else ""
+    step.event(
+        EventReason.WEIGHTS_COMMITTED, f"weights {committed.version} served and verified on every pod{held}"
+    )
+
+
+def _checksum_of(w: CommittedWeights) -> dict[str, str | None]:
+    return {"checksum": w.checksum, "layout": w.layout}
 
 
 LOCK_STEPS: dict[Phase, LockStep] = {
@@ -257,7 +298,7 @@ LOCK_STEPS: dict[Phase, LockStep] = {
         command=_refit,
         varies=lambda agent: agent.trainer.published_path,
         evidence=Evidence.SERVES_TARGET,
-        then=_advance_to(Phase.RESUMING),
+        then=_verify_weights_then_resume,
         after_leader=True,
     ),
     Phase.RESUMING: LockStep(

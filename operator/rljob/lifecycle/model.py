@@ -109,6 +109,8 @@ class EventReason(StrEnum):
     TRAINERS_FINISHED = "TrainersFinished"  # every trainer container exited 0: the job is done
     TRAINER_FINISHED_EARLY = "TrainerFinishedEarly"  # a trainer exited 0 while another wants an iteration
     NO_NEW_WEIGHTS = "NoNewWeights"  # the trainers returned the lease without weights: committed again
+    WEIGHTS_MISMATCH = "WeightsMismatch"  # a pod holds other weights than it must (lifecycle/weights.py)
+    WEIGHTS_NOT_VERIFIED = "WeightsNotVerified"  # a pod's SGLang gave no checksum of its weights
 
 
 @dataclass(frozen=True)

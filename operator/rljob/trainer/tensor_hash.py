@@ -17,9 +17,9 @@ splitmix64's finalizer. An empty tensor hashes to 0. `/weights_checker` writes i
 (…/utils/weight_checker.py:177-178@0.5.15.post1). A list of tensors hashes as their flattened
 concatenation, which is how a fused parameter (qkv_proj = q, k, v) is reproduced from its parts.
 
-Two implementations, both exact: numpy (`hash_words`, for bytes on the CPU; the emulator's accounting
-backend and checkpoints read from disk) and torch (`hash_tensor`, any device: a trainer's CUDA tensors),
-whose products are split so that no intermediate leaves int64. tests/unit/test_tensor_hash.py holds both
+Two implementations, both exact: numpy (`hash_words`, for bytes on the CPU: checkpoints read from disk)
+and torch (`hash_tensor`, any device: a trainer's CUDA tensors), whose products are split so that no
+intermediate leaves int64. tests/unit/test_tensor_hash.py holds both
 against SGLang's own kernel source, run by Triton's interpreter.
 """
 
