@@ -32,8 +32,8 @@ from rljob.agent.refit_window import RefitWindows
 from rljob.agent.sglang_client import SGLangClient, SGLangError, SGLangUnreachable
 from rljob.agent.state import StateStore
 from rljob.agent.transitions import refit_path
-from rljob.agent.weights_check import WEIGHTS_MISMATCH, Expected, judge, unverified
-from rljob.agent.weights_look import look, timed
+from rljob.agent.weights_check import WEIGHTS_MISMATCH, Expected, Held, judge, unverified
+from rljob.agent.weights_look import Look, look, timed
 from rljob.api.agent import (
     AgentState,
     DrainCommand,
@@ -417,6 +417,11 @@ class Operations:
         discarded = bool(self._released(ReleaseTag.WEIGHTS)) and not (facts and facts.weights_cpu_backup)
         # Multi-stage resume: weights (and graphs) now, kv_cache only at resume; the engine stays paused.
         await self._resume_tags(self._released(ReleaseTag.CUDA_GRAPH, ReleaseTag.WEIGHTS), dl)
+        # What the resumed (discarded) weights hold before the load: new weights that hash the same moved
+        # nothing. Weights the release kept are the previous version's: their checksum is known.
+        before = None
+        if new_weights and discarded and self.store.refit_done != cmd.version:
+            before = await look(self.client, weights_released=False, timeout=max(1.0, dl.remaining()))
         reloaded: str | None = None
         try:
             if cmd.reload:
@@ -438,7 +443,7 @@ class Operations:
             raise CommandFailed(
                 f"SGLang serves weight_version {served!r} after the refit, expected {cmd.version!r}"
             )
-        weights = await self._check_weights(cmd, new_weights, dl)
+        weights = await self._check_weights(cmd, new_weights, before, dl)
 
         loaded = reloaded if cmd.reload else (path if cmd.source == RefitSource.DISK else None)
 
@@ -452,18 +457,24 @@ class Operations:
 
         return record
 
-    async def _check_weights(self, cmd: RefitCommand, new_weights: bool, dl: Deadline) -> WeightsCheck:
+    async def _check_weights(
+        self, cmd: RefitCommand, new_weights: bool, before: Look | None, dl: Deadline
+    ) -> WeightsCheck:
         """What SGLang holds now, by content, held against what it must be (agent/weights_check.py): a
         mismatch fails the refit (WeightsMismatch) naming the parameters, so rollout never opens on them.
-        Where no checksum can be taken, the report says "weights not verified: <reason>"."""
-        started = time.perf_counter()
+        Where no checksum can be taken, the report says "weights not verified: <reason>". `before`: the
+        look at the discarded weights before the load."""
+        started = time.perf_counter() - (before.seconds if before is not None else 0.0)
         released = ReleaseTag.WEIGHTS in self.store.state.released_tags
         seen = await look(self.client, released, timeout=max(1.0, dl.remaining()))
         if seen.held is None:
             return timed(unverified(str(seen.why), cmd.version), seen, started)
-        verdict = judge(seen.held, self._expected(cmd, new_weights))
+        want = self._expected(cmd, new_weights, before.held if before is not None else None)
+        verdict = judge(seen.held, want)
         self.store.weights_held = seen.held
         report = timed(verdict.report(seen.held, cmd.version), seen, started)
+        if before is not None:
+            report.checker_seconds = round((report.checker_seconds or 0.0) + before.seconds, 6)
         log.info(
             "weights checked at %s: checksum %s, %d parameters, checker %.1f ms, check %.1f ms, %s",
             cmd.version,
@@ -479,7 +490,7 @@ class Operations:
             raise CommandFailed(f"{WEIGHTS_MISMATCH}: {'; '.join(verdict.failures)}", reason=WEIGHTS_MISMATCH)
         return report
 
-    def _expected(self, cmd: RefitCommand, new_weights: bool) -> Expected:
+    def _expected(self, cmd: RefitCommand, new_weights: bool, before_load: Held | None) -> Expected:
         facts = self.store.facts
         given = self.store.trainer_digest
         digest, no_digest = None, f"the trainer gave no digest for {cmd.version}"
@@ -493,6 +504,7 @@ class Operations:
             no_digest=no_digest,
             previous=self.store.state.sglang.weights,
             previous_held=self.store.weights_held,
+            before_load=before_load,
             committed_checksum=cmd.committed_checksum,
             committed_layout=cmd.committed_layout,
             whole_tensors=(

@@ -139,6 +139,9 @@ class Expected:
     no_digest: str = "the trainer gave no digest"  # why `digest` is None
     previous: WeightsCheck | None = None  # the agent's last look, before this refit
     previous_held: Held | None = None  # its parameters (lost when the agent restarted)
+    before_load: Held | None = (
+        None  # the resumed weights right before the load, where the release discarded them
+    )
     committed_checksum: str | None = None
     committed_layout: str | None = None
     whole_tensors: str | None = None  # why SGLang's parameters are not whole tensors (quantized), or None
@@ -236,6 +239,10 @@ def _trainer(held: Held, want: Expected, v: Verdict) -> bool:
 
 
 def _previous(held: Held, want: Expected, v: Verdict, trainer_held: bool) -> None:
+    if want.new_weights and want.before_load is not None:
+        _moved(held, want.before_load, want.version, "before the load (the weights the release left)", v,
+               trainer_held)  # fmt: skip
+        return
     prev = want.previous
     if prev is None or prev.checksum is None:
         v.not_checked.append(
@@ -254,15 +261,7 @@ def _previous(held: Held, want: Expected, v: Verdict, trainer_held: bool) -> Non
                 f"not compared with the weights before the refit: they were already {want.version}"
             )
             return
-        if same and not trainer_held:
-            v.failures.append(
-                f"SGLang holds the same weights after the refit to {want.version} as before it (version "
-                f"{prev.version}, checksum {held.checksum[:16]}): the load answered success and moved nothing"
-            )
-            return
-        v.checked.append(WeightsComparison.PREVIOUS)
-        if same:
-            v.not_checked.append(f"unchanged from {prev.version}, as the trainer's digest says")
+        _moved(held, None, want.version, f"before it (version {prev.version})", v, trainer_held, same)
         return
     if prev.version != want.version:
         v.not_checked.append(f"not compared with the weights before the refit: they were {prev.version}")
@@ -279,6 +278,29 @@ def _previous(held: Held, want: Expected, v: Verdict, trainer_held: bool) -> Non
         )
         return
     v.checked.append(WeightsComparison.PREVIOUS)
+
+
+def _moved(
+    held: Held,
+    before: Held | None,
+    version: str,
+    when: str,
+    v: Verdict,
+    trainer_held: bool,
+    same: bool | None = None,
+) -> None:
+    """New weights must differ from what SGLang held before the load, unless the trainer's digest says so."""
+    if same is None:
+        same = before is not None and before.checksum == held.checksum
+    if same and not trainer_held:
+        v.failures.append(
+            f"SGLang holds the same weights after the refit to {version} as {when} (checksum "
+            f"{held.checksum[:16]}): the load answered success and moved nothing"
+        )
+        return
+    v.checked.append(WeightsComparison.PREVIOUS)
+    if same:
+        v.not_checked.append(f"the same weights as {when}, as the trainer's digest says")
 
 
 def _committed(held: Held, want: Expected, v: Verdict) -> None:
