@@ -471,7 +471,8 @@ class Operations:
             return timed(unverified(str(seen.why), cmd.version), seen, started)
         want = self._expected(cmd, new_weights, before.held if before is not None else None)
         verdict = judge(seen.held, want)
-        self.store.weights_held = seen.held
+        if not verdict.failures:  # what later checks compare with: verified weights only
+            self.store.weights_held = seen.held
         report = timed(verdict.report(seen.held, cmd.version), seen, started)
         if before is not None:
             report.checker_seconds = round((report.checker_seconds or 0.0) + before.seconds, 6)
@@ -500,6 +501,7 @@ class Operations:
         return Expected(
             version=cmd.version,
             new_weights=new_weights,
+            reload=cmd.reload,
             digest=digest,
             no_digest=no_digest,
             previous=self.store.state.sglang.weights,

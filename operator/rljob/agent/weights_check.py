@@ -145,6 +145,7 @@ class Expected:
     committed_checksum: str | None = None
     committed_layout: str | None = None
     whole_tensors: str | None = None  # why SGLang's parameters are not whole tensors (quantized), or None
+    reload: bool = False  # the committed version again after a lease without weights: what was there before
 
 
 @dataclass
@@ -161,6 +162,7 @@ class Verdict:
             parameters=held.parameters,
             checked=list(dict.fromkeys(self.checked)),
             unverified="; ".join(self.not_checked)[:1024] or None,
+            mismatch="; ".join(self.failures)[:1024] or None,
         )
 
 
@@ -243,11 +245,16 @@ def _previous(held: Held, want: Expected, v: Verdict, trainer_held: bool) -> Non
         _moved(held, want.before_load, want.version, "before the load (the weights the release left)", v,
                trainer_held)  # fmt: skip
         return
+    if not want.new_weights and not want.reload:
+        return  # a rejoin: the committed checksum says what it must hold (_committed)
     prev = want.previous
     if prev is None or prev.checksum is None:
         v.not_checked.append(
             "not compared with the weights before the refit: the agent took no checksum then"
         )
+        return
+    if prev.mismatch is not None:
+        v.not_checked.append("not compared with the weights before the refit: they failed their own check")
         return
     if prev.layout != held.layout:
         v.not_checked.append(

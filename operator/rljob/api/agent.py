@@ -195,6 +195,12 @@ class WeightsCheck(WireModel):
         description="What was not compared and why: `weights not verified: <reason>` when no checksum was "
         "taken, else the comparisons left out.",
     )
+    mismatch: str | None = Field(
+        default=None,
+        max_length=1024,
+        description="What did not hold (the refit failed WeightsMismatch); a later check does not hold "
+        "weights to these.",
+    )
     checker_seconds: float | None = Field(
         default=None, ge=0, description="The /weights_checker call's wall time."
     )
