@@ -30,6 +30,7 @@ from rljob.api.agent import (
     SGLangInfo,
     Stage,
     TrainerReport,
+    WeightsCheck,
 )
 from rljob.api.spec import RLJobSpec
 from rljob.api.status import Phase, RLJobStatus
@@ -80,6 +81,7 @@ class FakeAgent:
     refusals: list[str] = field(default_factory=list)
     release_calls: list[tuple[str, ...]] = field(default_factory=list)
     node_rank: int = 0
+    weights: WeightsCheck | None = None  # the agent's last checksum of SGLang's weights
 
     def report(self) -> AgentState:
         return AgentState(
@@ -97,6 +99,7 @@ class FakeAgent:
                 weight_cache_mode=self.weight_cache_mode,
                 served_version=self.served_version,
                 paused=self.stage not in (Stage.SERVING, Stage.STARTING),
+                weights=self.weights,
             ),
             trainer=TrainerReport(
                 requested=self.requested,
