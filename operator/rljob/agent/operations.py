@@ -418,9 +418,15 @@ class Operations:
         # Multi-stage resume: weights (and graphs) now, kv_cache only at resume; the engine stays paused.
         await self._resume_tags(self._released(ReleaseTag.CUDA_GRAPH, ReleaseTag.WEIGHTS), dl)
         # What the resumed (discarded) weights hold before the load: new weights that hash the same moved
-        # nothing. Weights the release kept are the previous version's: their checksum is known.
+        # nothing. Weights the release kept are the previous version's: their checksum is known. A disk
+        # load with a usable digest needs no look: garbage left in place fails the digest.
         before = None
-        if new_weights and discarded and self.store.refit_done != cmd.version:
+        if (
+            new_weights
+            and discarded
+            and self.store.refit_done != cmd.version
+            and not self._digest_decides(cmd)
+        ):
             before = await look(self.client, weights_released=False, timeout=max(1.0, dl.remaining()))
         reloaded: str | None = None
         try:
@@ -490,6 +496,21 @@ class Operations:
                 s.sglang.weights = report
             raise CommandFailed(f"{WEIGHTS_MISMATCH}: {'; '.join(verdict.failures)}", reason=WEIGHTS_MISMATCH)
         return report
+
+    def _digest_decides(self, cmd: RefitCommand) -> bool:
+        """A disk refit whose published digest will be compared parameter by parameter (TP 1, not
+        quantized): a load that moved nothing leaves what the digest is not."""
+        given, facts = self.store.trainer_digest, self.store.facts
+        return (
+            cmd.source == RefitSource.DISK
+            and given is not None
+            and given[0] == cmd.version
+            and given[1] is not None
+            and not given[1].unavailable
+            and facts is not None
+            and facts.tp_size == 1
+            and facts.quantization is None
+        )
 
     def _expected(self, cmd: RefitCommand, new_weights: bool, before_load: Held | None) -> Expected:
         facts = self.store.facts
