@@ -47,13 +47,13 @@ def test_the_agreed_checksum_is_committed_and_a_rejoin_must_bring_it_back() -> N
     for agent in world.agents.values():
         agent.weights = held("1", X, checked=CHECKED)
     world.settle()  # -> Resuming
-    assert world.status.target_weights is not None and world.status.target_weights.checksum == X
+    assert world.status.target_weights is not None and world.status.target_weights.weights_checksum == X
     pods = {p.name: p for p in world.status.pods}
     assert pods["job-0"].weights_checksum == X
     assert pods["job-0"].weights == "verified: trainer digest, previous weights, 1 other pod"
     world.settle()  # -> Rollout of iteration 2
     committed = world.status.weight_history[-1]
-    assert (committed.version, committed.checksum, committed.layout) == ("1", X, "tp1 pp1")
+    assert (committed.version, committed.weights_checksum, committed.weights_layout) == ("1", X, "tp1 pp1")
     commits = [e for d in world.decisions for e in d.events if e.reason == EventReason.WEIGHTS_COMMITTED]
     assert "checksum 1111111111111111, tp1 pp1" in commits[-1].message
     world.pods["job-1"].broken = "container trainer terminated (exit 1)"

@@ -89,12 +89,12 @@ class CommittedWeights(StatusModel):
     path: str | None = Field(default=None, max_length=1024)
     iteration: int = Field(ge=0)
     committed_at: str | None = Field(default=None, max_length=64)
-    checksum: WeightsChecksum | None = Field(
+    weights_checksum: WeightsChecksum | None = Field(
         default=None,
-        description="What every pod of `layout` held at this version, verified after its refit; a rejoin or "
-        "a reload of this version must hold the same. Unset where SGLang gives no checksum.",
+        description="What every pod of `weightsLayout` held at this version, verified after its refit; a "
+        "rejoin or a reload of this version must hold the same. Unset where SGLang gives no checksum.",
     )
-    layout: str | None = Field(
+    weights_layout: str | None = Field(
         default=None, max_length=64, description="SGLang's parallel layout, e.g. `tp1 pp1`."
     )
 

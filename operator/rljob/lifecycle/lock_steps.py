@@ -90,8 +90,8 @@ def _refit(step: Step, agent: AgentState, role: Role) -> Command:
         # The same pods, whose trainers gave the lease back without weights: what the release discarded.
         reload=rejoin and agent.stage == Stage.TRAINED,
         # A rejoin or reload must bring back what every pod verified when the version was committed.
-        committed_checksum=committed.checksum if rejoin else None,
-        committed_layout=committed.layout if rejoin else None,
+        committed_checksum=committed.weights_checksum if rejoin else None,
+        committed_layout=committed.weights_layout if rejoin else None,
     )
 
 
@@ -166,7 +166,9 @@ def _verify_weights_then_resume(step: Step, agents: list[AgentState]) -> None:
         return
     both = weights.agreed(held)
     if both is not None:
-        step.status.target_weights = target.model_copy(update={"checksum": both[0], "layout": both[1]})
+        step.status.target_weights = target.model_copy(
+            update={"weights_checksum": both[0], "weights_layout": both[1]}
+        )
     why = weights.unverified(named, target.version)
     if why is not None:
         step.event(EventReason.WEIGHTS_NOT_VERIFIED, why, warning=True)
@@ -248,22 +250,26 @@ def _commit(step: Step, committed: CommittedWeights) -> None:
         if (
             last is not None
             and last.version == committed.version
-            and last.checksum is None
-            and committed.checksum
+            and last.weights_checksum is None
+            and committed.weights_checksum
         ):
             st.weight_history = [*st.weight_history[:-1], last.model_copy(update=_checksum_of(committed))]
         return
     entry = committed.model_copy(update={"committed_at": step.now})
     st.weight_version = committed.version
     st.weight_history = ([*st.weight_history, entry])[-MAX_WEIGHT_HISTORY:]
-    held = f" (checksum {committed.checksum[:16]}, {committed.layout})" if committed.checksum else ""
+    held = (
+        f" (checksum {committed.weights_checksum[:16]}, {committed.weights_layout})"
+        if committed.weights_checksum
+        else ""
+    )
     step.event(
         EventReason.WEIGHTS_COMMITTED, f"weights {committed.version} served and verified on every pod{held}"
     )
 
 
 def _checksum_of(w: CommittedWeights) -> dict[str, str | None]:
-    return {"checksum": w.checksum, "layout": w.layout}
+    return {"weights_checksum": w.weights_checksum, "weights_layout": w.weights_layout}
 
 
 LOCK_STEPS: dict[Phase, LockStep] = {

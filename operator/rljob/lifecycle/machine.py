@@ -228,8 +228,10 @@ def _open_at_committed_weights(step: Step) -> None:
     wrong = _not_the_committed_weights(step, committed) if labelled else None
     if labelled and wrong is None:
         held = weights.agreed(weights.held_at(step.named_leaders(), committed.version))
-        if held is not None and committed.checksum is None:  # recorded when the commit is
-            st.target_weights = committed.model_copy(update={"checksum": held[0], "layout": held[1]})
+        if held is not None and committed.weights_checksum is None:  # recorded when the commit is
+            st.target_weights = committed.model_copy(
+                update={"weights_checksum": held[0], "weights_layout": held[1]}
+            )
         step.enter(Phase.RESUMING, EventReason.PHASE_CHANGED, f"every pod serves {committed.version}")
         return
     if committed.path is None and step.spec.refit.source.value == "disk":
@@ -263,7 +265,7 @@ def _not_the_committed_weights(step: Step, committed: CommittedWeights) -> str |
         pods = ", ".join(h.pod for h in wrong[:4])
         return (
             f"{pods} serve{'s' if len(wrong) == 1 else ''} weights labelled {committed.version} that are not "
-            f"its (checksum {wrong[0].checksum[:16]}, committed {str(committed.checksum)[:16]})"
+            f"its (checksum {wrong[0].checksum[:16]}, committed {str(committed.weights_checksum)[:16]})"
         )
     return weights.disagreement(held, committed.version)
 

@@ -66,9 +66,11 @@ def agreed(held: list[Held]) -> tuple[str, str] | None:
 
 def differs_from_committed(held: list[Held], committed: CommittedWeights) -> list[Held]:
     """The pods of the committed checksum's layout that hold other weights."""
-    if committed.checksum is None:
+    if committed.weights_checksum is None:
         return []
-    return [h for h in held if h.layout == committed.layout and h.checksum != committed.checksum]
+    return [
+        h for h in held if h.layout == committed.weights_layout and h.checksum != committed.weights_checksum
+    ]
 
 
 def unverified(leaders: Iterable[tuple[str, AgentState | None]], version: str | None) -> str | None:
