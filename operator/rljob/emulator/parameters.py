@@ -7,16 +7,16 @@ each tensor is a parameter of its own name). A disk load replaces every paramete
 (the emulator's model is its checkpoint); a push writes the parameters it names, a fused one part by part.
 Each parameter keeps its parts' bytes (bytes or numpy arrays read from a file, a slice of the weights
 region with the cuda backend) and is hashed with SGLang's function (rljob.trainer.tensor_hash) when first
-asked for. A release without CPU backup leaves every parameter garbage (C-MEM-RELEASE-ORDER), as it leaves
-the region's contents; a tensor the accounting backend cannot read behind its IPC handle (no bytes shared
-with it: tensor_refit.py) holds stand-in bytes derived from its handle, so equal pushes hold equal weights.
+asked for. A release without CPU backup leaves every parameter garbage (C-MEM-RELEASE-ORDER): what the
+resumed region holds with the cuda backend, zeros with the accounting one. A tensor the accounting backend
+cannot read behind its IPC handle (no bytes shared with it: tensor_refit.py) holds bytes standing for the
+handle's tensor at the refit's version, so equal pushes of one version hold equal weights.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import secrets
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -106,9 +106,11 @@ class Parameters:
                 self._cache.pop(name, None)
 
     def lose_contents(self) -> None:
-        """A release without CPU backup: what a resume brings back is not what was there."""
+        """A release without CPU backup: what a resume brings back is not what was there. A part in the
+        weights region (the cuda backend) reads what the resumed memory holds; the accounting backend's
+        resumed memory reads as zeros, on every pod alike (fresh pages; SGLang does not say)."""
         for name, parts in self._parts.items():
-            self._parts[name] = [secrets.token_bytes(16) for _ in parts]
+            self._parts[name] = [p if _in_region(p) else bytes(_nbytes(p)) for p in parts]
         self._cache = {}
 
     def copy_from(self, other: Parameters) -> None:
@@ -134,7 +136,13 @@ class Parameters:
         return known
 
 
+def _in_region(p: Part) -> bool:
+    return type(p).__module__.startswith("torch")
+
+
 def _nbytes(p: Part) -> int:
+    if p is None or isinstance(p, Unseen):
+        return 0
     if isinstance(p, bytes | bytearray | memoryview):
         return len(p)
     if hasattr(p, "nbytes"):
