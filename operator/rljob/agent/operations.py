@@ -402,7 +402,8 @@ class Operations:
     async def refit(self, cmd: RefitCommand) -> Record:
         dl = Deadline(cmd.timeout_seconds)
         path = refit_path(cmd, self.store.state)
-        new_weights = self.store.state.stage == Stage.TRAINED and not cmd.reload  # a rejoin or reload is not
+        # New weights come from a trainer's publish; a rejoin or a reload brings back the committed ones.
+        new_weights = self.store.state.stage == Stage.TRAINED and not cmd.reload
         unpaused = self.store.state.stage in (Stage.READY, Stage.SERVING)
         if unpaused:  # rejoin after recovery: drain first
             await self._pause(DrainMode.ABORT, dl)
