@@ -365,14 +365,68 @@ def test_c_route_validation(emu: Emulator, version: str) -> None:
 
 @_params()
 def test_c_route_checker(emu: Emulator, version: str) -> None:
-    """C-ROUTE-CHECKER: 0.5.6 is POST only with `action` required; later GET|POST, action defaults."""
-    r = emu.call("POST", "/weights_checker", {"action": "checksum"})
+    """C-ROUTE-CHECKER: 0.5.6 is POST only with `action` required; later GET|POST, action defaults (to
+    checksum, which 0.5.6 does not know: C-CHECKER-CHECKSUM)."""
+    r = emu.call("POST", "/weights_checker", {"action": "snapshot"})
     assert r.status == 200 and r.body["success"] is True
     get, empty = emu.call("GET", "/weights_checker"), emu.call("POST", "/weights_checker", {})
     if version == "0.5.6":
         assert get.status == 405 and empty.status == 400
     else:
         assert get.status == 200 and empty.status == 200
+
+
+@_params()
+def test_c_checker_checksum_and_c_checker_hash(emu: Emulator, version: str, tmp_path: Path) -> None:
+    """C-CHECKER-CHECKSUM: the checksum action from 0.5.15.post1, one entry per GPU with each parameter's
+    hash (C-CHECKER-HASH: SGLang's tensor_hash of what was loaded) and the sha256 over sorted (name, hash);
+    0.5.6 answers 400 "Unsupported action='checksum'". An action no version knows is the same 400."""
+    import hashlib
+
+    from rljob.trainer.digest import checkpoint_digest
+
+    unknown = emu.call("POST", "/weights_checker", {"action": "audit"})
+    assert unknown.status == 400 and unknown.body == {
+        "success": False,
+        "message": "Unsupported action='audit'",
+    }
+    r = emu.call("POST", "/weights_checker", {"action": "checksum"})
+    if version == "0.5.6":
+        assert r.status == 400 and r.body == {"success": False, "message": "Unsupported action='checksum'"}
+        return
+    ckpt = write_weights(tmp_path, "7")
+    assert emu.call("POST", "/update_weights_from_disk", {"model_path": str(ckpt)}).status == 200
+    r = emu.call("POST", "/weights_checker", {"action": "checksum"})
+    assert r.status == 200 and r.body["success"] is True and r.body["message"] == "Success."
+    (rank,) = r.body["ranks"]
+    assert list(rank) == ["checksums", "per_gpu_checksum", "parallelism_info"]
+    assert rank["checksums"] == checkpoint_digest(ckpt).parameters
+    h = hashlib.sha256()
+    for name in sorted(rank["checksums"]):
+        h.update(name.encode() + rank["checksums"][name].encode())
+    assert rank["per_gpu_checksum"] == h.hexdigest()
+    assert r.body["per_engine_checksum"] == hashlib.sha256(h.hexdigest().encode()).hexdigest()
+    place = rank["parallelism_info"]
+    if version in ("0.5.21", "0.5.23"):  # a list, one entry per role
+        (place,) = place
+        assert place.pop("role") == "target"
+    assert place == {"tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
+                     "rank": 0, "size": 1}  # fmt: skip
+
+
+@_params()
+def test_c_checker_layout(dp: Emulator, version: str) -> None:
+    """C-CHECKER-LAYOUT: every DP rank answers with its own entry (whole replicas: the same hashes)."""
+    r = dp.call("POST", "/weights_checker", {"action": "checksum"})
+    if version == "0.5.6":
+        assert r.status == 400 and r.body["message"] == " | ".join(["Unsupported action='checksum'"] * 2)
+        return
+    assert r.status == 200 and r.body["message"] == "Success. | Success."
+    ranks = r.body["ranks"]
+    places = [x["parallelism_info"][0] if isinstance(x["parallelism_info"], list) else x["parallelism_info"]
+              for x in ranks]  # fmt: skip
+    assert [(p["dp_rank"], p["dp_size"]) for p in places] == [(0, 2), (1, 2)]
+    assert ranks[0]["per_gpu_checksum"] == ranks[1]["per_gpu_checksum"]
 
 
 @_params()
@@ -823,6 +877,16 @@ def test_c_refit_flush_retract(start_emulator: Callable[..., Emulator], tmp_path
 
 
 @pytest.mark.emulator_may_die
+def test_c_checker_released(start_emulator: Callable[..., Emulator]) -> None:
+    """C-CHECKER-RELEASED: a checksum with the weights released reads unmapped memory: fatal."""
+    emu = start_emulator("0.5.23", wait_ready=True)
+    assert emu.call("POST", "/pause_generation", {"mode": "abort"}).status == 200
+    assert emu.call("POST", "/release_memory_occupation", {"tags": ["weights"]}).status == 200
+    _dropped(emu, "POST", "/weights_checker", {"action": "checksum"})
+    _dies(emu, "an illegal memory access was encountered")
+
+
+@pytest.mark.emulator_may_die
 def test_c_mem_double_release_and_c_death_hard(start_emulator: Callable[..., Emulator]) -> None:
     """C-MEM-DOUBLE-RELEASE: a second release of a released tag makes torch_memory_saver exit(1) in the
     scheduler. From 0.5.10 the watchdog takes the server down; on 0.5.6 (C-DEATH-HARD) HTTP stays up,
@@ -1171,7 +1235,8 @@ def test_v10_routes(v10: Emulator) -> None:
     assert "weight_version" in v10.call("GET", "/model_info").body
     assert v10.call("GET", "/weights_checker").status == 405
     assert v10.call("POST", "/weights_checker", {}).status == 400
-    assert v10.call("POST", "/weights_checker", {"action": "checksum"}).status == 200
+    assert v10.call("POST", "/weights_checker", {"action": "snapshot"}).status == 200
+    assert v10.call("POST", "/weights_checker", {"action": "checksum"}).status == 400  # C-CHECKER-CHECKSUM
     assert v10.call("GET", "/ready").status == 404
     push = {"serialized_named_tensors": [local_serialized_push("0.5.6")], "flush_cache": False}
     r = v10.call("POST", "/update_weights_from_tensor", push)

@@ -31,6 +31,7 @@ from rljob.api.agent import (
     SGLangInfo,
     Stage,
     TrainerReport,
+    WeightsCheck,
 )
 from rljob.api.spec import RLJobSpec
 from rljob.api.status import Phase, RLJobStatus
@@ -83,6 +84,7 @@ class FakeAgent:
     release_calls: list[tuple[str, ...]] = field(default_factory=list)
     node_rank: int = 0
     headroom: ResumeHeadroom | None = None  # the headroom gate of its last resume (agent/headroom.py)
+    weights: WeightsCheck | None = None  # the agent's last checksum of SGLang's weights
 
     def report(self) -> AgentState:
         return AgentState(
@@ -100,6 +102,7 @@ class FakeAgent:
                 weight_cache_mode=self.weight_cache_mode,
                 served_version=self.served_version,
                 paused=self.stage not in (Stage.SERVING, Stage.STARTING),
+                weights=self.weights,
             ),
             trainer=TrainerReport(
                 requested=self.requested,

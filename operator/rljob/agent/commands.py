@@ -102,13 +102,14 @@ class CommandDesk:
         started = time.monotonic()
         error: str | None = None
         permanent: PermanentFailure | None = None
+        reason: str | None = None
         with measure_external() as external:
             try:
                 await self._actions.execute(cmd)
             except PermanentFailure as e:
-                error, permanent = str(e), e
+                error, permanent, reason = str(e), e, e.reason
             except CommandFailed as e:
-                error = str(e)
+                error, reason = str(e), e.reason
             except StateLost as e:
                 error = str(e)
                 self._store.fail(error)
@@ -137,6 +138,6 @@ class CommandDesk:
             s.last_command.state = CommandState.FAILED if error else CommandState.SUCCEEDED
             s.last_command.error = error[:1024] if error else None
             s.last_command.permanent = permanent is not None
-            s.last_command.failure_reason = permanent.reason if permanent else None
+            s.last_command.failure_reason = reason
             s.last_command.seconds = seconds
             s.last_command.sglang_seconds = min(seconds, external[0])

@@ -24,7 +24,12 @@ def forbidden_by_launch(error: str, reason: str) -> Refused:
 
 
 class CommandFailed(Exception):
-    """A command ran and did not reach its target stage; the agent is still consistent."""
+    """A command ran and did not reach its target stage; the agent is still consistent. `reason`: a typed
+    name the command's status carries (CommandStatus.failure_reason), e.g. WeightsMismatch."""
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class PermanentFailure(CommandFailed):
@@ -32,8 +37,7 @@ class PermanentFailure(CommandFailed):
     status says `permanent` with `reason`, and the operator fails the job instead of restarting it."""
 
     def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
+        super().__init__(message, reason)
 
 
 class StateLost(Exception):

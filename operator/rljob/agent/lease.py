@@ -63,6 +63,8 @@ class LeaseDesk:
             return self._report()  # the same publish again: its answer was lost (the agent restarted)
         if not st.trainer.lease_held:
             raise conflict("NoLease", "publish needs the GPU lease (wait for it with GET /v1/trainer/lease)")
+        why = "the trainer gave no digest with its publish (Lease.publish(version, path, digest=...))"
+        self._store.trainer_digest = (req.version, req.digest, why)
         with self._store.change(stage=Stage.TRAINED) as s:
             s.trainer.published_version = req.version
             s.trainer.published_path = req.path

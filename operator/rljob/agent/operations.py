@@ -33,6 +33,8 @@ from rljob.agent.refit_window import RefitWindows
 from rljob.agent.sglang_client import SGLangClient, SGLangError, SGLangUnreachable
 from rljob.agent.state import StateStore
 from rljob.agent.transitions import refit_path
+from rljob.agent.weights_check import WEIGHTS_MISMATCH, Expected, Held, judge, unverified
+from rljob.agent.weights_look import Look, look, timed
 from rljob.api.agent import (
     AgentState,
     DrainCommand,
@@ -43,6 +45,7 @@ from rljob.api.agent import (
     ResumeCommand,
     RolloutReport,
     Stage,
+    WeightsCheck,
 )
 from rljob.api.spec import DrainMode, RefitSource, ReleaseTag, ReleaseVerify
 
@@ -407,6 +410,8 @@ class Operations:
     async def refit(self, cmd: RefitCommand) -> Record:
         dl = Deadline(cmd.timeout_seconds)
         path = refit_path(cmd, self.store.state)
+        # New weights come from a trainer's publish; a rejoin or a reload brings back the committed ones.
+        new_weights = self.store.state.stage == Stage.TRAINED and not cmd.reload
         unpaused = self.store.state.stage in (Stage.READY, Stage.SERVING)
         if unpaused:  # rejoin after recovery: drain first
             await self._pause(DrainMode.ABORT, dl)
@@ -423,6 +428,17 @@ class Operations:
             self.store.reload_owed = cmd.version
         # Multi-stage resume: weights (and graphs) now, kv_cache only at resume; the engine stays paused.
         await self._resume_tags(self._released(ReleaseTag.CUDA_GRAPH, ReleaseTag.WEIGHTS), dl)
+        # What the resumed (discarded) weights hold before the load: new weights that hash the same moved
+        # nothing. Weights the release kept are the previous version's: their checksum is known. A disk
+        # load with a usable digest needs no look: garbage left in place fails the digest.
+        before = None
+        if (
+            new_weights
+            and discarded
+            and self.store.refit_done != cmd.version
+            and not self._digest_decides(cmd)
+        ):
+            before = await look(self.client, weights_released=False, timeout=max(1.0, dl.remaining()))
         reloaded: str | None = None
         try:
             if cmd.reload:
@@ -444,17 +460,93 @@ class Operations:
             raise CommandFailed(
                 f"SGLang serves weight_version {served!r} after the refit, expected {cmd.version!r}"
             )
+        weights = await self._check_weights(cmd, new_weights, before, dl)
 
         loaded = reloaded if cmd.reload else (path if cmd.source == RefitSource.DISK else None)
 
         def record(s: AgentState) -> None:
             s.sglang.served_version = served
+            s.sglang.weights = weights
             if loaded is not None:
                 s.sglang.model_path = loaded
             if loaded is not None or not cmd.reload:  # a pushed version is in no checkpoint SGLang read
                 self.store.path_version = served if loaded is not None else None
 
         return record
+
+    async def _check_weights(
+        self, cmd: RefitCommand, new_weights: bool, before: Look | None, dl: Deadline
+    ) -> WeightsCheck:
+        """What SGLang holds now, by content, held against what it must be (agent/weights_check.py): a
+        mismatch fails the refit (WeightsMismatch) naming the parameters, so rollout never opens on them.
+        Where no checksum can be taken, the report says "weights not verified: <reason>". `before`: the
+        look at the discarded weights before the load."""
+        started = time.perf_counter() - (before.seconds if before is not None else 0.0)
+        released = ReleaseTag.WEIGHTS in self.store.state.released_tags
+        seen = await look(self.client, released, timeout=max(1.0, dl.remaining()))
+        if seen.held is None:
+            return timed(unverified(str(seen.why), cmd.version), seen, started)
+        want = self._expected(cmd, new_weights, before.held if before is not None else None)
+        verdict = judge(seen.held, want)
+        if not verdict.failures:  # what later checks compare with: verified weights only
+            self.store.weights_held = seen.held
+        report = timed(verdict.report(seen.held, cmd.version), seen, started)
+        if before is not None:
+            report.checker_seconds = round((report.checker_seconds or 0.0) + before.seconds, 6)
+        log.info(
+            "weights checked at %s: checksum %s, %d parameters, checker %.1f ms, check %.1f ms, %s",
+            cmd.version,
+            seen.held.checksum[:16],
+            seen.held.parameters,
+            (report.checker_seconds or 0) * 1e3,
+            (report.seconds or 0) * 1e3,
+            "; ".join(verdict.failures) or "ok",
+        )
+        if verdict.failures:
+            with self.store.change() as s:  # what SGLang holds, for the operator's message
+                s.sglang.weights = report
+            raise CommandFailed(f"{WEIGHTS_MISMATCH}: {'; '.join(verdict.failures)}", reason=WEIGHTS_MISMATCH)
+        return report
+
+    def _digest_decides(self, cmd: RefitCommand) -> bool:
+        """A disk refit whose published digest will be compared parameter by parameter (TP 1, not
+        quantized): a load that moved nothing leaves what the digest is not."""
+        given, facts = self.store.trainer_digest, self.store.facts
+        return (
+            cmd.source == RefitSource.DISK
+            and given is not None
+            and given[0] == cmd.version
+            and given[1] is not None
+            and not given[1].unavailable
+            and facts is not None
+            and facts.tp_size == 1
+            and facts.quantization is None
+        )
+
+    def _expected(self, cmd: RefitCommand, new_weights: bool, before_load: Held | None) -> Expected:
+        facts = self.store.facts
+        given = self.store.trainer_digest
+        digest, no_digest = None, f"the trainer gave no digest for {cmd.version}"
+        if given is not None and given[0] == cmd.version:
+            digest, no_digest = given[1], given[2]
+        quantized = facts.quantization if facts is not None else None
+        return Expected(
+            version=cmd.version,
+            new_weights=new_weights,
+            reload=cmd.reload,
+            digest=digest,
+            no_digest=no_digest,
+            previous=self.store.state.sglang.weights,
+            previous_held=self.store.weights_held,
+            before_load=before_load,
+            committed_checksum=cmd.committed_checksum,
+            committed_layout=cmd.committed_layout,
+            whole_tensors=(
+                f"SGLang runs a quantized model (--quantization {quantized}): it hashes dequantized weights"
+                if quantized
+                else None
+            ),
+        )
 
     async def _reload(self, cmd: RefitCommand, discarded: bool, dl: Deadline) -> str | None:
         """A lease given back without new weights: the committed version again. Weights the release kept,

@@ -99,3 +99,12 @@ class SGLangQuirks:
         0.5.8 still asked the schedulers, and so do both load routes of 0.5.10.post1; 0.5.11 to 0.5.14
         were not read: treated as frozen."""
         return self.key >= (0, 5, 11)
+
+    @property
+    def weights_checksum(self) -> bool:
+        """C-ROUTE-CHECKER / C-CHECKER-CHECKSUM: `/weights_checker` answers action `checksum` (a hash per
+        parameter and per GPU) from 0.5.15.post1 (utils/weight_checker.py:81-82,120-157@0.5.15.post1); 0.5.6
+        and 0.5.10.post1 know only snapshot, reset_tensors and compare, and answer 400 "Unsupported
+        action='checksum'" (utils/weight_checker.py:19-28@0.5.6). 0.5.11 to 0.5.14 were not read: treated as
+        without it."""
+        return self.key >= (0, 5, 15)

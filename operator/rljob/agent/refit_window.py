@@ -25,6 +25,7 @@ from rljob.api.agent import (
     PushResult,
     RefitWindow,
     TensorPush,
+    WeightsDigest,
 )
 from rljob.api.spec import RefitSource
 
@@ -103,6 +104,7 @@ class RefitWindows:
             pushes=w.pushes,
             group=w.group,
             group_error=w.group_error,
+            architectures=self._store.architectures[:8] or None,
         )
 
     def _usable(self, source: RefitSource | None) -> OpenWindow:
@@ -218,12 +220,20 @@ class RefitWindows:
                 with self._store.change() as s:
                     s.trainer.weights_group = w.group
 
-    def trainer_close(self, error: str | None, versioned_by_agent: bool = False) -> RefitWindow:
+    def trainer_close(
+        self, error: str | None, versioned_by_agent: bool = False, digest: WeightsDigest | None = None
+    ) -> RefitWindow:
         """`versioned_by_agent`: the pushes carried no version (a framework's, agent/engine_api.py); the
-        refit sets it once the window is closed."""
+        refit sets it once the window is closed. `digest`: the pushes' (the refit holds SGLang to it)."""
         w = self.current
         if w is None or w.closed.is_set():
             raise conflict("NoRefitWindow", "no refit window is open")
+        why = (
+            "the framework pushed through the SGLang-compatible endpoint, which carries no digest"
+            if versioned_by_agent
+            else "the trainer gave no digest when it closed the refit window (RefitClose.digest)"
+        )
+        self._store.trainer_digest = (w.version, digest, why)
         if error:
             w.error = f"trainer: {error}"
         w.versioned_by_agent = versioned_by_agent and w.pushes > 0

@@ -33,6 +33,7 @@ ADMIN_OPTIONAL_ROUTES = frozenset(
         "/begin_weight_update",
         "/end_weight_update",
         "/update_weight_version",
+        "/weights_checker",
     }
 )
 
@@ -362,6 +363,19 @@ class SGLangClient:
 
     async def init_weights_update_group(self, body: dict[str, Any], timeout: float | None = None) -> str:
         return await self._refit("init_weights_update_group", "/init_weights_update_group", body, timeout)
+
+    async def weights_checksum(self, timeout: float | None = None) -> dict[str, Any]:
+        """C-ROUTE-CHECKER, C-CHECKER-CHECKSUM (from 0.5.15.post1, `quirks.weights_checksum`): `POST
+        /weights_checker {"action": "checksum"}`, one scheduler call in which every GPU hashes every
+        parameter it holds; the reply `{success, message, ranks: [{checksums: {name: hex16},
+        per_gpu_checksum, parallelism_info}], per_engine_checksum}`. Never while weights are released: the
+        hash reads the parameters' memory (C-CHECKER-RELEASED)."""
+        reply = await self._ok(
+            "weights_checker", "POST", "/weights_checker", body={"action": "checksum"}, timeout=timeout
+        )
+        if not isinstance(reply, dict) or reply.get("success") is not True:
+            raise SGLangError("weights_checker", 200, _message(reply, str(reply)[:500]))
+        return reply
 
     # --- health and load -------------------------------------------------------------------------
 

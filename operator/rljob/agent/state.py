@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rljob.agent.errors import CommandFailed
 from rljob.agent.record import AgentRecord, Intent
@@ -29,6 +29,10 @@ from rljob.api.agent import (
     Stage,
 )
 from rljob.api.spec import DrainMode
+
+if TYPE_CHECKING:
+    from rljob.agent.weights_check import Held
+    from rljob.api.agent import WeightsDigest
 
 log = logging.getLogger("rljob.agent")
 
@@ -47,6 +51,7 @@ class ServerFacts:
     # Per GPU, the bytes of each memory tag as SGLang reports them (C-MEM-USAGE-REPORT); a tag it does not
     # report is absent. The headroom gate's split of one release between the resumes that follow it.
     tag_bytes: tuple[tuple[str, int], ...] = ()
+    quantization: str | None = None  # --quantization: SGLang hashes dequantized weights (C-CHECKER-CHECKSUM)
 
     @property
     def weight_cache_active(self) -> bool:
@@ -64,6 +69,7 @@ class ServerFacts:
             dp_attention=bool(info.get("enable_dp_attention", False)),
             tp_size=int(info.get("tp_size") or 1),  # the decode roofline's bytes per GPU (docs/profiling.md)
             tag_bytes=tuple(sorted(reported_tag_bytes(info).items())),
+            quantization=str(info["quantization"]) if info.get("quantization") else None,
         )
 
 
@@ -125,6 +131,11 @@ class StateStore:
         # A reload of this version resumed weights the release discarded: its disk load is still owed.
         self.reload_owed: str | None = None
         self.intent: Intent | None = None  # a non-idempotent call announced and not closed
+        # Not in the record (a restarted agent compares without them and says so): the trainer's last digest,
+        # (version, digest or None with why), and the parameters of the agent's last look at SGLang's weights.
+        self.trainer_digest: tuple[str, WeightsDigest | None, str] | None = None
+        self.weights_held: Held | None = None
+        self.architectures: list[str] = []  # /model_info's (from 0.5.15.post1): the SDK's digest reads them
 
     # --- the record ------------------------------------------------------------------------------
 

@@ -75,9 +75,9 @@ def build_trainer_app(
         return accepted(windows.init_group(await read_body(request, GROUP)), 202)
 
     async def close_window(request: web.Request) -> web.Response:
-        error = (await read_body(request, CLOSE)).error
-        window = windows.trainer_close(error)
-        return reply(window) if error else accepted(window)  # a close with an error is no recovery
+        body = await read_body(request, CLOSE)
+        window = windows.trainer_close(body.error, digest=body.digest)
+        return reply(window) if body.error else accepted(window)  # a close with an error is no recovery
 
     async def report_rollout(request: web.Request) -> web.Response:
         """The trainer's count of completed samples, added to this rollout's report: the cost per rollout

@@ -13,7 +13,9 @@ from collections.abc import Awaitable, Callable
 from rljob.agent.quirks import SGLangQuirks
 from rljob.agent.sglang_client import SGLangClient, SGLangError, SGLangUnreachable
 from rljob.agent.state import ServerFacts, StateStore
-from rljob.api.agent import SGLangInfo, Stage
+from rljob.agent.weights_check import Verdict, unverified
+from rljob.agent.weights_look import look, timed
+from rljob.api.agent import SGLangInfo, Stage, WeightsCheck
 
 log = logging.getLogger("rljob.agent")
 
@@ -21,6 +23,7 @@ log = logging.getLogger("rljob.agent")
 SCHEDULER_PROBE_MISSES = 2  # consecutive unanswered probes, with no control call in flight, mean death
 # A restarted agent's SGLang was up before: refused connections for this long mean it is gone.
 RESTART_UNREACHABLE_S = 3.0
+LAUNCH_CHECK_TIMEOUT_S = 60.0  # SGLang hashes every parameter on the GPU: milliseconds at 8B
 
 
 class SGLangWatch:
@@ -113,6 +116,8 @@ class SGLangWatch:
             self._store.fail(f"SGLang {quirks.version} is older than the oldest supported version 0.5.6")
             return False
         self._store.facts = facts
+        archs = model.get("architectures")
+        self._store.architectures = [str(a) for a in archs] if isinstance(archs, list) else []
         seen = SGLangInfo(
             reachable=True,
             version=quirks.version,
@@ -125,10 +130,23 @@ class SGLangWatch:
             await self.on_recover(seen)
             return not self._failed()
         self._store.path_version = served  # the launch checkpoint holds the launch version
+        seen.weights = await self._launch_weights(served)
         with self._store.change(stage=Stage.READY) as s:  # not Serving: the operator verifies it first
             s.sglang = seen
         log.info("SGLang %s is up, serving weight_version %s", quirks.version, served)
         return True
+
+    async def _launch_weights(self, served: str) -> WeightsCheck:
+        """The checksum of the weights SGLang launched with, before Ready (no command can have released
+        them yet): the first refit's "before", and what the operator holds against the committed version's
+        checksum when a pod comes up already labelled with it."""
+        started = time.perf_counter()
+        seen = await look(self._client, weights_released=False, timeout=LAUNCH_CHECK_TIMEOUT_S)
+        if seen.held is None:
+            return timed(unverified(str(seen.why), served), seen, started)
+        self._store.weights_held = seen.held
+        report = Verdict(not_checked=["the weights SGLang launched with"]).report(seen.held, served)
+        return timed(report, seen, started)
 
     async def confirm_death(self, cause: str) -> None:
         """A hang is not death; a refused or dropped connection is."""

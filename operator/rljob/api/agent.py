@@ -10,13 +10,17 @@ from pydantic import Field, TypeAdapter
 
 from rljob.api.base import WireModel
 from rljob.api.spec import DrainMode, RefitSource, ReleaseTag, ReleaseVerify, WeightVersion
-from rljob.api.status import MAX_UNMEASURED, Unmeasured
+from rljob.api.status import MAX_UNMEASURED, Unmeasured, WeightsChecksum
 
 AGENT_API_VERSION = "v1"
 # Set by the operator: every container's own name, and, on the agent, the pod's trainer container. The agent
 # reads the first in /proc/<pid>/environ to tell whose process holds GPU memory (agent/gpu_holders.py).
 CONTAINER_ENV = "RLJOB_CONTAINER"
 TRAINER_CONTAINER_ENV = "RLJOB_TRAINER_CONTAINER"
+
+ParameterHash = Annotated[str, Field(min_length=16, max_length=16, pattern=r"^[0-9a-f]{16}$")]
+"""One parameter's hash as /weights_checker writes it (rljob.trainer.tensor_hash)."""
+MAX_DIGEST_PARAMETERS = 200_000
 
 
 class Action(StrEnum):
@@ -94,6 +98,13 @@ class RefitCommand(_CommandBase):
         "`version` the release discarded (SGLang's CPU weight backup where it runs with one, else a disk "
         "load of `path` or of the checkpoint SGLang last loaded that version from); no window opens.",
     )
+    committed_checksum: WeightsChecksum | None = Field(
+        default=None,
+        description="A rejoin or a reload of the committed `version`: the checksum every pod of "
+        "`committedLayout` verified when the job committed it. The refit fails unless SGLang then holds "
+        "the same weights.",
+    )
+    committed_layout: str | None = Field(default=None, max_length=64, description="Its parallel layout.")
 
 
 class ResumeCommand(_CommandBase):
@@ -127,7 +138,8 @@ class CommandStatus(WireModel):
     failure_reason: str | None = Field(
         default=None,
         max_length=64,
-        description="A typed reason for a permanent failure, e.g. ReleaseShortfall.",
+        description="A typed reason for the failure where it has one: ReleaseShortfall (permanent), "
+        "WeightsMismatch (the refit's weights are not what they must be).",
     )
     started_at: float | None = Field(default=None, description="Agent clock, unix seconds.")
     seconds: float | None = Field(
@@ -153,6 +165,54 @@ class Refusal(WireModel):
     )
 
 
+class WeightsComparison(StrEnum):
+    """What the served weights were held against after a refit (docs/agent.md, "Verified weights")."""
+
+    TRAINER = "Trainer"  # the trainer's digest of what it published or pushed
+    PREVIOUS = "Previous"  # the weights before the refit: new ones differ from them, a reload equals them
+    COMMITTED = "Committed"  # the checksum the job recorded when it committed the version
+    REPLICAS = "Replicas"  # the pod's DP replicas hold the same weights
+
+
+class WeightsCheck(WireModel):
+    """The agent's last look at what SGLang holds (`/weights_checker`, action `checksum`)."""
+
+    version: str | None = Field(
+        default=None, max_length=64, description="The served version it was taken at."
+    )
+    checksum: WeightsChecksum | None = Field(
+        default=None, description="None: SGLang gave none (`unverified`)."
+    )
+    layout: str | None = Field(
+        default=None,
+        max_length=64,
+        description="SGLang's parallel layout, e.g. `tp1 pp1`: pods compare "
+        "checksums only within one layout.",
+    )
+    parameters: int = Field(default=0, ge=0, description="Parameters SGLang hashed (per GPU, the most).")
+    checked: list[WeightsComparison] = Field(
+        default_factory=list, max_length=4, description="The comparisons that ran, each of which held."
+    )
+    unverified: str | None = Field(
+        default=None,
+        max_length=1024,
+        description="What was not compared and why: `weights not verified: <reason>` when no checksum was "
+        "taken, else the comparisons left out.",
+    )
+    mismatch: str | None = Field(
+        default=None,
+        max_length=1024,
+        description="What did not hold (the refit failed WeightsMismatch); a later check does not hold "
+        "weights to these.",
+    )
+    checker_seconds: float | None = Field(
+        default=None, ge=0, description="The /weights_checker call's wall time."
+    )
+    seconds: float | None = Field(
+        default=None, ge=0, description="The agent's whole check, the call included."
+    )
+
+
 class SGLangInfo(WireModel):
     reachable: bool = False
     version: str | None = Field(default=None, max_length=64)
@@ -160,6 +220,11 @@ class SGLangInfo(WireModel):
     served_version: str | None = Field(default=None, max_length=64)
     model_path: str | None = Field(default=None, max_length=1024)
     paused: bool = False
+    weights: WeightsCheck | None = Field(
+        default=None,
+        description="The checksum of the weights SGLang holds, taken at start and after every refit, and "
+        "what it was held against.",
+    )
 
 
 class MemoryReport(WireModel):
@@ -432,11 +497,27 @@ class ChannelFrame(WireModel):
 # --- trainer side (loopback, wrapped by rljob.trainer) ---------------------------------------------
 
 
+class WeightsDigest(WireModel):
+    """The trainer's digest of the weights it published or pushed (rljob.trainer.digest): per SGLang
+    parameter, the hash SGLang's /weights_checker gives for it once loaded; or why the trainer gives none."""
+
+    parameters: dict[str, ParameterHash] = Field(default_factory=dict, max_length=MAX_DIGEST_PARAMETERS)
+    unavailable: str | None = Field(
+        default=None,
+        max_length=1024,
+        description="Why there is no digest (e.g. an architecture the SDK "
+        "does not know how SGLang fuses): the status says the weights were not verified against the trainer.",
+    )
+
+
 class PublishRequest(WireModel):
     """`POST /v1/trainer/publish`: the trainer finished its step and returns the lease."""
 
     version: WeightVersion
     path: str | None = Field(default=None, max_length=1024)
+    digest: WeightsDigest | None = Field(
+        default=None, description="The checkpoint's digest: the refit holds what SGLang loaded against it."
+    )
 
 
 class RolloutSamples(WireModel):
@@ -494,6 +575,12 @@ class RefitWindow(WireModel):
         "`?wait=` also waits while it is Pending.",
     )
     group_error: str | None = Field(default=None, max_length=1024, description="Why the group failed.")
+    architectures: list[str] | None = Field(
+        default=None,
+        max_length=8,
+        description="SGLang's model architectures (`/model_info`, from 0.5.15.post1): how the SDK's digest "
+        "maps the pushed tensors to SGLang's parameters.",
+    )
 
 
 class InitWeightsGroup(WireModel):
@@ -515,6 +602,9 @@ class RefitClose(WireModel):
     """`POST /v1/trainer/refit/close`: the trainer is done pushing (or failed, with `error`)."""
 
     error: str | None = Field(default=None, max_length=1024)
+    digest: WeightsDigest | None = Field(
+        default=None, description="The window's pushes' digest: the refit holds what SGLang holds against it."
+    )
 
 
 class PushResult(WireModel):

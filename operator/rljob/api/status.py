@@ -4,6 +4,7 @@ itself after a restart — everything the lifecycle needs to resume lives here."
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Annotated
 
 from pydantic import ConfigDict, Field
 
@@ -17,6 +18,10 @@ MAX_ITERATION_HISTORY = 16
 MAX_DIAGNOSIS = 5
 MAX_MESSAGE = 1024
 MAX_UNMEASURED = 8  # at least one entry per Signal
+
+WeightsChecksum = Annotated[str, Field(min_length=64, max_length=64, pattern=r"^[0-9a-f]{64}$")]
+"""What a pod's SGLang holds: sha256 (hex) over the per-GPU checksums of its /weights_checker, in (pp, tp)
+rank order (agent/weights_check.py)."""
 
 
 class Phase(StrEnum):
@@ -84,6 +89,14 @@ class CommittedWeights(StatusModel):
     path: str | None = Field(default=None, max_length=1024)
     iteration: int = Field(ge=0)
     committed_at: str | None = Field(default=None, max_length=64)
+    weights_checksum: WeightsChecksum | None = Field(
+        default=None,
+        description="What every pod of `weightsLayout` held at this version, verified after its refit; a "
+        "rejoin or a reload of this version must hold the same. Unset where SGLang gives no checksum.",
+    )
+    weights_layout: str | None = Field(
+        default=None, max_length=64, description="SGLang's parallel layout, e.g. `tp1 pp1`."
+    )
 
 
 class PodStatus(StatusModel):
@@ -92,6 +105,15 @@ class PodStatus(StatusModel):
     name: str = Field(max_length=253)
     stage: str = Field(default="Unknown", max_length=32)
     weight_version: str | None = Field(default=None, max_length=64)
+    weights_checksum: WeightsChecksum | None = Field(
+        default=None, description="The checksum of what the pod's SGLang holds at weightVersion."
+    )
+    weights: str | None = Field(
+        default=None,
+        max_length=MAX_MESSAGE,
+        description="How those weights were verified (`verified: trainer digest, previous version, other "
+        "pods`), or `weights not verified: <reason>`.",
+    )
     released_tags: list[ReleaseTag] = Field(default_factory=list, max_length=3)
     freed_bytes: int = Field(default=0, ge=0)
     last_error: str | None = Field(default=None, max_length=MAX_MESSAGE)

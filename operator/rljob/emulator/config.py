@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rljob.emulator.fatal import StartupError
-from rljob.emulator.faults import Faults, parse_route_seconds
+from rljob.emulator.faults import Faults, parse_renames, parse_route_seconds
 from rljob.emulator.memory import BACKENDS
 from rljob.emulator.versions import DEFAULT_VERSION, RECORDED_VERSIONS, VersionProfile, check_recorded
 
@@ -64,6 +64,7 @@ class EmulatorConfig:
     nnodes: int = 1  # nodes (pods) of the instance; only node rank 0 serves HTTP (emulator/nodes.py)
     node_rank: int = 0
     dist_init_addr: str | None = None  # HOST:PORT of node 0, where the nodes meet
+    ipc_stand_in_dir: str | None = None  # bytes behind stand-in IPC handles (tensor_refit.py), by handle hex
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -144,6 +145,12 @@ def _parser() -> argparse.ArgumentParser:
         "--enable-metrics, /v1/loads answers 500 where SGLang's metrics middleware reads route.path "
         "(C-METRIC-LOAD-ASGI)",
     )
+    e.add_argument(
+        "--ipc-stand-in-dir",
+        default=None,
+        help="where the test world's trainers share the bytes behind their stand-in CUDA IPC handles (a file "
+        "per handle, named by its hex): the accounting backend reads pushed tensors from there",
+    )
     e.add_argument("--startup-seconds", type=float, default=0.0, help="delay before the port opens")
     e.add_argument("--health-check-timeout", type=float, default=None, help="default: env or 20 s")
     e.add_argument(
@@ -165,6 +172,23 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--fault-release-unmap-delay", type=float, default=0.0, metavar="SECONDS")
     f.add_argument("--fault-resume-oom", action="append", default=[], metavar="TAG")
     f.add_argument("--fault-refit-fail", action="store_true")
+    f.add_argument(
+        "--fault-refit-noop",
+        action="store_true",
+        help="a refit answers success and records its version but moves no weights",
+    )
+    f.add_argument(
+        "--fault-refit-store-as",
+        action="append",
+        default=[],
+        metavar="TENSOR=TENSOR",
+        help="a loaded or pushed tensor of the first name is stored in the parameter of the second",
+    )
+    f.add_argument(
+        "--fault-refit-loads-launch",
+        action="store_true",
+        help="after a refit the engine holds the weights it launched with (it reports the refit's version)",
+    )
     f.add_argument(
         "--fault-release-ignore",
         action="store_true",
@@ -252,12 +276,16 @@ def parse_config(argv: list[str]) -> EmulatorConfig:
             resume_oom_tags=set(args.fault_resume_oom),
             refit_fail=args.fault_refit_fail,
             release_ignore=args.fault_release_ignore,
+            refit_noop=args.fault_refit_noop,
+            refit_store_as=parse_renames(args.fault_refit_store_as),
+            refit_loads_launch=args.fault_refit_loads_launch,
         ),
     )
     cfg.memory_backend = args.memory_backend
     cfg.memory_saver_hook_mode = args.memory_saver_hook_mode
     cfg.prefill_graph_backend = _prefill_graph_backend(profile, args)
     cfg.scheduler_kill_after_s = args.fault_scheduler_kill_after
+    cfg.ipc_stand_in_dir = args.ipc_stand_in_dir
     cfg.nnodes, cfg.node_rank, cfg.dist_init_addr = args.nnodes, args.node_rank, args.dist_init_addr
     cfg.server_args = _server_args(cfg, args)
     cfg.launch_command = "python -m sglang.launch_server " + " ".join(argv)

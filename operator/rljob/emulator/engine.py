@@ -15,9 +15,12 @@ from typing import TYPE_CHECKING, Any
 from rljob.emulator import fatal
 from rljob.emulator.config import EmulatorConfig
 from rljob.emulator.memory import REGIONS, RegionBackend
+from rljob.emulator.parameters import Loaded, Parameters, checkpoint_of
 from rljob.emulator.radix import PrefixCache
 from rljob.emulator.scheduler import Scheduler, Tokenizer
+from rljob.emulator.tensor_refit import set_ipc_stand_in_dir
 from rljob.emulator.weights import LoadedWeights, launch_weights
+from rljob.trainer.digest import ModelLayout
 
 if TYPE_CHECKING:
     from rljob.emulator.nodes import NodeLink
@@ -37,7 +40,15 @@ class Engine:
         self.profile = cfg.profile
         self.faults = cfg.faults
         self.backend = backend
-        self.weights: LoadedWeights = launch_weights(cfg.model_path)
+        self.weights, launched = launch_weights(cfg.model_path)
+        # What the parameters hold (/weights_checker) and how names map to them: the launch checkpoint's, then
+        # the last disk load's layout; the launch state is kept for the refit_loads_launch fault.
+        self.layout: ModelLayout = checkpoint_of(cfg.model_path)
+        self.parameters = Parameters()
+        self.parameters.replace(launched, self.layout)
+        self._launched = (LoadedWeights(**vars(self.weights)), Parameters())
+        self._launched[1].copy_from(self.parameters)
+        set_ipc_stand_in_dir(cfg.ipc_stand_in_dir)
         self.weight_version = cfg.weight_version
         self.model_path = cfg.model_path
         self.served_model_name = cfg.served_model_name
@@ -285,6 +296,7 @@ class Engine:
                 self._pause_region("weights")
                 if self._effective("weights") and not self.cfg.enable_weights_cpu_backup:
                     self.weights.lose_contents()  # sglang#6367: resume brings back addresses, not contents
+                    self.parameters.lose_contents()
             if "cuda_graph" in tags:
                 self._pause_region("cuda_graph")  # graphs are captured with CPU backup
             if self.nodes is not None:  # every node's ranks release theirs (C-NODE, C-TP-REPLY)
@@ -383,6 +395,30 @@ class Engine:
                 }
                 for r in ranks
             ]
+
+    # --- weights ---------------------------------------------------------------------------------
+
+    def load_parameters(
+        self, tensors: list[Loaded], *, replace: bool, layout: ModelLayout | None = None
+    ) -> bool:
+        """Tensors a refit loads into the parameters (a whole checkpoint with `replace`), unless a fault keeps
+        other weights: False then (the refit still answers success)."""
+        faults = self.faults
+        if faults.refit_loads_launch:
+            weights, params = self._launched
+            self.weights = LoadedWeights(**vars(weights))
+            self.parameters.copy_from(params)
+            return False
+        if faults.refit_noop:
+            return False
+        if faults.refit_store_as:
+            tensors = self.parameters.rename(faults.refit_store_as, tensors)
+        if replace:
+            self.layout = layout or self.layout
+            self.parameters.replace(tensors, self.layout)
+        else:
+            self.parameters.write(tensors, self.layout)
+        return True
 
     # --- version ---------------------------------------------------------------------------------
 

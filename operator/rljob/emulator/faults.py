@@ -15,6 +15,10 @@ class Faults:
     resume_oom_tags: set[str] = field(default_factory=set)  # resume of these tags OOMs and hangs (#14092)
     refit_fail: bool = False  # refits update weights but answer success:false (0.5.23 flush refusal)
     release_ignore: bool = False  # a follower node acknowledges a release and frees nothing (nodes.py)
+    # Refits that answer success and record the version but leave other weights (weight_updater.py):
+    refit_noop: bool = False  # the load moves nothing (a transport that reports success: tokenspeed#1373)
+    refit_store_as: dict[str, str] = field(default_factory=dict)  # tensor `a` lands in the parameter of `b`
+    refit_loads_launch: bool = False  # the engine holds its launch weights after it (miles#1806)
 
     def update(self, patch: dict[str, Any]) -> None:
         """Replace the given fields; unknown keys are an error so a typo in a test is caught."""
@@ -24,6 +28,8 @@ class Faults:
             current = getattr(self, key)
             if isinstance(current, set):
                 value = set(value)
+            elif key == "refit_store_as":
+                value = {str(k): str(v) for k, v in value.items()}
             elif isinstance(current, dict):
                 value = {str(k): float(v) for k, v in value.items()}
             elif isinstance(current, bool):
@@ -43,6 +49,17 @@ class Faults:
             await asyncio.sleep(delay)
         if route in self.hang:
             await asyncio.Event().wait()
+
+
+def parse_renames(items: list[str]) -> dict[str, str]:
+    """`a=b` (repeatable flag) -> {"a": "b"}: the tensor named a is stored in the parameter of b."""
+    out: dict[str, str] = {}
+    for item in items:
+        src, _, dst = item.partition("=")
+        if not src or not dst:
+            raise ValueError(f"expected TENSOR=TENSOR, got {item!r}")
+        out[src] = dst
+    return out
 
 
 def parse_route_seconds(items: list[str]) -> dict[str, float]:

@@ -364,6 +364,12 @@ class CudaRegionBackend:
         self._checksums.clear()
         return total
 
+    def weights_view(self, gpu: int, start: int, end: int) -> Any:
+        """Bytes `start` to `end` of GPU `gpu`'s weights region (what a pushed parameter holds, hashed on the
+        GPU when /weights_checker asks: parameters.py). The next refit's pushes write the region again from
+        its start."""
+        return self._tensors["weights"][gpu][start:end]
+
     def checksum_due(self, nbytes: int) -> None:
         self._checksum_due = nbytes
 

@@ -35,9 +35,11 @@ import pickle
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rljob.emulator import fatal
+from rljob.emulator.parameters import Loaded, Unseen
 from rljob.emulator.weights import LoadedWeights
 
 if TYPE_CHECKING:
@@ -163,12 +165,15 @@ class ClassRef:
 
 @dataclass(frozen=True)
 class TensorRef:
-    """A tensor as its reduction describes it: enough to check what the receiver would do with it."""
+    """A tensor as its reduction describes it: enough to check what the receiver would do with it. `data`:
+    its bytes, where the test world shared them (`--ipc-stand-in-dir`); `key` names it otherwise."""
 
     shape: tuple[int, ...]
     dtype: DtypeRef
     device: str  # "cuda:<index or uuid>" or "meta"
     storage_bytes: int
+    data: bytes | None = None
+    key: bytes = b""
 
     @property
     def nbytes(self) -> int:
@@ -196,6 +201,29 @@ def _size(dims: Any) -> tuple[int, ...]:
     return tuple(int(d) for d in dims)
 
 
+_ipc_dir: Path | None = None
+
+
+def set_ipc_stand_in_dir(path: str | None) -> None:
+    """Where the test world shares the bytes behind its stand-in IPC handles: a file per allocation, named
+    by the handle's hex (rljob.testing.ipc_stand_in.share); the accounting backend's "opening" a handle."""
+    global _ipc_dir
+    _ipc_dir = Path(path) if path else None
+
+
+def _shared_bytes(
+    handle: Any, storage_offset: int, storage_bytes: int, start: int, nbytes: int
+) -> bytes | None:
+    if _ipc_dir is None or not isinstance(handle, bytes):
+        return None
+    f = _ipc_dir / handle.hex()
+    if not f.is_file():
+        return None
+    block = f.read_bytes()[storage_offset : storage_offset + storage_bytes]
+    data = block[start : start + nbytes]
+    return data if len(data) == nbytes else None
+
+
 def _stand_in_cuda(*args: Any) -> TensorRef:
     if len(args) < 9:
         raise SchedulerError("TypeError", f"rebuild_cuda_tensor() takes 15 arguments ({len(args)} given)")
@@ -204,7 +232,15 @@ def _stand_in_cuda(*args: Any) -> TensorRef:
         raise SchedulerError(
             "TypeError", f"rebuild_cuda_tensor(): dtype must be a torch.dtype, not {dtype!r}"
         )
-    return TensorRef(_size(size), dtype, f"cuda:{device}", int(storage_bytes))
+    shape = _size(size)
+    handle, offset = args[7], int(args[3]) * dtype.itemsize
+    storage_offset = int(args[9]) if len(args) > 9 and isinstance(args[9], int) else 0
+    nbytes = math.prod(shape) * dtype.itemsize
+    data = _shared_bytes(handle, storage_offset, int(storage_bytes), offset, nbytes)
+    key = (
+        handle if isinstance(handle, bytes) else repr(handle).encode()
+    ) + f":{storage_offset}:{offset}".encode()
+    return TensorRef(shape, dtype, f"cuda:{device}", int(storage_bytes), data, key)
 
 
 def _stand_in_meta(*args: Any) -> TensorRef:
@@ -306,6 +342,7 @@ class Bucket:
     entries: list[Entry]
     sources: list[Any]  # flattened_tensor, or each tensor of a (name, tensor) list
     nbytes: int
+    flattened: bool = False  # entries are byte ranges of sources[0]; else entry i is sources[i]
 
 
 Deserialize = Callable[[bytes], Any]
@@ -393,7 +430,7 @@ def _read_flattened(obj: Any) -> Bucket:
                 "RuntimeError", f"shape '{list(shape)}' is invalid for input of size {got // itemsize}"
             )
         entries.append(Entry(str(name), shape, dname, lo, hi))
-    return Bucket(entries, [flat], length)
+    return Bucket(entries, [flat], length, flattened=True)
 
 
 PLAIN_TYPES = (type(None), bool, int, float, str, bytes, bytearray, list, tuple, dict, set, frozenset)
@@ -565,15 +602,19 @@ class TensorRefit:
         tp = eng.cfg.tp_size
         if len(payloads) < tp:  # serialized_named_tensors[tp_rank]
             fatal.scheduler_exception("IndexError", "list index out of range")
+        kept = eng.faults.refit_noop or eng.faults.refit_loads_launch  # read as SGLang would; nothing lands
         try:
-            if on_gpu:
-                tensors = self._load_on_gpu(payloads[:tp], load_format)
+            if on_gpu and not kept:
+                tensors, loaded = self._load_on_gpu(payloads[:tp], load_format)
             else:
-                tensors = sum(self._check(p, rank, load_format) for rank, p in enumerate(payloads[:tp])) // tp
+                read = [self._check(p, rank, load_format) for rank, p in enumerate(payloads[:tp])]
+                tensors, loaded = sum(len(r) for r in read) // tp, read[0]
         except SchedulerError as e:
             fatal.scheduler_exception(e.exc_type, e.message)
         except Unmodelled as e:
             return f"Failed to update weights: the emulator cannot read this push: {e}"
+        if not eng.load_parameters(loaded, replace=False):
+            return None  # a fault: the push answers success and the weights stay
         for p in payloads:
             self._digest.update(p)
         self._tensors += tensors
@@ -588,21 +629,23 @@ class TensorRefit:
             self.reset()
         return None
 
-    def _check(self, data: bytes, rank: int, load_format: str | None) -> int:
+    def _check(self, data: bytes, rank: int, load_format: str | None) -> list[Loaded]:
+        """One rank's push read with stand-ins: its tensors, with the bytes the test world shared."""
         version = self.engine.profile.key
 
         def deserialize(inner: bytes) -> Any:
             return unpickle(inner, version, stand_in)
 
         obj = deserialize(data)
-        return len(read_push(obj, load_format, lambda v: local_tensor(v, rank, deserialize)).entries)
+        return _loaded(read_push(obj, load_format, lambda v: local_tensor(v, rank, deserialize)))
 
-    def _load_on_gpu(self, payloads: list[bytes], load_format: str | None) -> int:
+    def _load_on_gpu(self, payloads: list[bytes], load_format: str | None) -> tuple[int, list[Loaded]]:
         backend: Any = self.engine.backend
         started = time.perf_counter()
         decode_s = open_s = copy_s = close_s = 0.0
         offset, count, moved = self._written, 0, 0
         version = self.engine.profile.key
+        loaded: list[Loaded] = []
         for rank, data in enumerate(payloads):
             resolver = _CudaResolver()
 
@@ -619,6 +662,11 @@ class TensorRefit:
             moved = max(moved, backend.write_weights(rank % backend.gpus, offset, bucket.sources))
             t2 = time.perf_counter()
             count = max(count, len(bucket.entries))
+            if rank == 0:  # what the parameters hold: their bytes in the weights region (parameters.py)
+                loaded = [
+                    Loaded(e.name, e.shape, backend.weights_view(0, offset + e.start, offset + e.end))
+                    for e in bucket.entries
+                ]
             del obj, bucket  # drops the rebuilt tensors, closing the IPC handles (SGLang returns here)
             t3 = time.perf_counter()
             decode_s += t1 - t0 - resolver.open_seconds
@@ -638,4 +686,17 @@ class TensorRefit:
             copy_seconds=round(copy_s, 6),
             close_seconds=round(close_s, 6),
         )
-        return count
+        return count, loaded
+
+
+def _loaded(bucket: Bucket) -> list[Loaded]:
+    """The tensors of a push read with stand-ins: the bytes the test world shared behind their handles, or
+    Unseen ones named by the handle (parameters.py)."""
+    out = []
+    for i, e in enumerate(bucket.entries):
+        src = bucket.sources[0] if bucket.flattened else bucket.sources[i]
+        lo, hi = (e.start, e.end) if bucket.flattened else (0, e.end - e.start)
+        data = getattr(src, "data", None)
+        key = getattr(src, "key", b"") + f"[{lo}:{hi}]".encode()
+        out.append(Loaded(e.name, e.shape, data[lo:hi] if data is not None else Unseen(key)))
+    return out

@@ -165,6 +165,20 @@ class VersionProfile:
         return self._at_least(15)
 
     @property
+    def checker_actions(self) -> tuple[str, ...]:
+        """C-CHECKER-CHECKSUM: what /weights_checker's `action` may be; `checksum` from 0.5.15.post1."""
+        # utils/weight_checker.py:19-28@0.5.6 (still so in the 0.5.10.post1 wheel);
+        # utils/weight_checker.py:75-84@0.5.15.post1
+        old = ("snapshot", "reset_tensors", "compare")
+        return (*old, "checksum") if self._at_least(15) else old
+
+    @property
+    def checker_roles(self) -> bool:
+        """C-CHECKER-CHECKSUM: a rank's `parallelism_info` is a list, one per role (`target`, drafts)."""
+        # managers/io_struct.py:2019-2033@0.5.20 (one object); io_struct.py:2128-2145@0.5.21
+        return self._at_least(21)
+
+    @property
     def update_weight_version_reaches_scheduler(self) -> bool:
         """`/update_weight_version` waits for the scheduler (it records the change for the spans)."""
         # tokenizer-only: http_server.py:896-923@0.5.6, http_server.py:1325-1345@0.5.15.post1;

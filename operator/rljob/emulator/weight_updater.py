@@ -14,8 +14,10 @@ from typing import Any
 
 from rljob.emulator import fatal, rendezvous
 from rljob.emulator.engine import Engine
+from rljob.emulator.parameters import Loaded, Unseen, checkpoint_of
 from rljob.emulator.tensor_refit import TensorRefit
-from rljob.emulator.weights import LoadedWeights, WeightsLoadError, read_safetensors
+from rljob.emulator.weights import LoadedWeights, WeightsLoadError, read_checkpoint
+from rljob.trainer.tensor_hash import hash_bytes, hex16
 
 Reply = tuple[int, dict[str, Any]]
 
@@ -50,12 +52,14 @@ class WeightUpdater:
         async with _WriterLock(eng, body.get("abort_all_requests", False)):
             eng.require_weights_mapped()
             started = time.monotonic()
+            path = body["model_path"]
             try:
-                checksum, tensors = await asyncio.to_thread(read_safetensors, body["model_path"])
+                cp = await asyncio.to_thread(read_checkpoint, path)
             except (WeightsLoadError, OSError) as e:
                 return _fail(f"Failed to update weights: {e}. Rolling back to the original weights.")
-            eng.weights = LoadedWeights("disk", body["model_path"], checksum, tensors=tensors)
-            eng.model_path = eng.served_model_name = body["model_path"]
+            if eng.load_parameters(cp.tensors, replace=True, layout=checkpoint_of(path)):
+                eng.weights = LoadedWeights("disk", path, cp.checksum, tensors=len(cp.tensors))
+            eng.model_path = eng.served_model_name = path
             status, reply = self._finish(body, "disk", started, "Succeeded to update model weights.")
             reply["num_paused_requests"] = 0
             return status, reply
@@ -107,7 +111,12 @@ class WeightUpdater:
             started = time.monotonic()
             # No NCCL here: the broadcast metadata stands in for the received tensors.
             meta = json.dumps([body["names"], body["dtypes"], body["shapes"]]).encode()
-            self._absorb("distributed", [meta], tensors=len(body["names"]))
+            received = [
+                Loaded(n, tuple(shape), Unseen(json.dumps([n, d, shape]).encode()))
+                for n, d, shape in zip(body["names"], body["dtypes"], body["shapes"], strict=True)
+            ]
+            if eng.load_parameters(received, replace=False):
+                self._absorb("distributed", [meta], tensors=len(body["names"]))
             # model_runner.py:1195@0.5.6, model_runner.py:2116@0.5.15.post1,
             # …/model_executor/model_runner_components/weight_updater.py:275@0.5.20
             return self._finish(body, "distributed", started, "Succeeded to update parameter online.")
@@ -133,6 +142,7 @@ class WeightUpdater:
         version = body.get("weight_version")
         if version is not None:
             self._push_digest = None  # the version marks the end of this refit's pushes
+            eng.parameters.bind(version)  # what the emulator could not see is the trainer's at this version
         if eng.faults.refit_fail:
             return _fail(FLUSH_REFUSED)
         # C-REFIT-FLUSH-FAIL / C-REFIT-FLUSH-RETRACT: every DP rank flushes with the version's predicate
@@ -194,24 +204,69 @@ class WeightUpdater:
     def update_weight_version(self, body: dict[str, Any]) -> Reply:
         if body.get("abort_all_requests", True):
             self.engine.abort(abort_all=True)
+        self.engine.parameters.bind(body["new_version"])
         self.engine.set_weight_version(body["new_version"])
         v = body["new_version"]
         return 200, {"success": True, "message": f"Weight version updated to {v}", "new_version": v}
 
     def weights_checker(self, body: dict[str, Any]) -> Reply:
+        """C-ROUTE-CHECKER, C-CHECKER-CHECKSUM, C-CHECKER-RELEASED: every DP rank's scheduler runs the action
+        on its model (each TP rank's answer gathered on TP rank 0); an action the version does not know is an
+        exception the scheduler catches: success false, 400. The reply: `success`, the ranks' messages joined
+        with " | ", and for `checksum` one entry per GPU and the sha256 over their per-GPU checksums."""
         eng = self.engine
-        eng.require_weights_mapped()
-        checksums = [
-            hashlib.sha256(f"{eng.weights.checksum}:{r}".encode()).hexdigest() for r in range(eng.cfg.tp_size)
-        ]
-        ranks = [{"tp_rank": r, "checksum": c} for r, c in enumerate(checksums)]
-        per_engine = hashlib.sha256("".join(checksums).encode()).hexdigest()
+        action = str(body.get("action", "checksum"))
+        dp = eng.cfg.dp_size
+        if (
+            action not in eng.profile.checker_actions
+        ):  # utils/weight_checker.py:19-28@0.5.6, :71-84@0.5.15.post1
+            return 400, {"success": False, "message": " | ".join([f"Unsupported action={action!r}"] * dp)}
+        eng.require_weights_mapped()  # every action reads the parameters' memory
+        message = " | ".join(["Success."] * dp)
+        if action != "checksum":
+            return 200, {"success": True, "message": message}
+        ranks = checksum_ranks(eng)
+        per_engine = hashlib.sha256()
+        for (
+            rank
+        ) in ranks:  # the order the ranks' answers arrived in (managers/tokenizer_control_mixin.py:762-770)
+            per_engine.update(rank["per_gpu_checksum"].encode())
         return 200, {
             "success": True,
-            "message": f"action={body.get('action', 'checksum')}",
+            "message": message,
             "ranks": ranks,
-            "per_engine_checksum": per_engine,
+            "per_engine_checksum": per_engine.hexdigest(),
         }
+
+
+def checksum_ranks(eng: Engine) -> list[dict[str, Any]]:
+    """One `ChecksumInfo` per GPU (utils/weight_checker.py:120-170@0.5.15.post1): each parameter's hash, the
+    sha256 over sorted (name, hash), and the GPU's place (`parallelism_info`, a list of one per role from
+    0.5.21: managers/io_struct.py:2128-2145@0.5.21). With TP > 1 a rank's hashes stand for its shard's (one
+    process holds the whole model here): the whole parameter's hash, rehashed with the rank."""
+    hashes = eng.parameters.hashes(eng.weight_version)
+    tp, dp = eng.cfg.tp_size, eng.cfg.dp_size
+    ranks = []
+    for dp_rank in range(dp):
+        for tp_rank in range(tp):
+            checksums = (
+                hashes
+                if tp == 1
+                else {n: hex16(hash_bytes(f"{h}:{tp_rank}".encode())) for n, h in hashes.items()}
+            )
+            h = hashlib.sha256()
+            for name in sorted(checksums):
+                h.update(name.encode())
+                h.update(checksums[name].encode())
+            info: dict[str, Any] = {
+                "tp_rank": tp_rank, "tp_size": tp, "dp_rank": dp_rank, "dp_size": dp,
+                "pp_rank": 0, "pp_size": 1, "rank": dp_rank * tp + tp_rank, "size": dp * tp,
+            }  # fmt: skip
+            place: Any = [{"role": "target", **info}] if eng.profile.checker_roles else info
+            ranks.append(
+                {"checksums": checksums, "per_gpu_checksum": h.hexdigest(), "parallelism_info": place}
+            )
+    return ranks
 
 
 class _WriterLock:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rljob.emulator.parameters import Loaded, safetensors_tensors
+
 
 class WeightsLoadError(Exception):
     pass
@@ -68,30 +70,39 @@ def _count_tensors(f: Path, data: bytes) -> int:
     return sum(1 for k in header if k != "__metadata__")
 
 
-def read_safetensors(path: str) -> tuple[str, int]:
-    """sha256 over the bytes of every safetensors file at `path` (a file or a directory) and the tensor
-    count. With a weights sink the bytes hashed are those the sink read back after loading them."""
+@dataclass(frozen=True)
+class Checkpoint:
+    checksum: str  # sha256 over the files' bytes as loaded
+    tensors: list[Loaded]  # each tensor's bytes as loaded (the parameters' contents: parameters.py)
+
+
+def read_checkpoint(path: str) -> Checkpoint:
+    """Every safetensors file at `path` (a file or a directory): sha256 over their bytes, and their
+    tensors. With a weights sink both come from the bytes the sink read back after loading them."""
     files = safetensors_files(path)
     if not files:
         raise WeightsLoadError(f"no safetensors file at {path}")
-    digest, tensors = hashlib.sha256(), 0
-    if _sink is None:
-        for f in files:
-            data = f.read_bytes()
-            tensors += _count_tensors(f, data)
-            digest.update(data)
-        return digest.hexdigest(), tensors
+    digest, tensors = hashlib.sha256(), []
     blobs = [f.read_bytes() for f in files]
-    tensors = sum(_count_tensors(f, b) for f, b in zip(files, blobs, strict=True))  # all valid before loading
-    for chunk in _sink(blobs):
+    for f, b in zip(files, blobs, strict=True):  # all valid before loading
+        _count_tensors(f, b)
+    for chunk in blobs if _sink is None else _sink(blobs):
         digest.update(chunk)
-    return digest.hexdigest(), tensors
+        tensors += safetensors_tensors(chunk)
+    return Checkpoint(digest.hexdigest(), tensors)
 
 
-def launch_weights(model_path: str) -> LoadedWeights:
-    """At launch a real checkpoint is read when `--model-path` points at one; else the name stands in."""
+def read_safetensors(path: str) -> tuple[str, int]:
+    """sha256 over the bytes of every safetensors file at `path` and the tensor count (read_checkpoint)."""
+    cp = read_checkpoint(path)
+    return cp.checksum, len(cp.tensors)
+
+
+def launch_weights(model_path: str) -> tuple[LoadedWeights, list[Loaded]]:
+    """At launch a real checkpoint is read when `--model-path` points at one; else the name stands in (and
+    the model has no parameters)."""
     try:
-        checksum, tensors = read_safetensors(model_path)
+        cp = read_checkpoint(model_path)
     except (WeightsLoadError, OSError):
-        checksum, tensors = hashlib.sha256(model_path.encode()).hexdigest(), 0
-    return LoadedWeights("launch", model_path, checksum, tensors=tensors)
+        return LoadedWeights("launch", model_path, hashlib.sha256(model_path.encode()).hexdigest()), []
+    return LoadedWeights("launch", model_path, cp.checksum, tensors=len(cp.tensors)), cp.tensors

@@ -11,13 +11,14 @@ from rljob.lifecycle.model import AgentRefusal, EventReason, PodObservation
 from rljob.lifecycle.step import Step
 
 
-def recover(step: Step, why: str) -> None:
-    """A member is lost: the whole gang restarts at the committed weights. Partial rejoin would pair a
-    fresh trainer rank with survivors mid-step, which no collective can take."""
+def recover(step: Step, why: str, reason: EventReason = EventReason.GANG_MEMBER_LOST) -> None:
+    """A member is lost (or its weights are not what they must be: `reason`): the whole gang restarts at the
+    committed weights. Partial rejoin would pair a fresh trainer rank with survivors mid-step, which no
+    collective can take."""
     st = step.status
-    set_condition(st, ConditionType.DEGRADED, True, EventReason.GANG_MEMBER_LOST.value, why, step.now)
+    set_condition(st, ConditionType.DEGRADED, True, reason.value, why, step.now)
     if st.restarts >= step.spec.backoff_limit:
-        step.event(EventReason.GANG_MEMBER_LOST, why, warning=True)
+        step.event(reason, why, warning=True)
         fail(
             step,
             EventReason.BACKOFF_LIMIT_EXCEEDED,
@@ -27,7 +28,7 @@ def recover(step: Step, why: str) -> None:
     st.restarts += 1
     st.target_weights = None
     st.stopping = False  # a fresh gang: a suspend still asked for is taken again from its own phases
-    step.enter(Phase.RECOVERING, EventReason.GANG_MEMBER_LOST, why)  # the one GangMemberLost event
+    step.enter(Phase.RECOVERING, reason, why)  # the one GangMemberLost (or `reason`) event
     step.delete_all_pods()
 
 
@@ -187,13 +188,14 @@ def fail_or_recover_after_command_failure(step: Step, pod: PodObservation, cmd: 
     """A failure the agent marks permanent would repeat in any gang: the job fails with the agent's
     reason, without a restart. Any other failure restarts the gang."""
     where = f"{cmd.action.value}@{cmd.epoch}"
+    known = {r.value: r for r in EventReason}
+    reason = known.get(cmd.failure_reason or "", EventReason.COMMAND_FAILED)
     if cmd.permanent:
-        known = {r.value: r for r in EventReason}
-        reason = known.get(cmd.failure_reason or "", EventReason.COMMAND_FAILED)
         fail(step, reason, cmd.error or f"{where} failed permanently on {pod.name}")
         return
-    step.event(EventReason.COMMAND_FAILED, f"{pod.name}: {where}: {cmd.error}", True)
-    recover(step, f"{cmd.action.value} failed on {pod.name}: {cmd.error}")
+    step.event(reason, f"{pod.name}: {where}: {cmd.error}", True)
+    lost = EventReason.GANG_MEMBER_LOST if reason == EventReason.COMMAND_FAILED else reason
+    recover(step, f"{cmd.action.value} failed on {pod.name}: {cmd.error}", lost)
 
 
 def stop_without_finishing(step: Step, why: str) -> None:

@@ -20,9 +20,9 @@ from rljob.api.agent import (
 )
 from rljob.api.spec import PhaseTimeouts
 from rljob.api.status import MAX_WEIGHT_HISTORY, CommittedWeights, ConditionType, Phase
-from rljob.lifecycle import timeline
+from rljob.lifecycle import timeline, weights
 from rljob.lifecycle.conditions import set_condition
-from rljob.lifecycle.endings import fail, succeed_if_trainers_finished
+from rljob.lifecycle.endings import fail, recover, succeed_if_trainers_finished
 from rljob.lifecycle.evidence import Evidence, returned_unchanged
 from rljob.lifecycle.memory_waits import name_trainers_holding_memory
 from rljob.lifecycle.model import EventReason
@@ -79,7 +79,8 @@ def _refit(step: Step, agent: AgentState, role: Role) -> Command:
     target = step.status.target_weights
     assert target is not None
     # After training each pod loads what its own trainer published; a rejoin loads the committed path.
-    rejoin = target.version == step.committed().version
+    committed = step.committed()
+    rejoin = target.version == committed.version
     path = target.path if rejoin else (agent.trainer.published_path or target.path)
     return RefitCommand(
         epoch=step.status.epoch,
@@ -89,6 +90,9 @@ def _refit(step: Step, agent: AgentState, role: Role) -> Command:
         timeout_seconds=step.spec.refit.timeout_seconds,
         # The same pods, whose trainers gave the lease back without weights: what the release discarded.
         reload=rejoin and agent.stage == Stage.TRAINED,
+        # A rejoin or reload must bring back what every pod verified when the version was committed.
+        committed_checksum=committed.weights_checksum if rejoin else None,
+        committed_layout=committed.weights_layout if rejoin else None,
     )
 
 
@@ -178,6 +182,30 @@ def _back_to_committed(step: Step) -> None:
     )
 
 
+def _verify_weights_then_resume(step: Step, agents: list[AgentState]) -> None:
+    """Refitted: every leader's agent verified its own SGLang's weights (a mismatch failed its refit); here
+    the pods of one layout must hold the same weights at the target version, which the commit records.
+    A pod whose SGLang gave no checksum is said in a WeightsNotVerified event (and in status.pods)."""
+    target = step.status.target_weights
+    assert target is not None
+    named = step.named_leaders()
+    held = weights.held_at(named, target.version)
+    odd = weights.disagreement(held, target.version)
+    if odd is not None:
+        step.event(EventReason.WEIGHTS_MISMATCH, odd, warning=True)
+        recover(step, f"weights mismatch: {odd}", EventReason.WEIGHTS_MISMATCH)
+        return
+    both = weights.agreed(held)
+    if both is not None:
+        step.status.target_weights = target.model_copy(
+            update={"weights_checksum": both[0], "weights_layout": both[1]}
+        )
+    why = weights.unverified(named, target.version)
+    if why is not None:
+        step.event(EventReason.WEIGHTS_NOT_VERIFIED, why, warning=True)
+    step.enter(Phase.RESUMING, EventReason.PHASE_CHANGED)
+
+
 def _commit_and_open_rollout(step: Step, agents: list[AgentState]) -> None:
     """Resuming done: commit the target weights, then open the next iteration's rollout (or the same
     iteration's, after a rejoin), or finish when spec.iterations are done."""
@@ -248,15 +276,34 @@ def _delete_gang_then_suspend(step: Step, agents: list[AgentState]) -> None:
         step.event(EventReason.PODS_DELETED, "deleting the gang to suspend")
 
 
-def _commit(step: Step, weights: CommittedWeights) -> None:
+def _commit(step: Step, committed: CommittedWeights) -> None:
     """Invariant 6: weightVersion is written only here, after every pod served it, and never repeats."""
     st = step.status
-    if st.weight_version == weights.version:
+    if st.weight_version == committed.version:
+        last = st.weight_history[-1] if st.weight_history else None
+        if (
+            last is not None
+            and last.version == committed.version
+            and last.weights_checksum is None
+            and committed.weights_checksum
+        ):
+            st.weight_history = [*st.weight_history[:-1], last.model_copy(update=_checksum_of(committed))]
         return
-    entry = weights.model_copy(update={"committed_at": step.now})
-    st.weight_version = weights.version
+    entry = committed.model_copy(update={"committed_at": step.now})
+    st.weight_version = committed.version
     st.weight_history = ([*st.weight_history, entry])[-MAX_WEIGHT_HISTORY:]
-    step.event(EventReason.WEIGHTS_COMMITTED, f"weights {weights.version} served and verified on every pod")
+    held = (
+        f" (checksum {committed.weights_checksum[:16]}, {committed.weights_layout})"
+        if committed.weights_checksum
+        else ""
+    )
+    step.event(
+        EventReason.WEIGHTS_COMMITTED, f"weights {committed.version} served and verified on every pod{held}"
+    )
+
+
+def _checksum_of(w: CommittedWeights) -> dict[str, str | None]:
+    return {"weights_checksum": w.weights_checksum, "weights_layout": w.weights_layout}
 
 
 LOCK_STEPS: dict[Phase, LockStep] = {
@@ -291,7 +338,7 @@ LOCK_STEPS: dict[Phase, LockStep] = {
         command=_refit,
         varies=lambda agent: agent.trainer.published_path,
         evidence=Evidence.SERVES_TARGET,
-        then=_advance_to(Phase.RESUMING),
+        then=_verify_weights_then_resume,
         after_leader=True,
     ),
     Phase.RESUMING: LockStep(

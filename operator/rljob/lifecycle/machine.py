@@ -10,7 +10,8 @@ from collections.abc import Callable
 
 from rljob.api.agent import Action, AgentState, Stage
 from rljob.api.spec import RLJobSpec
-from rljob.api.status import MAX_MESSAGE, ConditionStatus, ConditionType, Phase, RLJobStatus
+from rljob.api.status import MAX_MESSAGE, CommittedWeights, ConditionStatus, ConditionType, Phase, RLJobStatus
+from rljob.lifecycle import weights
 from rljob.lifecycle.collect import run_lock_step, send_and_collect
 from rljob.lifecycle.conditions import refresh_phase_conditions, set_condition
 from rljob.lifecycle.endings import (
@@ -215,16 +216,32 @@ def _launch_refused(step: Step) -> bool:
 
 
 def _open_at_committed_weights(step: Step) -> None:
-    """Every pod Ready: open rollout if every leader serves the committed weights, else load them first."""
+    """Every pod Ready: open rollout if every leader serves the committed weights, by label and by content
+    (the checksum its agent took at launch, held against the committed one and the other pods'), else load
+    them first."""
     committed = step.committed()
     st = step.status
     st.iteration = max(st.iteration, 1)
     st.target_weights = committed
     leaders = [a for a in step.leaders() if a is not None]
-    if all(a.sglang.served_version == committed.version for a in leaders):
+    labelled = all(a.sglang.served_version == committed.version for a in leaders)
+    wrong = _not_the_committed_weights(step, committed) if labelled else None
+    if labelled and wrong is None:
+        held = weights.agreed(weights.held_at(step.named_leaders(), committed.version))
+        if held is not None and committed.weights_checksum is None:  # recorded when the commit is
+            st.target_weights = committed.model_copy(
+                update={"weights_checksum": held[0], "weights_layout": held[1]}
+            )
         step.enter(Phase.RESUMING, EventReason.PHASE_CHANGED, f"every pod serves {committed.version}")
         return
     if committed.path is None and step.spec.refit.source.value == "disk":
+        if wrong is not None:
+            fail(
+                step,
+                EventReason.WEIGHTS_MISMATCH,
+                f"{wrong}, and the job has no path to load them from (set spec.weights.initialPath)",
+            )
+            return
         served = sorted({str(a.sglang.served_version) for a in leaders})
         fail(
             step,
@@ -234,7 +251,23 @@ def _open_at_committed_weights(step: Step) -> None:
         )
         return
     # Rejoin: a fresh gang loads the last committed weights before rollout opens.
-    step.enter(Phase.REFITTING, EventReason.PHASE_CHANGED, f"loading committed weights {committed.version}")
+    why = f" ({wrong})" if wrong is not None else ""
+    step.enter(
+        Phase.REFITTING, EventReason.PHASE_CHANGED, f"loading committed weights {committed.version}{why}"
+    )
+
+
+def _not_the_committed_weights(step: Step, committed: CommittedWeights) -> str | None:
+    """Leaders labelled with the committed version whose weights are not its, by their launch checksum."""
+    held = weights.held_at(step.named_leaders(), committed.version)
+    wrong = weights.differs_from_committed(held, committed)
+    if wrong:
+        pods = ", ".join(h.pod for h in wrong[:4])
+        return (
+            f"{pods} serve{'s' if len(wrong) == 1 else ''} weights labelled {committed.version} that are not "
+            f"its (checksum {wrong[0].checksum[:16]}, committed {str(committed.weights_checksum)[:16]})"
+        )
+    return weights.disagreement(held, committed.version)
 
 
 def _rollout(step: Step) -> None:

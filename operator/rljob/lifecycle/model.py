@@ -114,6 +114,8 @@ class EventReason(StrEnum):
     LEASES_WITHOUT_WEIGHTS_EXCEEDED = "LeasesWithoutWeightsExceeded"  # past spec.maxLeasesWithoutWeights
     RESUME_WAITING_FOR_MEMORY = "ResumeWaitingForMemory"  # a resume's GPU memory is held by another process
     TRAINER_HOLDS_GPU_MEMORY = "TrainerHoldsGpuMemory"  # a trainer kept GPU memory after returning its lease
+    WEIGHTS_MISMATCH = "WeightsMismatch"  # a pod holds other weights than it must (lifecycle/weights.py)
+    WEIGHTS_NOT_VERIFIED = "WeightsNotVerified"  # a pod's SGLang gave no checksum of its weights
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,11 @@ class Step:
         """The latest report of every instance leader of the gang (None: not reported yet)."""
         return [self.agent(p) for p in self.gang().values() if self.role(p) == Role.LEADER]
 
+    def named_leaders(self) -> list[tuple[str, AgentState | None]]:
+        """(pod name, latest report) of every instance leader, by index."""
+        gang = sorted(self.gang().items())
+        return [(p.name, self.agent(p)) for _, p in gang if self.role(p) == Role.LEADER]
+
     def gang_agents(self) -> list[AgentState]:
         """The latest report of every gang member that has one."""
         return [a for a in (self.agent(p) for p in self.gang().values()) if a is not None]

@@ -4,6 +4,7 @@ status' lists; nothing here decides what the job does next."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 
@@ -12,6 +13,7 @@ from rljob.api.status import MAX_MESSAGE, MAX_PODS_IN_STATUS, MAX_TIMELINE, Phas
 from rljob.lifecycle import signals
 from rljob.lifecycle.clock import seconds_between
 from rljob.lifecycle.model import PodObservation
+from rljob.lifecycle.weights import describe as describe_weights
 
 SpanRecord = Callable[[list[PhaseSpan], PhaseSpan, int, Sequence[AgentState]], None]
 """Numbers a phase's span keeps when it closes: (timeline, closed span, iteration, gang agents)."""
@@ -121,23 +123,36 @@ def gpu_summary(agent: AgentState) -> str | None:
     return f"{g.scope.value}: {what}"[:MAX_MESSAGE]
 
 
+def _held(agent: AgentState) -> tuple[str, str, str] | None:
+    w = agent.sglang.weights
+    if w is None or w.checksum is None or w.version is None or w.layout is None:
+        return None
+    return w.version, w.layout, w.checksum
+
+
 def pod_entries(gang: Iterable[tuple[PodObservation, AgentState | None]]) -> list[PodStatus]:
     """status.pods: one entry per gang member (by index, at most MAX_PODS_IN_STATUS), as its agent last
     reported. Refreshed at phase changes only, so status writes per iteration stay constant whatever
     the number of pods."""
     entries = []
-    for pod, agent in sorted(gang, key=lambda pa: pa[0].index)[:MAX_PODS_IN_STATUS]:
+    members = sorted(gang, key=lambda pa: pa[0].index)[:MAX_PODS_IN_STATUS]
+    # Pods holding one checksum at one version in one layout vouch for each other (lifecycle/weights.py).
+    same = Counter(_held(a) for _, a in members if a is not None and _held(a) is not None)
+    for pod, agent in members:
         # One constructor call per entry, not field by field: this runs for every pod at every phase change.
         if agent is None:
             entries.append(PodStatus(name=pod.name, stage="Unreachable", last_error=pod.broken or None))
             continue
         cmd = agent.last_command
         failed = cmd is not None and cmd.state == CommandState.FAILED
+        w, key = agent.sglang.weights, _held(agent)
         entries.append(
             PodStatus(
                 name=pod.name,
                 stage=agent.stage.value,
                 weight_version=agent.sglang.served_version,
+                weights_checksum=w.checksum if w is not None else None,
+                weights=describe_weights(w, same[key] - 1 if key is not None else 0),
                 released_tags=list(agent.released_tags),
                 freed_bytes=agent.memory.freed_bytes,
                 gpus=gpu_summary(agent),

@@ -1,11 +1,17 @@
 """A stand-in for torch's CUDA IPC reduction of a tensor, written without torch or a GPU: what
 `torch.multiprocessing.reductions.reduce_tensor` returns for a CUDA tensor (`rebuild_cuda_tensor` and its 15
 arguments) with made-up handles. tests/unit/test_packing.py checks the argument types against a real CUDA
-reduction; SGLang's unpickler and the emulator read it as they read a real one (they open no handle here)."""
+reduction; SGLang's unpickler and the emulator read it as they read a real one (they open no handle here).
+
+`share` stands in for the allocation a handle names: the bytes go to a file named by the handle's hex in a
+directory the emulator is given (`--ipc-stand-in-dir`), where it reads them as SGLang reads the memory behind
+a real handle; so the weights the emulator then holds are the pushed tensors' bytes."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
+from pathlib import Path
 
 from rljob.trainer.packing import TORCH_SIZE, Call, Global
 
@@ -54,3 +60,16 @@ def cuda_reduction(
             True,
         ),
     )
+
+
+def share(data: bytes, directory: Path, *, dtype: str = "uint8", shape: Sequence[int] | None = None) -> Call:
+    """The reduction of a CUDA tensor holding `data` (1-D uint8 unless `dtype`/`shape` say otherwise), its
+    handle naming a file of `directory` that holds the bytes (written once; the handle is their sha256)."""
+    handle = hashlib.sha256(data).digest() * 2
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / handle.hex()
+    if not path.exists():
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+    return cuda_reduction(len(data), dtype=dtype, shape=shape, handle=handle)

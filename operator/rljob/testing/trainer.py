@@ -37,9 +37,10 @@ from rljob.emulator.tokens import GARBAGE_MARKER
 from rljob.testing.collective import BACKENDS, World, WorldError
 from rljob.testing.collective import join as join_world
 from rljob.testing.emulated_gpu import EmulatedGpuMemory
-from rljob.testing.ipc_stand_in import cuda_reduction
+from rljob.testing.ipc_stand_in import cuda_reduction, share
 from rljob.testing.rollout_gate import RolloutGate
 from rljob.trainer import Handoff, packing
+from rljob.trainer.digest import ModelLayout, checkpoint_digest, digest_named_tensors
 
 
 class StaleServing(Exception):
@@ -117,19 +118,49 @@ def make_tensors(version: str, total_bytes: int) -> dict[str, np.ndarray]:
     }
 
 
-def tensor_payload(name: str, array: np.ndarray) -> bytes:
+# The simulated model's config.json: a Llama (its tensors' names are kept as they are by SGLang's loader),
+# so that a checkpoint directory is what trainers save and the digest knows how SGLang holds it.
+SIM_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "tie_word_embeddings": False}
+SIM_LAYOUT = ModelLayout.from_config(SIM_CONFIG)
+IPC_DIR_ENV = "RLJOB_IPC_STAND_IN_DIR"  # where the pushed tensors' bytes are shared with the emulator
+
+
+def tensor_payload(name: str, array: np.ndarray, shared: Path | None = None) -> bytes:
     """`array` as one flattened bucket in SGLang's push format (what the emulator reads as SGLang does).
     Its CUDA IPC reduction is a stand-in (no torch or GPU here) whose handle is the data's sha256, so the
-    payload, and the checksum the emulator keeps over it, change with the data."""
+    payload, and the checksum the emulator keeps over it, change with the data. With `shared`, the bytes
+    behind the handle are shared there (ipc_stand_in.share): the emulator holds them as pushed."""
     digest = hashlib.sha256(array.tobytes()).digest()
     nbytes = int(array.nbytes)
-    ipc = cuda_reduction(nbytes, device="GPU-0", handle=digest * 2, ref_counter=b"/torch_1", event=digest * 2)
+    if shared is not None:
+        ipc = share(array.tobytes(), shared)
+    else:
+        ipc = cuda_reduction(
+            nbytes, device="GPU-0", handle=digest * 2, ref_counter=b"/torch_1", event=digest * 2
+        )
     entry = packing.metadata_entry(name, array.shape, str(array.dtype), 0, nbytes)
     return packing.bucket_payload(ipc, [entry])
 
 
+def rewrite_checkpoint(path: Path, name: str) -> None:
+    """The checkpoint at `path` changed after it was published: tensor `name` rewritten in place (other
+    bytes), the file replaced atomically as a trainer's later save would."""
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(path))
+    tensors[name] = tensors[name] + np.float32(1.0)
+    tmp = path.with_suffix(".rewrite")
+    save_file(tensors, str(tmp))
+    tmp.replace(path)
+
+
 def write_checkpoint(weights_dir: Path, version: str, tensors: dict[str, np.ndarray]) -> Path:
     weights_dir.mkdir(parents=True, exist_ok=True)
+    config = weights_dir / "config.json"
+    if not config.exists():  # the model's config beside its weights, as a trainer's save writes it
+        tmp_config = config.with_suffix(f".tmp{os.getpid()}")
+        tmp_config.write_text(json.dumps(SIM_CONFIG))
+        tmp_config.replace(config)
     # One file per pod: trainers of a gang may share a volume (a claim that outlives the pods).
     pod = os.environ.get("RLJOB_POD_INDEX")
     path = weights_dir / (
@@ -219,9 +250,14 @@ def push_refit(
             )
         names = sorted(tensors)
         if source == "tensor":
+            shared = os.environ.get(IPC_DIR_ENV)
             for name in names:  # one bucket per tensor; one payload per TP rank (TP=1 here)
-                payload = packing.to_wire(tensor_payload(name, tensors[name]))
+                payload = packing.to_wire(
+                    tensor_payload(name, tensors[name], Path(shared) if shared else None)
+                )
                 window.push_tensors([payload], packing.LOAD_FORMAT)
+            if shared:  # the emulator holds these bytes: what it holds must be their digest
+                window.add_digest(digest_named_tensors([(n, tensors[n]) for n in names], SIM_LAYOUT))
         else:
             # The trainer is group rank 0 and hosts the group's store; SGLang's init_weights_update_group
             # answers only once its ranks joined it (C-REFIT-GROUP-BLOCK in docs/sglang-conformance.md),
@@ -332,7 +368,7 @@ def train_loop(
             path = write_checkpoint(weights_dir, version, tensors)
             if gpu is not None:  # frees the step's memory, but for what it keeps after its lease
                 gpu.hold_for(args.keep_gpu_bytes, args.keep_seconds)
-            lease.publish(version, str(path))
+            lease.publish(version, str(path), digest=checkpoint_digest(path))
             on_step(version, time.perf_counter() - granted)
         log("published", iteration=iteration, version=version, path=str(path), source=source)
         if source != "disk" and rollout.generates:  # refit windows open on the leader's agent only

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from rljob.trainer.client import AgentClient, AgentError, AgentUnavailable
 
 if TYPE_CHECKING:
+    from rljob.trainer.digest import Digest
     from rljob.trainer.packing import BucketBuffers, PushReport
 
 POLL_S = 25.0  # each long-poll; the agent caps waits at 30 s
@@ -54,7 +55,10 @@ class Lease:
     published: str | None = None
     by_local_rank_0: bool = False  # another process of this pod (LOCAL_RANK 0) publishes for the pod
 
-    def publish(self, version: str, path: str | None = None) -> None:
+    def publish(self, version: str, path: str | None = None, digest: Digest | None = None) -> None:
+        """`digest`: what SGLang must hold once it loaded `path` (rljob.trainer.digest.checkpoint_digest, or
+        digest_named_tensors of the tensors saved there); the agent holds SGLang's checksum against it after
+        the refit. Without one the weights are not verified against the trainer (the status says so)."""
         if self.published is not None:
             raise LeaseError(f"already published {self.published}: a lease publishes once")
         if self.by_local_rank_0:
@@ -63,6 +67,8 @@ class Lease:
         body: dict[str, Any] = {"version": str(version)}
         if path is not None:
             body["path"] = str(path)
+        if digest is not None:
+            body["digest"] = digest.wire()
         self._client.call("POST", "/v1/trainer/publish", body)
         self.published = str(version)
 
@@ -87,9 +93,30 @@ class RefitSession:
     pushes: int = 0
     _held: _Held | None = field(default=None, repr=False)
     _group_pending: bool = field(default=False, repr=False)  # init_group sent, SGLang not in the group yet
+    architectures: list[str] = field(default_factory=list)  # SGLang's (the window says): the digest's layout
+    digest: Digest | None = field(default=None, repr=False)  # of this window's pushes, sent when it closes
+    _unseen: str | None = field(default=None, repr=False)  # why some push is not in the digest
+    _by_hand: str | None = field(default=None, repr=False)  # pushes whose tensors the SDK cannot see
+    _given: bool = field(default=False, repr=False)  # add_digest was called for them
+
+    def add_digest(self, digest: Digest) -> None:
+        """The digest of tensors pushed by hand (push_tensors, push_distributed), e.g. digest_named_tensors
+        of the tensors serialized: sent with the window's close, with push_named_tensors' own."""
+        self._given = True
+        self._merge(digest)
+
+    def _merge(self, digest: Digest) -> None:
+        if self.digest is None:
+            from rljob.trainer.digest import Digest
+
+            self.digest = Digest()
+        self.digest.merge(digest)
 
     def push_tensors(self, serialized_named_tensors: list[str], load_format: str | None = None) -> None:
-        """One bucket: one serialized payload per TP rank (SGLang's MultiprocessingSerializer, base64)."""
+        """One bucket: one serialized payload per TP rank (SGLang's MultiprocessingSerializer, base64). The
+        SDK cannot see its tensors: give their digest with `add_digest`, or the weights are not verified
+        against the trainer."""
+        self._by_hand = self._by_hand or "pushes serialized by hand (push_tensors) without add_digest"
         body: dict[str, Any] = {"serializedNamedTensors": list(serialized_named_tensors)}
         if load_format is not None:
             body["loadFormat"] = load_format
@@ -101,6 +128,8 @@ class RefitSession:
         *,
         bucket_bytes: int | None = None,
         tp_size: int = 1,
+        digest: bool = True,
+        config: Any = None,
     ) -> PushReport:
         """Push CUDA tensors, e.g. `model.state_dict().items()`: packed into flat buckets of at most
         `bucket_bytes` (default 2 GiB; one dtype per bucket), one payload per TP rank in the format
@@ -109,7 +138,13 @@ class RefitSession:
         buffers per device (2 with TP=1, else 3) kept by the Handoff and reused by every later refit
         (`Handoff.free_refit_buffers()` gives them back). The tensors may be changed or
         freed once this returns; the last bucket goes out, with the version, when the window closes.
-        Needs torch (imported here only). The returned report's `send_seconds` completes at that point."""
+        Needs torch (imported here only). The returned report's `send_seconds` completes at that point.
+
+        With `digest` (default) the tensors are hashed on their device as SGLang's /weights_checker will
+        hash them (rljob.trainer.digest; `report.digest_seconds`), and the digest goes with the window's
+        close: the agent holds what SGLang holds against it. `config`: the model's (`model.config`, or its
+        config.json dict) for its architecture and tied embeddings; by default SGLang's architecture as the
+        agent reports it, and embeddings tied when embed_tokens and lm_head share their storage."""
         from rljob.trainer import packing
 
         if self._buffers is None:
@@ -119,6 +154,10 @@ class RefitSession:
         size = bucket_bytes or packing.DEFAULT_BUCKET_BYTES
         named, plans = packing.prepare(named_tensors, size, tp_size)
         buffers, report = self._buffers(), packing.PushReport()
+        if digest:
+            self._merge(self._digest_of(named, config, report))
+        else:
+            self._unseen = self._unseen or "push_named_tensors(digest=False)"
         # Bucket k is packed and serialized while push k-1 is in flight: the sender thread waits on the
         # agent and SGLang meanwhile. The ring of buffers makes that safe (packing module docstring).
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rljob-refit-push") as sender:
@@ -136,6 +175,20 @@ class RefitSession:
                 self._held = _Held("/v1/trainer/refit/tensor", body, report, bucket.buffer)
         return report
 
+    def _digest_of(self, named: list[tuple[str, Any]], config: Any, report: PushReport) -> Digest:
+        from rljob.trainer.digest import ModelLayout, digest_named_tensors
+
+        if config is not None:
+            layout = ModelLayout.from_config(config)
+        else:
+            tensors = dict(named)
+            embed, head = tensors.get("model.embed_tokens.weight"), tensors.get("lm_head.weight")
+            tied = embed is not None and head is not None and embed.data_ptr() == head.data_ptr()
+            layout = ModelLayout(self.architectures[0] if self.architectures else None, tied)
+        d = digest_named_tensors(named, layout)
+        report.digest_seconds += d.seconds
+        return d
+
     def push_distributed(
         self,
         names: list[str],
@@ -147,6 +200,7 @@ class RefitSession:
         a group started by `init_group` first."""
         if self._group_pending:
             self.wait_group()
+        self._by_hand = self._by_hand or "distributed pushes without add_digest"
         body = {"names": names, "dtypes": dtypes, "shapes": shapes, "groupName": group_name}
         self._hold(_Held("/v1/trainer/refit/distributed", body))
 
@@ -217,6 +271,14 @@ class RefitSession:
         if self._held is None:
             raise LeaseError("the refit window closed without any push: nothing carries the version")
         self._send_held(last=True)
+
+    def close_body(self) -> dict[str, Any]:
+        """The window's close: its pushes' digest, or why there is none."""
+        why = self._unseen or (self._by_hand if not self._given else None)
+        if self.digest is not None and (why is None or self.digest.unavailable):
+            return {"digest": self.digest.wire()}
+        why = why or "no digest of the pushed tensors"
+        return {"digest": {"unavailable": f"the trainer's pushes are not all in its digest: {why}"}}
 
 
 class Handoff:
@@ -347,7 +409,8 @@ class Handoff:
     def refit_window(self, timeout: float | None = None) -> Iterator[RefitSession]:
         """Wait for the agent to open a tensor/distributed refit window; the final push carries the version
         when the block exits; an exception closes the window with the error (the refit fails)."""
-        session = RefitSession(self.client, *self._wait_window(timeout), _buffers=self._buffers)
+        version, source, archs = self._wait_window(timeout)
+        session = RefitSession(self.client, version, source, _buffers=self._buffers, architectures=archs)
         try:
             yield session
             session._finish()
@@ -356,9 +419,9 @@ class Handoff:
                 "POST", "/v1/trainer/refit/close", {"error": f"{e.__class__.__name__}: {e}"[:1024]}
             )
             raise
-        self.client.call("POST", "/v1/trainer/refit/close", {})
+        self.client.call("POST", "/v1/trainer/refit/close", session.close_body())
 
-    def _wait_window(self, timeout: float | None) -> tuple[str, str]:
+    def _wait_window(self, timeout: float | None) -> tuple[str, str, list[str]]:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
@@ -366,4 +429,4 @@ class Handoff:
                 raise TimeoutError(f"no refit window opened within {timeout}s")
             window = self.client.call("GET", "/v1/trainer/refit", query={"wait": f"{max(0.1, left):g}"})
             if window.get("open"):
-                return str(window["version"]), str(window["source"])
+                return str(window["version"]), str(window["source"]), list(window.get("architectures") or [])
