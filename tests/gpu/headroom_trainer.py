@@ -7,7 +7,7 @@ empty_cache: the process and its CUDA context stay, as a trainer's do); on SIGTE
 one JSON line on stdout: {"event": "kept", "bytes": ...}, {"event": "freed", ...}.
 
 python tests/gpu/headroom_trainer.py --keep-gib 20 --weights-dir DIR --version 1 --seed 7
-(the model: RLJOB_GPU_MODEL, gpu_model.py)"""
+(the model: RLJOB_GPU_MODEL, rljob.testing.gpu_models)"""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gpu_model import model_from_env
 
+from rljob.testing.gpu_models import load_model, spec_from_env
 from rljob.trainer import Handoff
 
 GiB = 1 << 30
@@ -38,7 +38,7 @@ def main() -> int:
     p.add_argument("--version", default="1")
     p.add_argument("--seed", type=int, default=7)
     args = p.parse_args()
-    model = model_from_env()
+    model = load_model(spec_from_env())
     freeing = []
     signal.signal(signal.SIGUSR1, lambda *_: freeing.append(True))
     kept: torch.Tensor | None = None

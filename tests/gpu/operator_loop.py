@@ -31,6 +31,7 @@ import yaml
 from real_sglang import LAUNCH_FLAGS, VERSION
 
 from rljob.testing.cluster import K8S_VERSION, LocalControlPlane, cached_binaries
+from rljob.testing.gpu_models import MODEL_VARS
 from rljob.testing.gpu_pods import machine_mapping, stand_in_mapping
 from rljob.testing.harness import OperatorProcess, get_rljob
 from rljob.testing.install import install_chart, operator_kubeconfig
@@ -39,11 +40,7 @@ from rljob.testing.kubelet import Kubelet, NodeShape
 from rljob.testing.rollout_gate import GateKeeper
 
 STAND_IN_ENV = "RLJOB_GPU_LOOP_STAND_IN"  # "emulator": the CPU stand-in; unset: real SGLang and torch
-MODEL_ENV = "RLJOB_GPU_LOOP_MODEL"  # the model's factory, module:attr (model_trainer's --model)
-# Variables (comma-separated names) the factory reads, copied from this process into the trainer's container
-MODEL_VARS_ENV = "RLJOB_GPU_LOOP_MODEL_ENV"
 SOURCES_ENV = "RLJOB_GPU_LOOP_SOURCES"  # the refit sources to run a job for, in order
-DEFAULT_MODEL = "rljob.testing.tiny_model:TinyLlama"
 NAMESPACE = "gpu-loop"
 CHART_NAMESPACE = "rljob-system"
 ITERATIONS = 3
@@ -204,9 +201,8 @@ def loop_rljob(name: str, source: str, model: str) -> dict[str, Any]:
 
 
 def model_vars() -> list[dict[str, str]]:
-    """The model factory's variables (RLJOB_GPU_LOOP_MODEL_ENV names them) as the trainer container's env."""
-    names = [n for n in os.environ.get(MODEL_VARS_ENV, "").split(",") if n]
-    return [{"name": n, "value": os.environ[n]} for n in names if n in os.environ]
+    """The variables the models read (gpu_models.MODEL_VARS), as the trainer container's env."""
+    return [{"name": n, "value": os.environ[n]} for n in MODEL_VARS if n in os.environ]
 
 
 def stand_in_trainer_args() -> list[str]:

@@ -28,9 +28,7 @@ from pathlib import Path
 
 import pytest
 from operator_loop import (
-    DEFAULT_MODEL,
     ITERATIONS,
-    MODEL_ENV,
     NAMESPACE,
     SOURCES_ENV,
     Deadline,
@@ -51,6 +49,8 @@ from operator_loop import (
 from real_sglang import sglang_missing
 from test_real_sglang import LOGPROB_TOLERANCE
 
+from rljob.testing.gpu_models import spec_from_env
+
 SESSION_STARTED = time.monotonic()
 SOURCES = tuple(s for s in os.environ.get(SOURCES_ENV, "disk,tensor").split(",") if s)
 JOB_TIMEOUT_S = 480  # a cold start of SGLang at 8B (up to 2 min) and 3 iterations
@@ -67,16 +67,16 @@ def why_not() -> str | None:
 
 @pytest.fixture(scope="module")
 def loop_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
-    """(the model's factory, its launch checkpoint): RLJOB_GPU_LOOP_MODEL, TinyLlama by default, seed 0,
-    written by a process of its own (a model drawn on the GPU leaves nothing held in this one). A conftest
-    may override it to share a checkpoint built once per run."""
+    """(the model's spec, its launch checkpoint): RLJOB_GPU_MODEL (rljob.testing.gpu_models, tiny by
+    default), seed 0, written by a process of its own (a model drawn on the GPU leaves nothing held in this
+    one)."""
     reason = why_not()
     if reason:
         pytest.skip(f"GPU loop: {reason}")
-    spec = os.environ.get(MODEL_ENV, DEFAULT_MODEL)
+    spec = spec_from_env()
     launch = tmp_path_factory.mktemp("loop-model") / "v0"
     started = time.monotonic()
-    code = "import sys; from rljob.testing.model_trainer import load_model; load_model(sys.argv[1]).write("
+    code = "import sys; from rljob.testing.gpu_models import load_model; load_model(sys.argv[1]).write("
     code += "__import__('pathlib').Path(sys.argv[2]), seed=0)"
     subprocess.run([sys.executable, "-c", code, spec, str(launch)], check=True, timeout=600)
     say(f"== the launch checkpoint of {spec}: {launch} ({time.monotonic() - started:.1f} s)")

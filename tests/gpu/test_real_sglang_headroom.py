@@ -13,7 +13,7 @@ weights. test_resume_fails_at_its_deadline_sglang_answers: the trainer keeps its
 deadline: the command fails with that reason, SGLang is alive and paused; once the memory is free a resume
 of the next epoch goes through and /generate answers.
 
-The model: RLJOB_GPU_MODEL (gpu_model.py; the tiny Llama by default). Printed: the wait message, the bytes
+The model: RLJOB_GPU_MODEL (rljob.testing.gpu_models; tiny by default). Printed: the wait message, the bytes
 NVML and SGLang report, the seconds waited. Figures: $RLJOB_GPU_RESULTS_DIR/real_sglang_headroom.json."""
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from typing import Any
 import pytest
 from agent_procs import ALL_TAGS, PY, Agent, AgentDriver, Proc
 from gpu_helpers import GiB, nvml_total, nvml_used, while_alive
-from gpu_model import MODEL_ENV, model_from_env
 from real_sglang import LAUNCH_FLAGS, RealSGLang, sglang_missing
+
+from rljob.testing.gpu_models import MODEL_ENV, MODEL_VARS, load_model, spec_from_env
 
 pytestmark = pytest.mark.gpu
 
@@ -56,7 +57,7 @@ class Served:
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
-        self.model = model_from_env()
+        self.model = load_model(spec_from_env())
         self.launch = self.model.write(tmp / "v0", seed=0)
         self.server: RealSGLang | None = None
         self.dirty = True
@@ -102,8 +103,7 @@ def pod(served: Served, request: pytest.FixtureRequest, tmp_path: Path) -> Itera
 
 def start_trainer(tmp: Path, agent: Agent, version: str) -> Proc:
     env = {"RLJOB_AGENT_URL": agent.trainer_url, "RLJOB_CONTAINER": "trainer"}
-    if MODEL_ENV in os.environ:
-        env[MODEL_ENV] = os.environ[MODEL_ENV]
+    env.update({n: os.environ[n] for n in (MODEL_ENV, *MODEL_VARS) if n in os.environ})
     argv = [PY, str(HERE / "headroom_trainer.py"), "--keep-gib", str(KEEP_GIB), "--weights-dir",
             str(tmp / "ckpt"), "--version", version, "--seed", str(10 + int(version))]  # fmt: skip
     return Proc("headroom-trainer", argv, tmp / f"headroom-trainer-{version}.log", env)

@@ -13,26 +13,22 @@ weights before the load, and SGLang's own per-parameter hashes (/weights_checker
 Printed and written to $RLJOB_GPU_RESULTS_DIR/verify.{json,md}: the checker call's wall time (measured here
 on the serving engine, and inside the agent's check), the agent's whole check, the trainer's digest.
 
-The model: TinyLlama (rljob.testing.tiny_model) by default; RLJOB_GPU_VERIFY_MODEL=package.module:Factory
-names another with the same interface (`write(directory, seed) -> checkpoint dir`, `weights(seed) -> {name:
-(shape, bf16 bits)}`), e.g. an 8B-shaped builder, for the cost at that size."""
+The model: RLJOB_GPU_MODEL (rljob.testing.gpu_models: tiny by default; 8b for the cost at that size)."""
 
 from __future__ import annotations
 
-import importlib
 import json
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 from agent_procs import ALL_TAGS, Agent, AgentDriver
 from gpu_helpers import markdown_table
 from real_sglang import RealSGLang, sglang_missing
 
+from rljob.testing.gpu_models import load_model, model_weights, spec_from_env
 from rljob.trainer import Handoff
 from rljob.trainer import tensor_hash as th
 from rljob.trainer.digest import ModelLayout, checkpoint_digest, digest_named_tensors
@@ -43,34 +39,13 @@ PLAN = ("disk", "tensor", "disk")
 SEED_BASE = 300  # iteration i's weights: seed SEED_BASE + i (0 is the launch checkpoint's)
 
 
-def _model() -> Any:
-    spec = os.environ.get("RLJOB_GPU_VERIFY_MODEL")
-    if not spec:
-        from rljob.testing.tiny_model import TinyLlama
-
-        return TinyLlama()
-    module, _, factory = spec.partition(":")
-    return getattr(importlib.import_module(module), factory)()
-
-
-def cuda_weights(model: Any, seed: int) -> dict[str, Any]:
-    import torch
-
-    return {
-        name: torch.from_numpy(np.ascontiguousarray(bits).view(np.int16).reshape(shape))
-        .view(torch.bfloat16)
-        .cuda()
-        for name, (shape, bits) in model.weights(seed).items()
-    }
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RealSGLang, Path, Any]]:
     reason = sglang_missing()
     if reason:
         pytest.skip(f"real-SGLang tier: {reason}")
     tmp = tmp_path_factory.mktemp("verify")
-    model = _model()
+    model = load_model(spec_from_env())
     server = RealSGLang(tmp, model.write(tmp / "v0", seed=0))
     try:
         server.wait_ready()
@@ -128,7 +103,7 @@ def test_three_verified_refits(served: tuple[RealSGLang, Path, Any], results_dir
         handoff = Handoff(agent.trainer_url)
         for i, kind in enumerate(PLAN):
             version, seed = str(i + 1), SEED_BASE + i
-            weights = cuda_weights(model, seed)
+            weights = model_weights(model, seed)
             r = agent.trainer("POST", "/v1/trainer/request", {})
             assert r.status == 200, r.text
             c.done("drain", 60)

@@ -4,7 +4,7 @@ trainer SDK, by path (disk) or by CUDA IPC (tensor), as the RLJob's refit source
 Per iteration, as the simulated trainer (`rljob.testing.trainer`, whose rollout and checks it reuses): wait
 until the agent serves, run the rollout against SGLang (between the rollout gate's two edges with
 `--gate-dir`), report its samples, and take the lease. In the lease, the next version's weights are those of
-seed `--seed-base + version` of the model `--model` (a factory `module:attr`, TinyLlama by default):
+seed `--seed-base + version` of the model `--model` (rljob.testing.gpu_models: tiny, 8b or module:attr):
 
 - RLJOB_REFIT_SOURCE disk: `model.write(<weights dir>/v<version>, seed)`; every byte of GPU memory the
   trainer took is given back, then the path is published.
@@ -20,7 +20,7 @@ A model is any object with `write(directory, seed) -> Path` (a checkpoint direct
 load: config.json, safetensors, tokenizer.json) and either `cuda_weights(seed)` ({name: bf16 CUDA tensor}) or
 `weights(seed)` ({name: (shape, bf16 bits as uint16 numpy)}, as rljob.testing.tiny_model.TinyLlama).
 
-    python -m rljob.testing.model_trainer --model-path /weights/base [--model MODULE:FACTORY]
+    python -m rljob.testing.model_trainer --model-path /weights/base [--model tiny|8b|MODULE:FACTORY]
         [--seed-base 100] [--gate-dir DIR] [the rollout flags of rljob.testing.trainer]
     env: RLJOB_AGENT_URL, RLJOB_SGLANG_URL, RLJOB_REFIT_SOURCE (disk | tensor), RLJOB_WEIGHTS_DIR,
          RLJOB_ITERATIONS (when --iterations is not given)
@@ -34,7 +34,6 @@ import argparse
 import contextlib
 import dataclasses
 import gc
-import importlib
 import json
 import os
 import sys
@@ -43,35 +42,16 @@ from pathlib import Path
 from typing import Any
 
 from rljob.testing import trainer as sim
+from rljob.testing.gpu_models import load_model, model_weights
 from rljob.testing.rollout_gate import RolloutGate
 from rljob.trainer import Handoff
 
-DEFAULT_MODEL = "rljob.testing.tiny_model:TinyLlama"
 # The prompts of the logprob check (any byte-level BPE encodes them).
 CHECK_PROMPTS = {
     "capital": "question: what is the capital of france? the capital of france is",
     "weights": "iteration three: the model weights of the rollout are",
     "numbers": "one two three four five six seven eight nine ten",
 }
-
-
-def load_model(spec: str) -> Any:
-    module, _, attr = spec.partition(":")
-    return getattr(importlib.import_module(module), attr)()
-
-
-def model_weights(model: Any, seed: int, device: str = "cuda") -> dict[str, Any]:
-    """The model's weights of `seed` as bf16 tensors on `device`."""
-    own = getattr(model, "cuda_weights", None)
-    if own is not None and device == "cuda":
-        return dict(own(seed))
-    import numpy as np
-    import torch
-
-    return {
-        name: torch.from_numpy(bits.view(np.int16).reshape(shape).copy()).view(torch.bfloat16).to(device)
-        for name, (shape, bits) in model.weights(seed).items()
-    }
 
 
 def check_prompts(model_path: Path) -> dict[str, list[int]]:
@@ -222,7 +202,7 @@ def parser() -> argparse.ArgumentParser:
     p.prog = "python -m rljob.testing.model_trainer"
     p.description = __doc__
     p.add_argument("--model-path", required=True, help="the checkpoint SGLang launched from (its config)")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="the model's factory, module:attr")
+    p.add_argument("--model", default="tiny", help="rljob.testing.gpu_models: tiny, 8b or module:attr")
     p.add_argument("--seed-base", type=int, default=100, help="version v trains the weights of seed base + v")
     p.add_argument(
         "--device",
