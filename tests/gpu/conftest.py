@@ -71,12 +71,15 @@ def _skip_without_gpu(request: pytest.FixtureRequest) -> None:
 
 @pytest.fixture(scope="session")
 def llama8b(tmp_path_factory: pytest.TempPathFactory) -> Built8B:
-    """Built once per run, on the GPU, in a process of its own (python -m rljob.testing.llama_checkpoint);
-    $RLJOB_LLAMA_CHECKPOINT_ROOT names it to the processes the tests start (llama_checkpoint.llama3_8b)."""
+    """Built once per run, on the GPU, in a process of its own (python -m rljob.testing.llama_checkpoint),
+    under $RLJOB_LLAMA_CHECKPOINT_ROOT when it is set (a base/ another test of the run wrote is reused),
+    which then names it to the processes the tests start (llama_checkpoint.llama3_8b)."""
     reason = gpu_missing()
     if reason:
         pytest.skip(f"GPU tier: {reason}")
-    root = tmp_path_factory.mktemp("llama3-8b")
+    given = os.environ.get(ROOT_ENV)
+    root = Path(given) if given else tmp_path_factory.mktemp("llama3-8b")
+    root.mkdir(parents=True, exist_ok=True)
     out = root / "build.json"
     cmd = [PY, "-m", "rljob.testing.llama_checkpoint", "--root", str(root), "--seeds", "0", "--out", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
