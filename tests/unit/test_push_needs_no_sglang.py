@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib.abc
 import sys
 from collections.abc import Sequence
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -44,7 +44,8 @@ def test_packing_and_serializing_a_bucket_imports_no_sglang(
 ) -> None:
     """A bucket of meta tensors (no CUDA here) through pack_and_serialize: the payload is written and no
     import of sglang was even attempted."""
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)  # meta tensors: nothing to wait
+    nothing_to_wait = SimpleNamespace(synchronize=lambda: None)  # meta tensors: no stream
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: nothing_to_wait)
     named = [
         ("w", torch.empty(4, 8, dtype=torch.bfloat16, device="meta")),
         ("v", torch.empty(8, dtype=torch.bfloat16, device="meta")),

@@ -88,7 +88,7 @@ class Digest:
 
     parameters: dict[str, str] = field(default_factory=dict)
     unavailable: str | None = None
-    seconds: float = 0.0  # time spent hashing
+    seconds: float = 0.0  # time spent hashing (started on the GPU: starting it and waiting for it)
 
     def wire(self) -> dict[str, Any]:
         """The body field `digest` of the publish and of the refit window's close (api/agent.py)."""
@@ -140,31 +140,53 @@ def _vocab_padding_rows(name: str, rows: int) -> int:
 
 def digest_named_tensors(named: Iterable[tuple[str, Any]], layout: ModelLayout) -> Digest:
     """The digest of torch tensors (on any device: hashed there) or numpy arrays, by checkpoint name."""
+    pending = start_digest_named_tensors(named, layout)
+    pending.release()
+    return pending.result()
+
+
+@dataclass
+class PendingDigest:
+    """A digest whose hashes may still run on the GPU (tensor_hash.start_hashes): `release()` once the
+    tensors may change, `result()` to wait for it."""
+
+    targets: list[str]
+    hashes: tensor_hash.PendingHashes | None
+    unavailable: str | None = None
+    seconds: float = 0.0  # spent starting it
+
+    def release(self) -> None:
+        if self.hashes is not None:
+            self.hashes.release()
+
+    def result(self) -> Digest:
+        """The digest; `seconds`: starting it and waiting for it here."""
+        if self.unavailable is not None or self.hashes is None:
+            return Digest(unavailable=self.unavailable, seconds=self.seconds)
+        waited = time.perf_counter()
+        values = self.hashes.result()
+        seconds = self.seconds + time.perf_counter() - waited
+        return Digest(dict(zip(self.targets, map(tensor_hash.hex16, values), strict=True)), seconds=seconds)
+
+
+def start_digest_named_tensors(named: Iterable[tuple[str, Any]], layout: ModelLayout) -> PendingDigest:
+    """`digest_named_tensors` begun: CUDA tensors are hashed on a side stream after the work queued on the
+    current stream (tensor_hash.start_hashes), the rest here; nothing is waited for."""
     started = time.perf_counter()
     why = layout.unavailable()
     if why is not None:
-        return Digest(unavailable=why)
+        return PendingDigest([], None, unavailable=why)
     tensors = dict(named)
     whole, _partial = plan(tensors, layout)
-    out: dict[str, str] = {}
+    groups: list[tensor_hash.Group] = []
     for target, names in whole.items():
         items = [tensors[n] for n in names]
-        pad = _vocab_padding_rows(target, int(items[0].shape[0])) if items[0].ndim >= 1 else 0
-        if pad:
-            items.append(_zeros_like_rows(items[0], pad))
-        out[target] = tensor_hash.hex16(tensor_hash.hash_any(items))
-    return Digest(out, seconds=time.perf_counter() - started)
-
-
-def _zeros_like_rows(t: Any, rows: int) -> Any:
-    shape = (rows, *tuple(t.shape[1:]))
-    if type(t).__module__.startswith("torch"):
-        import torch
-
-        return torch.zeros(shape, dtype=t.dtype, device=t.device)
-    import numpy as np
-
-    return np.zeros(shape, dtype=t.dtype)
+        first = items[0]
+        pad = _vocab_padding_rows(target, int(first.shape[0])) if first.ndim >= 1 else 0
+        zero = pad * (int(first.nbytes) // int(first.shape[0])) if pad else 0
+        groups.append((items, zero))
+    hashes = tensor_hash.start_hashes(groups)
+    return PendingDigest(list(whole), hashes, seconds=time.perf_counter() - started)
 
 
 # --- checkpoints on disk ---------------------------------------------------------------------------

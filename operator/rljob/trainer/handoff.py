@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any
 from rljob.trainer.client import AgentClient, AgentError, AgentUnavailable
 
 if TYPE_CHECKING:
-    from rljob.trainer.digest import Digest
-    from rljob.trainer.packing import BucketBuffers, PushReport
+    from rljob.trainer.digest import Digest, PendingDigest
+    from rljob.trainer.packing import BucketBuffers, BucketPlan, PushReport
 
 POLL_S = 25.0  # each long-poll; the agent caps waits at 30 s
 
@@ -98,6 +98,7 @@ class RefitSession:
     _unseen: str | None = field(default=None, repr=False)  # why some push is not in the digest
     _by_hand: str | None = field(default=None, repr=False)  # pushes whose tensors the SDK cannot see
     _given: bool = field(default=False, repr=False)  # add_digest was called for them
+    _hashing: list[tuple[PendingDigest, PushReport]] = field(default_factory=list, repr=False)
 
     def add_digest(self, digest: Digest) -> None:
         """The digest of tensors pushed by hand (push_tensors, push_distributed), e.g. digest_named_tensors
@@ -140,11 +141,14 @@ class RefitSession:
         freed once this returns; the last bucket goes out, with the version, when the window closes.
         Needs torch (imported here only). The returned report's `send_seconds` completes at that point.
 
-        With `digest` (default) the tensors are hashed on their device as SGLang's /weights_checker will
-        hash them (rljob.trainer.digest; `report.digest_seconds`), and the digest goes with the window's
-        close: the agent holds what SGLang holds against it. `config`: the model's (`model.config`, or its
-        config.json dict) for its architecture and tied embeddings; by default SGLang's architecture as the
-        agent reports it, and embeddings tied when embed_tokens and lm_head share their storage."""
+        With `digest` (default) the tensors are hashed as SGLang's /weights_checker will hash them
+        (rljob.trainer.digest): on a side CUDA stream, started here after the work queued on the current
+        stream, while the buckets are packed and sent; work queued on the current stream after this returns
+        runs after the hash; the window's close waits for it and carries the digest (the agent holds what
+        SGLang holds against it; `report.digest_seconds`, complete then: starting it and waiting for it).
+        `config`: the model's (`model.config`, or its config.json dict) for its architecture and tied
+        embeddings; by default SGLang's architecture as the agent reports it, and embeddings tied when
+        embed_tokens and lm_head share their storage."""
         from rljob.trainer import packing
 
         if self._buffers is None:
@@ -154,10 +158,31 @@ class RefitSession:
         size = bucket_bytes or packing.DEFAULT_BUCKET_BYTES
         named, plans = packing.prepare(named_tensors, size, tp_size)
         buffers, report = self._buffers(), packing.PushReport()
+        hashing = None
         if digest:
-            self._merge(self._digest_of(named, config, report))
+            hashing = self._start_digest(named, config)
+            report.digest_seconds += hashing.seconds
+            self._hashing.append((hashing, report))
         else:
             self._unseen = self._unseen or "push_named_tensors(digest=False)"
+        try:
+            self._push_buckets(named, plans, buffers, size, tp_size, report)
+        finally:
+            if hashing is not None:
+                hashing.release()  # the caller may change the tensors once this returns
+        return report
+
+    def _push_buckets(
+        self,
+        named: list[tuple[str, Any]],
+        plans: list[BucketPlan],
+        buffers: BucketBuffers,
+        size: int,
+        tp_size: int,
+        report: PushReport,
+    ) -> None:
+        from rljob.trainer import packing
+
         # Bucket k is packed and serialized while push k-1 is in flight: the sender thread waits on the
         # agent and SGLang meanwhile. The ring of buffers makes that safe (packing module docstring).
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rljob-refit-push") as sender:
@@ -173,10 +198,9 @@ class RefitSession:
                         in_flight.result()  # its error first: SGLang's answer says more than ours
                 body = {"serializedNamedTensors": bucket.payloads, "loadFormat": packing.LOAD_FORMAT}
                 self._held = _Held("/v1/trainer/refit/tensor", body, report, bucket.buffer)
-        return report
 
-    def _digest_of(self, named: list[tuple[str, Any]], config: Any, report: PushReport) -> Digest:
-        from rljob.trainer.digest import ModelLayout, digest_named_tensors
+    def _start_digest(self, named: list[tuple[str, Any]], config: Any) -> PendingDigest:
+        from rljob.trainer.digest import ModelLayout, start_digest_named_tensors
 
         if config is not None:
             layout = ModelLayout.from_config(config)
@@ -185,9 +209,22 @@ class RefitSession:
             embed, head = tensors.get("model.embed_tokens.weight"), tensors.get("lm_head.weight")
             tied = embed is not None and head is not None and embed.data_ptr() == head.data_ptr()
             layout = ModelLayout(self.architectures[0] if self.architectures else None, tied)
-        d = digest_named_tensors(named, layout)
-        report.digest_seconds += d.seconds
-        return d
+        return start_digest_named_tensors(named, layout)
+
+    def _join_digests(self) -> None:
+        """The hashes push_named_tensors started, waited for (one sync per device each) and merged; one
+        that failed makes the digest unavailable, saying why (the window still closes)."""
+        from rljob.trainer.digest import Digest
+
+        hashing, self._hashing = self._hashing, []
+        for pending, report in hashing:
+            waited = time.perf_counter()
+            try:
+                d = pending.result()
+            except Exception as e:
+                d = Digest(unavailable=f"hashing the pushed tensors failed: {e.__class__.__name__}: {e}")
+            report.digest_seconds += time.perf_counter() - waited
+            self._merge(d)
 
     def push_distributed(
         self,
@@ -273,7 +310,8 @@ class RefitSession:
         self._send_held(last=True)
 
     def close_body(self) -> dict[str, Any]:
-        """The window's close: its pushes' digest, or why there is none."""
+        """The window's close: its pushes' digest (waited for here), or why there is none."""
+        self._join_digests()
         why = self._unseen or (self._by_hand if not self._given else None)
         if self.digest is not None and (why is None or self.digest.unavailable):
             return {"digest": self.digest.wire()}

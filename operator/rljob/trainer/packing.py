@@ -404,11 +404,11 @@ class PushReport:
     bytes: int = 0
     order: list[str] = field(default_factory=list)  # names in the byte order the server receives them
     new_buffers: int = 0  # bucket buffers allocated by this call (0: all reused)
-    pack_seconds: float = 0.0  # copies into the buckets, device synchronized
+    pack_seconds: float = 0.0  # copies into the buckets, their stream synchronized
     serialize_seconds: float = 0.0  # IPC handles, pickle, base64
     ipc_share_seconds: float = 0.0  # of serialize_seconds: torch's reduction (handle, event, ref count)
     send_seconds: list[float] = field(default_factory=list)  # each push's round trip through the agent
-    digest_seconds: float = 0.0  # hashing the tensors as SGLang's /weights_checker will (trainer/digest.py)
+    digest_seconds: float = 0.0  # starting the digest's hash, waiting for it at the close (trainer/digest.py)
 
 
 @dataclass
@@ -459,8 +459,9 @@ def pack_and_serialize(
         report.order.append(name)
     flat = buf[: plan.nbytes]
     # The IPC reduction records an event the receiver waits on; synchronizing as well makes the bucket
-    # complete whatever the receiver does, and the packing time honest.
-    torch.cuda.synchronize(device)
+    # complete whatever the receiver does, and the packing time honest. The copies' stream only: the
+    # digest's hash runs on a side stream meanwhile (trainer/triton_hash.py).
+    torch.cuda.current_stream(device).synchronize()
     packed_at = time.perf_counter()
     entries = metadata_fragment(
         tuple(

@@ -17,10 +17,13 @@ splitmix64's finalizer. An empty tensor hashes to 0. `/weights_checker` writes i
 (…/utils/weight_checker.py:177-178@0.5.15.post1). A list of tensors hashes as their flattened
 concatenation, which is how a fused parameter (qkv_proj = q, k, v) is reproduced from its parts.
 
-Two implementations, both exact: numpy (`hash_words`, for bytes on the CPU: checkpoints read from disk)
-and torch (`hash_tensor`, any device: a trainer's CUDA tensors), whose products are split so that no
-intermediate leaves int64. tests/unit/test_tensor_hash.py holds both
-against SGLang's own kernel source, run by Triton's interpreter.
+Three implementations, all exact: numpy (`hash_words`, for bytes on the CPU: checkpoints read from disk);
+the SDK's own Triton kernel for tensors on CUDA where triton imports (rljob/trainer/triton_hash.py: one
+launch per parameter, a fused parameter's parts read in place, one host sync per digest); and torch ops
+on any device where it does not (`hash_tensors_torch`, products split so that no intermediate leaves
+int64; a host sync per 8M words). `hash_tensors` picks between the last two; `start_hashes` starts a
+digest's hashes on a side CUDA stream and returns before they ran. tests/unit/test_tensor_hash.py holds
+them against SGLang's own kernel source, both kernels run by Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -164,22 +167,42 @@ def _t_words(t: Any) -> Any:
     pad = -raw.numel() % 4
     if pad:
         raw = torch.cat([raw, torch.zeros(pad, dtype=torch.uint8, device=raw.device)])
+    elif raw.storage_offset() % 4:  # a view at an odd address: torch views only whole words as int32
+        raw = raw.clone()
     return raw.view(torch.int32)
 
 
 def hash_tensor(t: Any) -> int:
-    """SGLang's tensor hash of a torch tensor, on the tensor's own device (torch ops only)."""
-    return _hash_int32_words(_t_words(t))
+    """SGLang's tensor hash of a torch tensor (`hash_tensors` of it alone)."""
+    return hash_tensors([t])
 
 
 def hash_tensors(parts: Sequence[Any]) -> int:
-    """The hash of the tensors' flattened concatenation (SGLang's `tensor_hash` of a list)."""
+    """The hash of the tensors' flattened concatenation (SGLang's `tensor_hash` of a list): by the SDK's
+    Triton kernel when they are on one CUDA device and triton imports (rljob/trainer/triton_hash.py, the
+    concatenation never written), else by torch ops on their device."""
+    if _on_one_cuda_device(parts):
+        from rljob.trainer import triton_hash
+
+        if triton_hash.AVAILABLE:
+            return triton_hash.hash_parts(parts)
+    return hash_tensors_torch(parts)
+
+
+def hash_tensors_torch(parts: Sequence[Any]) -> int:
+    """`hash_tensors` by torch ops on the tensors' device (the concatenation is written first)."""
     import torch
 
     if len(parts) == 1:
-        return hash_tensor(parts[0])
+        return _hash_int32_words(_t_words(parts[0]))
     flat = [p.detach().contiguous().reshape(-1).view(torch.uint8) for p in parts]
-    return hash_tensor(torch.cat(flat) if flat else torch.zeros(0, dtype=torch.uint8))
+    return _hash_int32_words(_t_words(torch.cat(flat) if flat else torch.zeros(0, dtype=torch.uint8)))
+
+
+def _on_one_cuda_device(parts: Sequence[Any]) -> bool:
+    if not parts or not all(type(p).__module__.startswith("torch") for p in parts):
+        return False
+    return all(p.is_cuda for p in parts) and len({p.device for p in parts}) == 1
 
 
 def _hash_int32_words(words32: Any) -> int:
@@ -222,3 +245,60 @@ def _as_bytes(p: Any) -> Any:
     if type(p).__module__.startswith("torch"):
         return p.detach().contiguous().reshape(-1).view(__import__("torch").uint8).cpu().numpy()
     return p
+
+
+# --- many at once (a digest) ---------------------------------------------------------------------------
+
+Group = tuple[Sequence[Any], int]  # a parameter: its parts in order, and the zero bytes that follow them
+
+
+class PendingHashes:
+    """Hashes `start_hashes` began: those on CUDA may still be running on a side stream."""
+
+    def __init__(self, groups: Sequence[Group]) -> None:
+        self._done: dict[int, int] = {}
+        on_gpu = [i for i, (parts, _) in enumerate(groups) if _on_one_cuda_device(parts)]
+        self._batch: Any = None
+        if on_gpu:
+            from rljob.trainer import triton_hash
+
+            if triton_hash.AVAILABLE:
+                self._batch = triton_hash.Batch([groups[i] for i in on_gpu])
+            else:
+                on_gpu = []
+        self._on_gpu = on_gpu
+        gpu = set(on_gpu)
+        for i, (parts, zero) in enumerate(groups):
+            if i not in gpu:
+                self._done[i] = hash_any([*parts, *_zeros_like(parts, zero)])
+        self._count = len(groups)
+
+    def release(self) -> None:
+        """The inputs may be changed or freed from here: work queued after this on their devices' current
+        streams runs after the hash (no wait here)."""
+        if self._batch is not None:
+            self._batch.release()
+
+    def result(self) -> list[int]:
+        """The hashes, in the groups' order: waits once per device for those still running."""
+        if self._batch is not None:
+            self._done.update(zip(self._on_gpu, self._batch.result(), strict=True))
+            self._batch = None
+        return [self._done[i] for i in range(self._count)]
+
+
+def start_hashes(groups: Sequence[Group]) -> PendingHashes:
+    """Start hashing each group (a parameter's parts back to back, then zero bytes): groups on one CUDA
+    device by the Triton kernel on a side stream, after the work queued on the current stream (one launch
+    per group, nothing waited for); the others (CPU tensors, numpy, bytes; no triton) here and now."""
+    return PendingHashes(groups)
+
+
+def _zeros_like(parts: Sequence[Any], n: int) -> list[Any]:
+    if n <= 0:
+        return []
+    if parts and all(type(p).__module__.startswith("torch") for p in parts):
+        import torch
+
+        return [torch.zeros(n, dtype=torch.uint8, device=parts[0].device)]
+    return [bytes(n)]
