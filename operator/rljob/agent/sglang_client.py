@@ -365,7 +365,7 @@ class SGLangClient:
         return await self._refit("init_weights_update_group", "/init_weights_update_group", body, timeout)
 
     async def weights_checksum(self, timeout: float | None = None) -> dict[str, Any]:
-        """C-ROUTE-CHECKER, C-CHECKER-CHECKSUM (from 0.5.15.post1, `quirks.weights_checksum`): `POST
+        """C-ROUTE-CHECKER, C-CHECKER-CHECKSUM (from 0.5.15.post1, `quirks.checker_checksum`): `POST
         /weights_checker {"action": "checksum"}`, one scheduler call in which every GPU hashes every
         parameter it holds; the reply `{success, message, ranks: [{checksums: {name: hex16},
         per_gpu_checksum, parallelism_info}], per_engine_checksum}`. Never while weights are released: the

@@ -112,7 +112,7 @@ class SGLangWatch:
                     log.warning("SGLang answers but cannot be identified yet: %s", e)
                     warned = True
                 await asyncio.sleep(0.25)
-        if not quirks.supported:
+        if not quirks.is_supported:
             self._store.fail(f"SGLang {quirks.version} is older than the oldest supported version 0.5.6")
             return False
         self._store.facts = facts

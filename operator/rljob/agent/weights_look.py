@@ -24,7 +24,7 @@ def why_not(client: SGLangClient, weights_released: bool) -> str | None:
     quirks = client.quirks
     if quirks is None:
         return "SGLang's version is not known yet"
-    if not quirks.weights_checksum:
+    if not quirks.checker_checksum:
         return f"SGLang {quirks.version} has no /weights_checker checksum (it has one from 0.5.15.post1)"
     if weights_released:
         return "the weights are released (a checksum would read unmapped memory)"
