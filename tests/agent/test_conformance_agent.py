@@ -26,8 +26,8 @@ from agent_procs import (
 )
 
 from rljob.agent.actions import check_leader as check
+from rljob.agent.engines.sglang.quirks import SGLangQuirks
 from rljob.agent.errors import Refused
-from rljob.agent.quirks import SGLangQuirks
 from rljob.agent.state import ServerFacts
 from rljob.api.agent import AgentState, DrainCommand, RefitCommand, ResumeCommand, Stage
 from rljob.api.spec import DrainMode, RefitSource

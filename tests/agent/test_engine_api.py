@@ -1,7 +1,7 @@
-"""The agent's SGLang-compatible endpoint (agent/engine_api.py) against the emulator, with this test as the
-operator: a framework's release waits for the lease, its pushes go through the refit window once the
-refit opens it, its resume returns once the pod serves the new version; refusals come back in SGLang's
-error shape for the route and reach SGLang with nothing."""
+"""The agent's SGLang-compatible endpoint (agent/engines/sglang/endpoint.py) against the emulator, with
+this test as the operator: a framework's release waits for the lease, its pushes go through the refit
+window once the refit opens it, its resume returns once the pod serves the new version; refusals come back
+in SGLang's error shape for the route and reach SGLang with nothing."""
 
 from __future__ import annotations
 

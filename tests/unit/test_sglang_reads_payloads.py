@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from rljob.agent.quirks import SGLangQuirks
-from rljob.agent.sglang_client import SGLangClient
+from rljob.agent.engines.sglang.client import SGLangClient
+from rljob.agent.engines.sglang.quirks import SGLangQuirks
 from rljob.api.agent import InitWeightsGroup
 from rljob.testing.ipc_stand_in import cuda_reduction
 from rljob.trainer.packing import (

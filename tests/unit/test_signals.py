@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 
 from rljob.agent import rollout as rollout_module
+from rljob.agent.engines.base import EngineError
+from rljob.agent.engines.sglang.client import parse_metrics
 from rljob.agent.gpu_probe import GpuMemory
 from rljob.agent.rollout import RolloutSampler
-from rljob.agent.sglang_client import SGLangError, parse_metrics
 from rljob.agent.state import ServerFacts, StateStore
 from rljob.api.agent import AgentState, RolloutReport, Stage
 from rljob.api.spec import ProfileHints
@@ -75,7 +76,7 @@ class FakeClient:
     def __init__(self) -> None:
         self.load_value: dict[str, float | None] = {}
         self.counters: dict[str, float] | None = {}  # None: a 404 (no --enable-metrics)
-        self.metrics_error: SGLangError | None = None
+        self.metrics_error: EngineError | None = None
 
     async def load(self) -> dict[str, float | None]:
         return dict(self.load_value)
@@ -213,7 +214,7 @@ def test_unmeasured_has_room_for_every_signal_and_names_a_missing_baseline() -> 
 
 def test_sampler_whose_metrics_do_not_answer_lacks_only_the_counters(monkeypatch: pytest.MonkeyPatch) -> None:
     client = FakeClient()
-    client.metrics_error = SGLangError("metrics", 500, "boom")
+    client.metrics_error = EngineError("metrics", 500, "boom")
     r = _sample_once(monkeypatch, client, _load(2, 0))
     assert r.cache_hit_rate == 0.25 and r.generation_tokens_per_second == 10.0  # /metrics exists: measured
     assert r.prompt_tokens is None

@@ -15,7 +15,8 @@ from rljob.agent import follower
 from rljob.agent.actions import Actions
 from rljob.agent.commands import CommandDesk
 from rljob.agent.config import AgentConfig
-from rljob.agent.engine_api import EngineEndpoint, build_engine_app
+from rljob.agent.engines.sglang.client import SGLangClient
+from rljob.agent.engines.sglang.endpoint import EngineEndpoint, build_engine_app
 from rljob.agent.gpu_probe import make_probe
 from rljob.agent.lease import LeaseDesk
 from rljob.agent.metrics import AgentMetrics
@@ -25,7 +26,6 @@ from rljob.agent.record import AgentRecord, RecordError
 from rljob.agent.recovery import Recovery
 from rljob.agent.refit_window import RefitWindows
 from rljob.agent.rollout import RolloutSampler
-from rljob.agent.sglang_client import SGLangClient
 from rljob.agent.state import StateStore
 from rljob.agent.trainer_api import build_trainer_app
 from rljob.agent.watch import SGLangWatch

@@ -10,9 +10,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
+from rljob.agent.engines.base import EngineError, EngineUnreachable
 from rljob.agent.errors import CommandFailed, PermanentFailure, StateLost, conflict
 from rljob.agent.metrics import AgentMetrics
-from rljob.agent.sglang_client import SGLangError, SGLangUnreachable
 from rljob.agent.state import ServerFacts, StateStore
 from rljob.agent.timing import measure_external
 from rljob.api.agent import AgentState, Command, CommandState, CommandStatus
@@ -113,10 +113,10 @@ class CommandDesk:
             except StateLost as e:
                 error = str(e)
                 self._store.fail(error)
-            except SGLangUnreachable as e:
+            except EngineUnreachable as e:
                 error = f"SGLang unreachable: {e}"
                 await self._confirm_death(error)
-            except SGLangError as e:
+            except EngineError as e:
                 error = str(e)
             except Exception as e:  # a bug must not leave the command Running forever
                 log.exception("command %s epoch=%d crashed", cmd.action.value, cmd.epoch)

@@ -29,7 +29,7 @@ class AgentConfig:
     scheduler_probe_timeout_s: float = 5.0  # bounded /get_load when /ping cannot tell (C-DEATH-HARD)
     liveness_s: float = 1.0  # how often the agent asks SGLang whether it lives (agent/watch.py)
     state_dir: str | None = None  # the pod-local record (agent/record.py); None: no recovery on restart
-    engine_listen: tuple[str, int] | None = None  # the SGLang-compatible endpoint (agent/engine_api.py)
+    engine_listen: tuple[str, int] | None = None  # the framework endpoint (agent/engines/sglang/endpoint.py)
     refit_source: RefitSource | None = None  # the RLJob's spec.refit.source (the endpoint checks pushes)
 
 
@@ -66,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
         type=parse_hostport,
         default=_env("RLJOB_ENGINE_LISTEN"),
         help="SGLang-compatible endpoint for a framework (slime, verl, AReaL), loopback only, no token "
-        "(env RLJOB_ENGINE_LISTEN; agent/engine_api.py); unset: none",
+        "(env RLJOB_ENGINE_LISTEN; agent/engines/sglang/endpoint.py); unset: none",
     )
     p.add_argument(
         "--refit-source",

@@ -24,10 +24,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from rljob.agent.engines.base import EngineUnreachable
+from rljob.agent.engines.sglang.client import SGLangClient
 from rljob.agent.errors import CommandFailed
 from rljob.agent.gpu_probe import GpuMemory
 from rljob.agent.operations import VERIFY_MAX_POLL_S, Deadline, Operations, Record
-from rljob.agent.sglang_client import SGLangClient, SGLangUnreachable
 from rljob.agent.state import StateStore
 from rljob.api.agent import (
     AgentState,
@@ -64,7 +65,7 @@ class FollowerWatch:
             try:
                 await self._client.ping(timeout=5)
                 break
-            except (SGLangUnreachable, TimeoutError) as e:
+            except (EngineUnreachable, TimeoutError) as e:
                 log.debug("SGLang (follower) not up yet: %s", e)
                 await asyncio.sleep(0.1)
         with self._store.change(stage=Stage.READY) as s:
@@ -80,7 +81,7 @@ class FollowerWatch:
     async def confirm_death(self, cause: str) -> None:
         try:
             await self._client.ping(timeout=5)
-        except SGLangUnreachable as e:
+        except EngineUnreachable as e:
             log.error("SGLang is gone (%s): %s", cause, e)
             self._store.fail(f"SGLang stopped answering: {e}")
         except TimeoutError:

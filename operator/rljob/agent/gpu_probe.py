@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from rljob.agent.engines.sglang.client import SGLangClient
 from rljob.agent.gpu_scope import LISTED_ENV, VISIBLE, GpuScopeUnknown, Selection, pod_gpu_lists, select_gpus
-from rljob.agent.sglang_client import SGLangClient
 from rljob.agent.timing import add_external
 from rljob.api.agent import GpuScope
 

@@ -22,6 +22,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeAlias
 
+from rljob.agent.engines.base import EngineError, EngineUnreachable
+from rljob.agent.engines.sglang.client import SGLangClient
 from rljob.agent.errors import CommandFailed, PermanentFailure, StateLost
 from rljob.agent.gpu_probe import GpuMemory, GpuProbe
 from rljob.agent.gpu_scope import report_gpu_scope
@@ -30,7 +32,6 @@ from rljob.agent.lease import LeaseDesk
 from rljob.agent.metrics import AgentMetrics
 from rljob.agent.record import Intent
 from rljob.agent.refit_window import RefitWindows
-from rljob.agent.sglang_client import SGLangClient, SGLangError, SGLangUnreachable
 from rljob.agent.state import StateStore
 from rljob.agent.transitions import refit_path
 from rljob.agent.weights_check import WEIGHTS_MISMATCH, Expected, Held, judge, unverified
@@ -160,7 +161,7 @@ class Operations:
                     return
                 await asyncio.sleep(min(backoff, settle.remaining()))
                 backoff = min(backoff * 2, 0.05)
-        except (TimeoutError, SGLangError) as e:
+        except (TimeoutError, EngineError) as e:
             log.info("drain: abort before the pause did not settle (%s); the pause stops what runs", e)
 
     async def _pause(self, mode: DrainMode, dl: Deadline) -> None:
@@ -175,7 +176,7 @@ class Operations:
                 f"pause_generation({mode.value}) did not return within {dl.seconds:g}s "
                 "(in-flight requests did not finish aborting)"
             ) from e
-        except SGLangError as e:
+        except EngineError as e:
             raise CommandFailed(str(e)) from e
 
     async def _idle_barrier(self, dl: Deadline, what: str) -> None:
@@ -208,7 +209,7 @@ class Operations:
                         return
             except TimeoutError as e:
                 raise CommandFailed(f"{what}: SGLang did not answer within {dl.seconds:g}s") from e
-            except SGLangError as e:
+            except EngineError as e:
                 raise CommandFailed(str(e)) from e
             await asyncio.sleep(min(backoff, dl.remaining()))
             backoff = min(backoff * 2, 0.5)
@@ -282,7 +283,7 @@ class Operations:
                 f"release_memory_occupation({', '.join(tags)}) did not answer in {self.call_timeout_s:g}s: "
                 "whether the tags are released is unknown"
             ) from e
-        except SGLangError as e:
+        except EngineError as e:
             with self.store.outcome():
                 pass
             raise CommandFailed(str(e)) from e  # refused in the tokenizer: nothing was released
@@ -310,7 +311,7 @@ class Operations:
     async def _sample(self) -> list[GpuMemory]:
         try:
             gpus = await self.probe.sample()
-        except SGLangUnreachable:
+        except EngineUnreachable:
             raise  # a probe that reads through SGLang's port: its loss is SGLang's death
         except Exception as e:  # NVML errors have no common base class worth naming
             raise CommandFailed(f"GPU probe failed: {e.__class__.__name__}: {e}") from e
@@ -393,7 +394,7 @@ class Operations:
                 f"resume_memory_occupation({', '.join(names)}) did not answer within the deadline "
                 "(out of GPU memory? sglang#14092): whether the tags are resumed is unknown"
             ) from e
-        except SGLangError as e:
+        except EngineError as e:
             with self.store.outcome():
                 pass
             raise CommandFailed(str(e)) from e
@@ -452,7 +453,7 @@ class Operations:
                 # set it without a lock or an abort (C-ROUTE-WV-SET), then verify it below as everywhere.
                 await self.client.update_weight_version(cmd.version, timeout=max(1.0, dl.remaining()))
             served = await self.client.served_version(timeout=max(1.0, dl.remaining()))
-        except SGLangError as e:
+        except EngineError as e:
             raise CommandFailed(str(e)) from e
         except TimeoutError as e:
             raise CommandFailed(f"refit did not finish within {dl.seconds:g}s") from e
@@ -586,7 +587,7 @@ class Operations:
         self.store.announce(Intent("refit", cmd.epoch, version=cmd.version, path=path))
         try:
             await self.client.update_weights_from_disk(path, cmd.version, timeout=dl.remaining())
-        except SGLangError:
+        except EngineError:
             with self.store.outcome():
                 pass  # SGLang answered: the load failed, and nothing is unknown
             raise
@@ -604,7 +605,7 @@ class Operations:
         if session:
             try:
                 await self.client.end_weight_update(timeout=max(1.0, dl.remaining()))
-            except (SGLangError, TimeoutError) as e:
+            except (EngineError, TimeoutError) as e:
                 failure = failure or CommandFailed(f"end_weight_update failed: {e}")
         with self.store.outcome():
             if failure is None:
@@ -633,7 +634,7 @@ class Operations:
     async def _begin_session(self, dl: Deadline) -> None:
         try:
             await self.client.begin_weight_update(timeout=dl.remaining())
-        except SGLangError as e:
+        except EngineError as e:
             if "already open" not in e.message:
                 raise
             # A window that failed before its end call left the session open: close it, start clean.
@@ -659,7 +660,7 @@ class Operations:
             probe.cancel()
             if isinstance(e, TimeoutError):
                 raise CommandFailed("continue_generation did not answer before the deadline") from e
-            if isinstance(e, SGLangError):
+            if isinstance(e, EngineError):
                 raise CommandFailed(str(e)) from e
             raise
         self.pause_mode = None
@@ -681,12 +682,12 @@ class Operations:
         except TimeoutError as e:
             reading.cancel()
             raise CommandFailed(f"SGLang generated no token within {dl.seconds:g}s of the resume") from e
-        except SGLangError as e:
+        except EngineError as e:
             reading.cancel()
             raise CommandFailed(f"SGLang cannot generate after the resume: {e}") from e
         try:
             return await reading
-        except (SGLangError, TimeoutError) as e:
+        except (EngineError, TimeoutError) as e:
             raise CommandFailed(f"cannot read the served weight_version: {e}") from e
 
 

@@ -30,10 +30,11 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from rljob.agent.engines.base import EngineUnreachable
+from rljob.agent.engines.sglang.client import SGLangClient
 from rljob.agent.gpu_probe import GpuProbe
 from rljob.agent.operations import FREED_NOISE_BYTES, freed_target
 from rljob.agent.record import Intent
-from rljob.agent.sglang_client import SGLangClient, SGLangUnreachable
 from rljob.agent.state import StateStore
 from rljob.api.agent import (
     Action,
@@ -84,7 +85,7 @@ class Recovery:
         if intent is not None:
             try:
                 found = await self._resolve(intent)
-            except SGLangUnreachable as e:
+            except EngineUnreachable as e:
                 store.fail(f"SGLang stopped answering while the agent recovered: {e}")
                 return
             if found is None:
@@ -168,7 +169,7 @@ class Recovery:
             try:
                 if await proven():
                     return True
-            except SGLangUnreachable:
+            except EngineUnreachable:
                 raise
             except Exception as e:  # SGLang's errors, timeouts, the GPU probe's own (NVML has no common base)
                 log.warning("recovery evidence: %s: %s", e.__class__.__name__, e)

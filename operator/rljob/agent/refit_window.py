@@ -14,9 +14,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rljob.agent import bucket_check
+from rljob.agent.engines.base import EngineError, EngineUnreachable
+from rljob.agent.engines.sglang import bucket_check
+from rljob.agent.engines.sglang.client import SGLangClient
 from rljob.agent.errors import Refused, conflict
-from rljob.agent.sglang_client import SGLangClient, SGLangError, SGLangUnreachable
 from rljob.agent.state import StateStore
 from rljob.api.agent import (
     DistributedPush,
@@ -129,12 +130,12 @@ class RefitWindows:
                 raise conflict("RefitWindowFailed", w.error)
             try:
                 message = await call(w.version if last else None, max(0.1, w.remaining()))
-            except SGLangError as e:
+            except EngineError as e:
                 w.error = e.message
                 raise Refused(502, "SGLangRefused", e.message) from e
-            except SGLangUnreachable as e:
+            except EngineUnreachable as e:
                 w.error = str(e)
-                raise Refused(502, "SGLangUnreachable", str(e)) from e
+                raise Refused(502, "EngineUnreachable", str(e)) from e
             except TimeoutError as e:
                 w.error = "SGLang did not answer the push before the refit deadline"
                 raise Refused(504, "SGLangTimeout", w.error) from e
@@ -204,9 +205,9 @@ class RefitWindows:
                 await self._client.init_weights_update_group(body.model_dump(), timeout=self._group_timeout_s)
                 w.group = GroupState.READY
                 self.groups.add(body.group_name)
-            except SGLangError as e:
+            except EngineError as e:
                 w.group, w.group_error = GroupState.FAILED, e.message
-            except SGLangUnreachable as e:
+            except EngineUnreachable as e:
                 w.group, w.group_error = GroupState.FAILED, str(e)
             except TimeoutError:
                 w.group = GroupState.FAILED
@@ -223,7 +224,7 @@ class RefitWindows:
     def trainer_close(
         self, error: str | None, versioned_by_agent: bool = False, digest: WeightsDigest | None = None
     ) -> RefitWindow:
-        """`versioned_by_agent`: the pushes carried no version (a framework's, agent/engine_api.py); the
+        """`versioned_by_agent`: the pushes carried no version (a framework's, through its endpoint); the
         refit sets it once the window is closed. `digest`: the pushes' (the refit holds SGLang to it)."""
         w = self.current
         if w is None or w.closed.is_set():

@@ -21,8 +21,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from rljob.agent.engines.base import EngineError, EngineUnreachable
+from rljob.agent.engines.sglang.client import SGLangClient
 from rljob.agent.gpu_probe import GpuProbe
-from rljob.agent.sglang_client import SGLangClient, SGLangError, SGLangUnreachable
 from rljob.agent.state import StateStore
 from rljob.api.agent import RolloutReport, Stage
 from rljob.api.status import Signal, Unmeasured, UnmeasuredReason
@@ -113,7 +114,7 @@ class RolloutSampler:
         assert window is not None
         try:
             load = await self._client.load()
-        except (SGLangError, SGLangUnreachable, TimeoutError):
+        except (EngineError, EngineUnreachable, TimeoutError):
             return  # death is the watch's business
         counters = await self._counters()
         busy = await self._utilization()
@@ -208,7 +209,7 @@ class RolloutSampler:
         `_counters_missing` says which."""
         try:
             counters = await self._client.metrics()
-        except (SGLangError, SGLangUnreachable, TimeoutError):
+        except (EngineError, EngineUnreachable, TimeoutError):
             self._counters_missing = UnmeasuredReason.METRICS_UNANSWERED
             return None
         self._counters_missing = UnmeasuredReason.METRICS_DISABLED if counters is None else None

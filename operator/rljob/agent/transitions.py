@@ -3,8 +3,8 @@ of docs/lifecycle.md). Pure functions of the state: a refusal here means nothing
 
 from __future__ import annotations
 
+from rljob.agent.engines.sglang.quirks import SGLangQuirks
 from rljob.agent.errors import conflict, forbidden_by_launch
-from rljob.agent.quirks import SGLangQuirks
 from rljob.agent.stages import BY_ACTION
 from rljob.agent.state import ServerFacts
 from rljob.api.agent import (

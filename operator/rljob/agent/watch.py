@@ -10,8 +10,9 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from rljob.agent.quirks import SGLangQuirks
-from rljob.agent.sglang_client import SGLangClient, SGLangError, SGLangUnreachable
+from rljob.agent.engines.base import EngineError, EngineUnreachable
+from rljob.agent.engines.sglang.client import SGLangClient
+from rljob.agent.engines.sglang.quirks import SGLangQuirks
 from rljob.agent.state import ServerFacts, StateStore
 from rljob.agent.weights_check import Verdict, unverified
 from rljob.agent.weights_look import look, timed
@@ -69,7 +70,7 @@ class SGLangWatch:
         except TimeoutError:
             if self._client.control_in_flight or self._client.control_started != started:
                 return  # a control call overlapped: the scheduler may just have been busy with it
-        except SGLangUnreachable as e:
+        except EngineUnreachable as e:
             await self.confirm_death(f"scheduler probe: {e}")
             return
         self._probe_misses += 1
@@ -99,15 +100,15 @@ class SGLangWatch:
                 model = await self._client.model_info(timeout=5)
                 served = await self._client.served_version(timeout=5)
                 break
-            except (SGLangUnreachable, TimeoutError) as e:
+            except (EngineUnreachable, TimeoutError) as e:
                 log.debug("SGLang not up yet: %s", e)
-                if self._store.recovering and isinstance(e, SGLangUnreachable):
+                if self._store.recovering and isinstance(e, EngineUnreachable):
                     refused_since = refused_since or time.monotonic()
                     if time.monotonic() - refused_since > RESTART_UNREACHABLE_S:
                         self._store.fail(f"SGLang stopped answering while the agent restarted: {e}")
                         return False
                 await asyncio.sleep(0.1)
-            except (SGLangError, KeyError, ValueError) as e:
+            except (EngineError, KeyError, ValueError) as e:
                 if not warned:  # up but answering oddly (e.g. 401: wrong API key): say so once
                     log.warning("SGLang answers but cannot be identified yet: %s", e)
                     warned = True
@@ -152,7 +153,7 @@ class SGLangWatch:
         """A hang is not death; a refused or dropped connection is."""
         try:
             await self._client.ping(timeout=5)
-        except SGLangUnreachable as e:
+        except EngineUnreachable as e:
             log.error("SGLang is gone (%s): %s", cause, e)
             self._store.fail(f"SGLang stopped answering: {e}")
         except TimeoutError:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from rljob.agent.sglang_client import SGLangClient, SGLangError
+from rljob.agent.engines.base import EngineError
+from rljob.agent.engines.sglang.client import SGLangClient
 from rljob.agent.weights_check import Held, read_reply
 from rljob.api.agent import WeightsCheck
 
@@ -32,14 +33,14 @@ def why_not(client: SGLangClient, weights_released: bool) -> str | None:
 
 
 async def look(client: SGLangClient, weights_released: bool, timeout: float) -> Look:
-    """One checksum of every parameter SGLang holds; SGLangUnreachable propagates (SGLang is gone)."""
+    """One checksum of every parameter SGLang holds; EngineUnreachable propagates (SGLang is gone)."""
     why = why_not(client, weights_released)
     if why is not None:
         return Look(None, why, 0.0)
     started = time.perf_counter()
     try:
         held = read_reply(await client.weights_checksum(timeout=timeout))
-    except (SGLangError, ValueError) as e:
+    except (EngineError, ValueError) as e:
         return Look(None, f"/weights_checker gave no checksum: {e}", time.perf_counter() - started)
     except TimeoutError:
         return Look(

@@ -5,8 +5,8 @@ never names the emulator."""
 
 from __future__ import annotations
 
+from rljob.agent.engines.sglang.client import SGLangClient
 from rljob.agent.gpu_probe import GpuMemory, GpuProcessUse
-from rljob.agent.sglang_client import SGLangClient
 
 PROBE = "rljob.emulator.probe:EmulatorProbe"  # what the test world passes as --gpu-probe
 # It stands in for NVML, which answers from the node's driver and has no timeout: an emulator that answers

@@ -12,7 +12,8 @@ from typing import Any
 
 import aiohttp
 
-from rljob.agent.quirks import SGLangQuirks
+from rljob.agent.engines.base import EngineError, EngineUnreachable
+from rljob.agent.engines.sglang.quirks import SGLangQuirks
 from rljob.agent.timing import add_external
 
 log = logging.getLogger("rljob.agent")
@@ -78,18 +79,6 @@ def parse_metrics(text: str) -> dict[str, float]:
             continue
         sums[name] = sums.get(name, 0.0) + value
     return sums
-
-
-class SGLangUnreachable(Exception):
-    """Connection refused, reset or dropped: SGLang is not up yet, or it died."""
-
-
-class SGLangError(Exception):
-    """SGLang answered with an error status or `success: false`."""
-
-    def __init__(self, operation: str, status: int, message: str) -> None:
-        super().__init__(f"{operation}: HTTP {status}: {message}")
-        self.operation, self.status, self.message = operation, status, message
 
 
 def _summed_loads(loads: list[dict[str, Any]]) -> dict[str, float | None]:
@@ -203,7 +192,7 @@ class SGLangClient:
         except TimeoutError:
             raise  # aiohttp timeouts are also ClientConnectionErrors: a hang is not death
         except (aiohttp.ClientConnectionError, ConnectionError) as e:
-            raise SGLangUnreachable(f"{operation}: {e.__class__.__name__}: {e}") from e
+            raise EngineUnreachable(f"{operation}: {e.__class__.__name__}: {e}") from e
         finally:
             if control:
                 self.control_in_flight -= 1
@@ -219,14 +208,14 @@ class SGLangClient:
     async def _ok(self, operation: str, method: str, path: str, **kw: Any) -> Any:
         status, body, text = await self._call(operation, method, path, **kw)
         if status != 200:
-            raise SGLangError(operation, status, _message(body, text))
+            raise EngineError(operation, status, _message(body, text))
         return body
 
     async def _refit(self, operation: str, path: str, body: dict[str, Any], timeout: float | None) -> str:
         """Refit endpoints answer {success, message}; success:false is a failure even with HTTP 200."""
         reply = await self._ok(operation, "POST", path, body=body, timeout=timeout)
         if not isinstance(reply, dict) or reply.get("success") is not True:
-            raise SGLangError(operation, 200, _message(reply, str(reply)))
+            raise EngineError(operation, 200, _message(reply, str(reply)))
         return str(reply.get("message", ""))
 
     # --- discovery -------------------------------------------------------------------------------
@@ -234,20 +223,20 @@ class SGLangClient:
     async def server_info(self, timeout: float | None = None) -> dict[str, Any]:
         info = await self._ok("server_info", "GET", "/server_info", timeout=timeout)
         if not isinstance(info, dict):
-            raise SGLangError("server_info", 200, "not a JSON object")
+            raise EngineError("server_info", 200, "not a JSON object")
         return info
 
     async def model_info(self, timeout: float | None = None) -> dict[str, Any]:
         info = await self._ok("model_info", "GET", "/model_info", timeout=timeout)
         if not isinstance(info, dict):
-            raise SGLangError("model_info", 200, "not a JSON object")
+            raise EngineError("model_info", 200, "not a JSON object")
         return info
 
     async def served_version(self, timeout: float | None = None) -> str:
         """C-ROUTE-WV-READ: `/model_info` has `weight_version` on every version."""
         body = await self._ok("weight_version", "GET", "/model_info", timeout=timeout)
         if not isinstance(body, dict) or "weight_version" not in body:
-            raise SGLangError("weight_version", 200, "no weight_version in /model_info")
+            raise EngineError("weight_version", 200, "no weight_version in /model_info")
         return str(body["weight_version"])
 
     async def update_weight_version(self, version: str, timeout: float | None = None) -> None:
@@ -258,7 +247,7 @@ class SGLangClient:
             "update_weight_version", "POST", "/update_weight_version", body=body, timeout=timeout
         )
         if not isinstance(reply, dict) or reply.get("success") is not True:
-            raise SGLangError("update_weight_version", 200, _message(reply, str(reply)))
+            raise EngineError("update_weight_version", 200, _message(reply, str(reply)))
 
     async def ping(self, timeout: float = 5.0) -> int:
         """Liveness only: any HTTP answer means the process is alive (/ping stays 200 while paused)."""
@@ -295,7 +284,7 @@ class SGLangClient:
             return True
         if status == 400:
             return False  # not idle yet / another flush in progress / timed out waiting
-        raise SGLangError("flush_cache", status, _message(body, text))
+        raise EngineError("flush_cache", status, _message(body, text))
 
     # --- memory ----------------------------------------------------------------------------------
 
@@ -374,7 +363,7 @@ class SGLangClient:
             "weights_checker", "POST", "/weights_checker", body={"action": "checksum"}, timeout=timeout
         )
         if not isinstance(reply, dict) or reply.get("success") is not True:
-            raise SGLangError("weights_checker", 200, _message(reply, str(reply)[:500]))
+            raise EngineError("weights_checker", 200, _message(reply, str(reply)[:500]))
         return reply
 
     # --- health and load -------------------------------------------------------------------------
@@ -390,7 +379,7 @@ class SGLangClient:
         }
         reply = await self._ok("generate_probe", "POST", "/generate", body=body, timeout=timeout)
         if not isinstance(reply, dict) or not reply.get("output_ids"):
-            raise SGLangError("generate_probe", 200, f"no token generated: {str(reply)[:200]}")
+            raise EngineError("generate_probe", 200, f"no token generated: {str(reply)[:200]}")
 
     @property
     def load_route(self) -> str:
@@ -410,7 +399,7 @@ class SGLangClient:
             self._load_route = "/get_load"
             return await self._loads(operation, timeout, core=core)
         if status != 200:
-            raise SGLangError(operation, status, _message(body, text))
+            raise EngineError(operation, status, _message(body, text))
         return route, body
 
     async def rank_loads(self, timeout: float | None = None) -> list[tuple[int, int, int]]:
@@ -419,7 +408,7 @@ class SGLangClient:
         route, body = await self._loads("rank_loads", timeout, core=True)
         items = body.get("loads") if isinstance(body, dict) else body
         if not isinstance(items, list) or not items:
-            raise SGLangError("rank_loads", 200, f"{route} returned no per-rank loads")
+            raise EngineError("rank_loads", 200, f"{route} returned no per-rank loads")
         ranks: list[tuple[int, int, int]] = []
         try:
             for i, x in enumerate(items):
@@ -431,7 +420,7 @@ class SGLangClient:
                     running = int(x["num_reqs"]) - waiting
                 ranks.append((rank, running, waiting))
         except (AttributeError, KeyError, TypeError, ValueError) as e:
-            raise SGLangError("rank_loads", 200, f"{route}: unexpected entry: {e}") from e
+            raise EngineError("rank_loads", 200, f"{route}: unexpected entry: {e}") from e
         return ranks
 
     async def scheduler_probe(self, timeout: float) -> bool:
@@ -475,14 +464,14 @@ class SGLangClient:
         if status == 404:
             return None
         if status != 200:
-            raise SGLangError("metrics", status, text[:500])
+            raise EngineError("metrics", status, text[:500])
         return parse_metrics(text)
 
     # --- for plugins ---------------------------------------------------------------------------
 
     async def get_json(self, operation: str, path: str, timeout: float = 5.0) -> Any:
         """A GET on SGLang's port for a plugin of the agent (e.g. a GPU probe that reads through SGLang);
-        timed and authenticated like every other call, SGLangUnreachable if the port is gone."""
+        timed and authenticated like every other call, EngineUnreachable if the port is gone."""
         return await self._ok(operation, "GET", path, timeout=timeout)
 
     # --- for the engine endpoint ---------------------------------------------------------------
@@ -491,8 +480,8 @@ class SGLangClient:
     async def forward(
         self, method: str, path: str, headers: Mapping[str, str], body: bytes
     ) -> AsyncIterator[aiohttp.ClientResponse]:
-        """A framework's call passed through as it came (agent/engine_api.py, the routes it does not answer
-        itself): the framework's headers (its key, not the agent's), no deadline (a generation streams as
+        """A framework's call passed through as it came (endpoint.py, the routes it does not answer itself):
+        the framework's headers (its key, not the agent's), no deadline (a generation streams as
         long as it takes), not timed (the framework's calls are not the agent's). The response streams;
         transport failures raise aiohttp.ClientError as aiohttp does."""
         assert self._session is not None, "start() first"

@@ -37,11 +37,11 @@ import aiohttp
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from rljob.agent.engines.sglang.client import SGLangClient
+from rljob.agent.engines.sglang.quirks import SGLangQuirks
 from rljob.agent.errors import Refused
 from rljob.agent.lease import LeaseDesk
-from rljob.agent.quirks import SGLangQuirks
 from rljob.agent.refit_window import RefitWindows
-from rljob.agent.sglang_client import SGLangClient
 from rljob.agent.state import StateStore
 from rljob.api.agent import CommandState, PublishRequest, Stage, TensorPush
 from rljob.api.spec import RefitSource
