@@ -26,9 +26,9 @@ from agent_procs import (
 )
 
 from rljob.agent.actions import check_leader as check
+from rljob.agent.engines.sglang.facts import SGLangFacts
 from rljob.agent.engines.sglang.quirks import SGLangQuirks
 from rljob.agent.errors import Refused
-from rljob.agent.state import ServerFacts
 from rljob.api.agent import AgentState, DrainCommand, RefitCommand, ResumeCommand, Stage
 from rljob.api.spec import DrainMode, RefitSource
 from rljob.emulator.rendezvous import Rank0
@@ -142,8 +142,8 @@ def test_drain_refusals_by_version() -> None:
     under DP attention (pure functions: nothing reaches SGLang)."""
     serving = AgentState(revision=1, boot_id="b", stage=Stage.SERVING)
 
-    def facts(version: str, **kw: Any) -> ServerFacts:
-        return ServerFacts(version, "off", True, False, kw.pop("dp_size", 1), **kw)
+    def facts(version: str, **kw: Any) -> SGLangFacts:
+        return SGLangFacts(version, "off", True, False, kw.pop("dp_size", 1), **kw)
 
     retract = DrainCommand(epoch=1, mode=DrainMode.RETRACT)
     for version in ("0.5.6", "0.5.8", "0.5.21", "0.5.23"):

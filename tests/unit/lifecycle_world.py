@@ -14,8 +14,8 @@ from datetime import UTC, datetime, timedelta
 
 from rljob.agent.actions import check_follower, check_leader
 from rljob.agent.commands import is_new
+from rljob.agent.engines.sglang.facts import SGLangFacts
 from rljob.agent.errors import Refused
-from rljob.agent.state import ServerFacts
 from rljob.api.agent import (
     Action,
     AgentState,
@@ -121,10 +121,10 @@ class FakeAgent:
             headroom=copy.deepcopy(self.headroom),
         )
 
-    def facts(self) -> ServerFacts:
+    def facts(self) -> SGLangFacts:
         """What the agent reads from /server_info at start: SGLang's defaults plus the memory saver the
         job needs (weights have no CPU backup, so a resume of released weights is refused)."""
-        return ServerFacts(
+        return SGLangFacts(
             version="0.5.23",
             weight_cache_mode=self.weight_cache_mode,
             memory_saver=True,

@@ -11,10 +11,12 @@ import pytest
 
 from rljob.agent import rollout as rollout_module
 from rljob.agent.engines.base import EngineError
-from rljob.agent.engines.sglang.client import parse_metrics
+from rljob.agent.engines.sglang.engine import SGLangEngine
+from rljob.agent.engines.sglang.facts import SGLangFacts
+from rljob.agent.engines.sglang.metrics import parse_metrics
 from rljob.agent.gpu_probe import GpuMemory
 from rljob.agent.rollout import RolloutSampler
-from rljob.agent.state import ServerFacts, StateStore
+from rljob.agent.state import StateStore
 from rljob.api.agent import AgentState, RolloutReport, Stage
 from rljob.api.spec import ProfileHints
 from rljob.api.status import (
@@ -78,10 +80,10 @@ class FakeClient:
         self.counters: dict[str, float] | None = {}  # None: a 404 (no --enable-metrics)
         self.metrics_error: EngineError | None = None
 
-    async def load(self) -> dict[str, float | None]:
+    async def load(self, timeout: float = 5.0) -> dict[str, float | None]:
         return dict(self.load_value)
 
-    async def metrics(self) -> dict[str, float] | None:
+    async def metrics(self, timeout: float = 5.0) -> dict[str, float] | None:
         if self.metrics_error is not None:
             raise self.metrics_error
         return None if self.counters is None else dict(self.counters)
@@ -110,7 +112,7 @@ def test_sampler_weights_samples_by_time_and_counts_from_the_baseline(
 
     async def run() -> RolloutReport:
         store = StateStore()
-        store.facts = ServerFacts(
+        store.facts = SGLangFacts(
             version="0.5.23",
             weight_cache_mode="off",
             memory_saver=True,
@@ -119,7 +121,7 @@ def test_sampler_weights_samples_by_time_and_counts_from_the_baseline(
             tp_size=2,
         )
         client, probe = FakeClient(), FakeProbe()
-        sampler = RolloutSampler(store, client, 1.0, 0.0, probe=probe)  # type: ignore[arg-type]
+        sampler = RolloutSampler(store, SGLangEngine(client), 1.0, 0.0, probe=probe)  # type: ignore[arg-type]
         client.counters = {"sglang:prompt_tokens_total": 1000.0, "sglang:generation_tokens_total": 50.0}
         await sampler.begin()  # at t=100, before Serving: the baseline
         with store.change() as s:
@@ -161,7 +163,7 @@ def _sample_once(
 
     async def run() -> RolloutReport:
         store = StateStore()
-        sampler = RolloutSampler(store, client, 1.0, 0.0, probe=FakeProbe())  # type: ignore[arg-type]
+        sampler = RolloutSampler(store, SGLangEngine(client), 1.0, 0.0, probe=FakeProbe())  # type: ignore[arg-type]
         await sampler.begin()
         with store.change() as s:
             s.stage, s.rollout = Stage.SERVING, RolloutReport()

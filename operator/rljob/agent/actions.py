@@ -8,10 +8,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from rljob.agent.engines.base import EngineFacts
 from rljob.agent.follower import FollowerOperations
 from rljob.agent.operations import Operations, Record
 from rljob.agent.stages import BY_ACTION, Move
-from rljob.agent.state import ServerFacts
 from rljob.agent.transitions import (
     drain_guards,
     follower_ready,
@@ -43,7 +43,7 @@ C = TypeVar("C")
 class ActionRow(Generic[C]):
     move: Move  # the stages it starts from, and the stage it ends in
     bookkeeping: Callable[[C, AgentState], None]  # refusals on the agent's own record, on every pod
-    guards: Callable[[C, AgentState, ServerFacts], None]  # the leader's: what would kill or fool SGLang
+    guards: Callable[[C, AgentState, EngineFacts], None]  # the leader's: what would kill or fool SGLang
     lead: Callable[[Operations, C], Awaitable[Record]]  # the leader's SGLang calls
     follow: Callable[[FollowerOperations, C], Awaitable[Record]]  # a follower's checks of its own GPUs
 
@@ -83,7 +83,7 @@ ACTIONS: dict[Action, ActionRow[Any]] = {
 }
 
 
-def check_leader(cmd: Command, state: AgentState, facts: ServerFacts | None) -> None:
+def check_leader(cmd: Command, state: AgentState, facts: EngineFacts | None) -> None:
     """Raise Refused (409, 403) when `cmd` must not run now on a leader; a pure function of the state."""
     row = ACTIONS[cmd.action]
     leader_ready(state, facts)
@@ -116,7 +116,7 @@ class Actions:
     def follower(cls, ops: FollowerOperations) -> Actions:
         return cls(ops, ops)
 
-    def check(self, cmd: Command, state: AgentState, facts: ServerFacts | None) -> None:
+    def check(self, cmd: Command, state: AgentState, facts: EngineFacts | None) -> None:
         if self._follower is not None:
             check_follower(cmd, state)
         else:

@@ -17,6 +17,7 @@ from rljob.agent.commands import CommandDesk
 from rljob.agent.config import AgentConfig
 from rljob.agent.engines.sglang.client import SGLangClient
 from rljob.agent.engines.sglang.endpoint import EngineEndpoint, build_engine_app
+from rljob.agent.engines.sglang.engine import SGLangEngine
 from rljob.agent.gpu_probe import make_probe
 from rljob.agent.lease import LeaseDesk
 from rljob.agent.metrics import AgentMetrics
@@ -28,7 +29,7 @@ from rljob.agent.refit_window import RefitWindows
 from rljob.agent.rollout import RolloutSampler
 from rljob.agent.state import StateStore
 from rljob.agent.trainer_api import build_trainer_app
-from rljob.agent.watch import SGLangWatch
+from rljob.agent.watch import EngineWatch
 
 log = logging.getLogger("rljob.agent")
 
@@ -46,18 +47,17 @@ class Agent:
             call_timeout_s=cfg.call_timeout_s,
             observe=self.metrics.observe_sglang,
         )
-        self.windows = RefitWindows(self.store, self.client, cfg.group_init_timeout_s)
+        self.engine = SGLangEngine(self.client, cfg.scheduler_probe_timeout_s)
+        self.windows = RefitWindows(self.store, self.engine, cfg.group_init_timeout_s)
         self.lease = LeaseDesk(self.store)
-        self.watch = SGLangWatch(
-            self.store, self.client, interval_s=cfg.liveness_s, probe_timeout_s=cfg.scheduler_probe_timeout_s
-        )
-        probe = make_probe(cfg.gpu_probe, self.client)
+        self.watch = EngineWatch(self.store, self.engine, interval_s=cfg.liveness_s)
+        probe = make_probe(cfg.gpu_probe, self.engine)
         self.sampler = RolloutSampler(
-            self.store, self.client, cfg.rollout_sample_s, cfg.rollout_report_s, probe=probe
+            self.store, self.engine, cfg.rollout_sample_s, cfg.rollout_report_s, probe=probe
         )
         ops = Operations(
             self.store,
-            self.client,
+            self.engine,
             probe,
             self.windows,
             self.lease,
@@ -69,13 +69,13 @@ class Agent:
         self.store.state.node_rank = cfg.node_rank
         actions = Actions.leader(ops)
         if cfg.node_rank > 0:  # a follower pod: no SGLang API, its own GPUs only (agent/follower.py)
-            self.watch = follower.FollowerWatch(self.store, self.client)  # type: ignore[assignment]
+            self.watch = follower.FollowerWatch(self.store, self.engine)  # type: ignore[assignment]
             ops = follower.FollowerOperations(
-                self.store, self.client, ops.probe, self.windows, self.lease, self.metrics, cfg.call_timeout_s
+                self.store, self.engine, ops.probe, self.windows, self.lease, self.metrics, cfg.call_timeout_s
             )
             actions = Actions.follower(ops)
-        self.desk = CommandDesk(self.store, actions, self.metrics, self.watch.confirm_death)
-        self.recovery = Recovery(self.store, self.client, ops.probe, self._continue_recorded)
+        self.desk = CommandDesk(self.store, actions, self.metrics, self.watch.confirm_death, self.engine.name)
+        self.recovery = Recovery(self.store, self.engine, ops.probe, self._continue_recorded)
         self.watch.on_recover = self.recovery.run
         self._runners: list[web.AppRunner] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -85,10 +85,10 @@ class Agent:
         be embedded in another program's event loop (`run` is the `rljob-agent` process: start, wait for
         SIGTERM/SIGINT, stop)."""
         self._load_record()
-        await self.client.start()
+        await self.engine.start()
         for app, (host, port) in (
             (
-                build_operator_app(self.store, self.desk, self.metrics, self.cfg.token, self.client.ping),
+                build_operator_app(self.store, self.desk, self.metrics, self.cfg.token, self.engine.liveness),
                 self.cfg.listen,
             ),
             (build_trainer_app(self.store, self.lease, self.windows, self.metrics), self.cfg.trainer_listen),
@@ -162,7 +162,7 @@ class Agent:
         runners, self._runners = self._runners, []
         for runner in runners:
             await runner.cleanup()
-        await self.client.close()
+        await self.engine.close()
 
     async def run(self) -> None:
         await self.start()

@@ -3,10 +3,11 @@ of docs/lifecycle.md). Pure functions of the state: a refusal here means nothing
 
 from __future__ import annotations
 
+from rljob.agent.engines.base import EngineFacts
+from rljob.agent.engines.sglang.facts import SGLangFacts
 from rljob.agent.engines.sglang.quirks import SGLangQuirks
 from rljob.agent.errors import conflict, forbidden_by_launch
 from rljob.agent.stages import BY_ACTION
-from rljob.agent.state import ServerFacts
 from rljob.api.agent import (
     AgentState,
     Command,
@@ -28,7 +29,7 @@ def refit_path(cmd: RefitCommand, state: AgentState) -> str | None:
     return state.trainer.published_path if state.stage == Stage.TRAINED else None
 
 
-def leader_ready(state: AgentState, facts: ServerFacts | None) -> None:
+def leader_ready(state: AgentState, facts: EngineFacts | None) -> None:
     """Refused while no command may run on the leader, whatever the action."""
     if state.stage == Stage.FAILED:
         raise conflict("AgentFailed", f"the pod must be replaced: {state.fatal}")
@@ -37,7 +38,7 @@ def leader_ready(state: AgentState, facts: ServerFacts | None) -> None:
     if state.trainer.weights_group == GroupState.PENDING:
         # C-REFIT-GROUP-BLOCK: any other control call would queue behind the blocking group init.
         raise conflict("Busy", "init_weights_update_group is still waiting for the trainer to join the group")
-    if facts.dp_attention:
+    if _sglang(facts).dp_attention:
         raise forbidden_by_launch(
             "DataParallelAttentionUnsupported",
             "SGLang runs --enable-dp-attention: control messages go to every tp_size-th worker "
@@ -64,7 +65,7 @@ def stage_allows(cmd: Command, state: AgentState) -> None:
         )
 
 
-def no_guard(cmd: Command, state: AgentState, facts: ServerFacts) -> None:
+def no_guard(cmd: Command, state: AgentState, facts: EngineFacts) -> None:
     """An action whose SGLang calls need no launch or version guard."""
 
 
@@ -88,7 +89,8 @@ def no_bookkeeping(cmd: Command, state: AgentState) -> None:
     """An action whose legality is its stage alone."""
 
 
-def drain_guards(cmd: DrainCommand, state: AgentState, facts: ServerFacts) -> None:
+def drain_guards(cmd: DrainCommand, state: AgentState, facts: EngineFacts) -> None:
+    facts = _sglang(facts)
     if cmd.mode != DrainMode.RETRACT:
         return
     quirks = SGLangQuirks.detect(facts.version)
@@ -109,7 +111,8 @@ def drain_guards(cmd: DrainCommand, state: AgentState, facts: ServerFacts) -> No
         )
 
 
-def release_guards(cmd: ReleaseCommand, state: AgentState, facts: ServerFacts) -> None:
+def release_guards(cmd: ReleaseCommand, state: AgentState, facts: EngineFacts) -> None:
+    facts = _sglang(facts)
     if ReleaseTag.WEIGHTS in cmd.tags and facts.weight_cache_active:
         raise forbidden_by_launch(
             "WeightCacheActive",
@@ -124,7 +127,8 @@ def release_guards(cmd: ReleaseCommand, state: AgentState, facts: ServerFacts) -
         )
 
 
-def refit_guards(cmd: RefitCommand, state: AgentState, facts: ServerFacts) -> None:
+def refit_guards(cmd: RefitCommand, state: AgentState, facts: EngineFacts) -> None:
+    facts = _sglang(facts)
     if facts.weight_cache_active:
         raise forbidden_by_launch(
             "WeightCacheActive",
@@ -143,7 +147,8 @@ def refit_guards(cmd: RefitCommand, state: AgentState, facts: ServerFacts) -> No
         )
 
 
-def resume_guards(cmd: ResumeCommand, state: AgentState, facts: ServerFacts) -> None:
+def resume_guards(cmd: ResumeCommand, state: AgentState, facts: EngineFacts) -> None:
+    facts = _sglang(facts)
     if (
         state.stage == Stage.DRAINED
         and ReleaseTag.WEIGHTS in state.released_tags
@@ -153,3 +158,8 @@ def resume_guards(cmd: ResumeCommand, state: AgentState, facts: ServerFacts) -> 
             "WeightsNotRefitted",
             "weights were released without CPU backup: their contents are garbage until a refit",
         )
+
+
+def _sglang(facts: EngineFacts) -> SGLangFacts:
+    assert isinstance(facts, SGLangFacts), facts
+    return facts

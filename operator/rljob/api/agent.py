@@ -213,6 +213,20 @@ class WeightsCheck(WireModel):
     )
 
 
+class LaunchRefusalReason(StrEnum):
+    """Why the engine's launch makes the handoff fatal (each is also the job's failure reason)."""
+
+    WEIGHT_CACHE_ACTIVE = "WeightCacheActive"
+
+
+class LaunchRefusal(WireModel):
+    """A launch flag of the engine under which releasing or refitting weights is fatal: the job fails
+    before any memory is touched, with `message` saying what to change."""
+
+    reason: LaunchRefusalReason
+    message: str = Field(max_length=1024)
+
+
 class SGLangInfo(WireModel):
     reachable: bool = False
     version: str | None = Field(default=None, max_length=64)

@@ -59,6 +59,21 @@ WeightVersion = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-
 """A weight version as SGLang serves it (`/model_info` -> weight_version)."""
 
 
+class EngineKind(StrEnum):
+    """The inference engine a job's rollout runs; the agent drives it through its folder of agent/engines/."""
+
+    SGLANG = "sglang"
+
+    @property
+    def label(self) -> str:
+        """How messages name the engine."""
+        return ENGINE_LABELS[self]
+
+
+ENGINE_LABELS = {EngineKind.SGLANG: "SGLang"}
+DEFAULT_ENGINE = EngineKind.SGLANG
+
+
 class ReleaseTag(StrEnum):
     """SGLang memory regions (`srt/constants.py`)."""
 

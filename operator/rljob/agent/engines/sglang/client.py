@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 
 from rljob.agent.engines.base import EngineError, EngineUnreachable
+from rljob.agent.engines.sglang.metrics import parse_metrics
 from rljob.agent.engines.sglang.quirks import SGLangQuirks
 from rljob.agent.timing import add_external
 
@@ -43,42 +44,6 @@ ADMIN_OPTIONAL_ROUTES = frozenset(
 PASSIVE_OPERATIONS = frozenset(
     {"ping", "model_info", "weight_version", "scheduler_probe", "load", "metrics", "gpu_utilization"}
 )
-
-# What the rollout sampler reads from `/metrics` (C-METRIC-PROM): the tokenizer's cumulative counters,
-# bumped as requests finish, and the schedulers' gauges (one series per DP rank). Sums over label sets:
-# `is_streaming` (≥0.5.20) splits requests, `cache_source` (≥0.5.15) splits cached tokens by tier.
-METRIC_SERIES = (
-    "sglang:prompt_tokens_total",
-    "sglang:generation_tokens_total",
-    "sglang:cached_tokens_total",
-    "sglang:num_running_reqs",
-    "sglang:num_queue_reqs",
-    "sglang:gen_throughput",
-    "sglang:cache_hit_rate",
-)
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text exposition -> {series name: sum over its label sets} for METRIC_SERIES. Labels are
-    skipped as a whole (a value may hold spaces); a line that does not parse is ignored."""
-    sums: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        brace = line.find("{")
-        space = line.find(" ")
-        if brace != -1 and (space == -1 or brace < space):
-            name, rest = line[:brace], line[line.rfind("}") + 1 :]
-        else:
-            name, rest = line[:space], line[space:]
-        if name not in METRIC_SERIES:
-            continue
-        try:
-            value = float(rest.split()[0])
-        except (IndexError, ValueError):
-            continue
-        sums[name] = sums.get(name, 0.0) + value
-    return sums
 
 
 def _summed_loads(loads: list[dict[str, Any]]) -> dict[str, float | None]:
@@ -238,6 +203,14 @@ class SGLangClient:
         if not isinstance(body, dict) or "weight_version" not in body:
             raise EngineError("weight_version", 200, "no weight_version in /model_info")
         return str(body["weight_version"])
+
+    async def served(self, timeout: float | None = None) -> tuple[str | None, str | None]:
+        """C-ROUTE-WV-READ: (weight_version, model_path) from one `/model_info`."""
+        body = await self._ok("weight_version", "GET", "/model_info", timeout=timeout)
+        if not isinstance(body, dict):
+            raise EngineError("weight_version", 200, "not a JSON object")
+        version, path = body.get("weight_version"), body.get("model_path")
+        return (str(version) if version is not None else None, str(path) if path is not None else None)
 
     async def update_weight_version(self, version: str, timeout: float | None = None) -> None:
         """C-ROUTE-WV-SET: sets the served version without touching weights or taking a lock.
