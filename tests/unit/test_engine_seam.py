@@ -103,7 +103,6 @@ KEPT = (
 # list only shrinks, down to nothing.
 TRANSITION: dict[str, int] = {
     "__init__.py": 1,
-    "agent/actions.py": 5,
     "agent/app.py": 18,
     "agent/commands.py": 1,
     "agent/config.py": 40,
@@ -117,11 +116,9 @@ TRANSITION: dict[str, int] = {
     "agent/operations.py": 9,
     "agent/operator_api.py": 9,
     "agent/recovery.py": 13,
-    "agent/refit_window.py": 10,
     "agent/stages.py": 1,
     "agent/state.py": 1,
     "agent/timing.py": 1,
-    "agent/transitions.py": 33,
     "agent/watch.py": 4,
     "api/agent.py": 51,
     "api/crd.py": 1,

@@ -489,7 +489,7 @@ class Operations:
             return True
         if cmd.source != RefitSource.DISK:
             return await self._refit_window(cmd, dl)
-        assert path is not None  # transitions.refit_guards refused a disk refit without one
+        assert path is not None  # transitions.refit_inputs refused a disk refit without one
         await self._load_from_disk(cmd, path, dl)
         return True
 

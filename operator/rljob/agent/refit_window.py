@@ -6,8 +6,6 @@ answers it only once the trainer has joined the group."""
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import json
 import logging
 import time
@@ -15,8 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rljob.agent.engines.base import Engine, EngineError, EngineUnreachable
-from rljob.agent.engines.sglang import bucket_check
-from rljob.agent.engines.sglang.quirks import SGLangQuirks
 from rljob.agent.errors import Refused, conflict
 from rljob.agent.state import StateStore
 from rljob.api.agent import (
@@ -144,9 +140,7 @@ class RefitWindows:
     async def push_tensor(self, push: TensorPush) -> PushResult:
         w = self._usable(RefitSource.TENSOR)
         started = time.perf_counter()
-        payloads = [_decoded(i, text) for i, text in enumerate(push.serialized_named_tensors)]
-        for i, payload in enumerate(payloads):
-            _check_readable(i, payload, push.load_format)
+        size = self._engine.guards.tensor_push(push)
         checked = time.perf_counter()
 
         async def call(version: str | None, timeout: float) -> str:
@@ -155,7 +149,7 @@ class RefitWindows:
         result = await self._forward(w, push.last, call)
         # Where a push's time goes on the agent's side: its checks, then the engine's call (HTTP included).
         done = time.perf_counter()
-        timing: dict[str, Any] = {"push": result.pushes, "last": push.last, "bytes": sum(map(len, payloads))}
+        timing: dict[str, Any] = {"push": result.pushes, "last": push.last, "bytes": size}
         timing |= {"check_s": round(checked - started, 6), "engine_s": round(done - checked, 6)}
         log.info("tensor push timing %s", json.dumps(timing))
         return result
@@ -164,15 +158,7 @@ class RefitWindows:
         w = self._usable(RefitSource.DISTRIBUTED)
         if not (len(push.names) == len(push.dtypes) == len(push.shapes)):
             raise Refused(422, "InvalidPush", "names, dtypes and shapes must have the same length")
-        facts = self._store.facts
-        quirks = SGLangQuirks.detect(facts.version) if facts is not None else None
-        if push.group_name not in self.groups and (quirks is None or quirks.unknown_weights_group_is_fatal):
-            formed = sorted(self.groups) or "none"
-            raise conflict(  # C-REFIT-GROUP-UNKNOWN: this SGLang dies on a group it never formed
-                "UnknownWeightsGroup",
-                f"groupName {push.group_name!r} was not formed through this agent (formed: {formed}); "
-                "POST /v1/trainer/refit/group and wait for group: Ready first; nothing was sent",
-            )
+        self._engine.guards.distributed_push(push, self.groups, self._store.facts)
 
         async def call(version: str | None, timeout: float) -> str:
             return await self._engine.push_distributed(push, version, timeout)
@@ -184,13 +170,11 @@ class RefitWindows:
         blocks until every rank has joined the trainer's rendezvous, so the trainer must be free to run its
         own init_process_group meanwhile. While it is pending, pushes and commands are refused Busy."""
         w = self._usable(RefitSource.DISTRIBUTED)
-        facts = self._store.facts
-        if facts is not None and facts.dp_size > 1:  # a distributed window is refused first; kept explicit
-            raise conflict("DataParallelUnsupported", "init_weights_update_group is refused with dp_size > 1")
+        self._engine.guards.weights_group(self._store.facts)
         w.group, w.group_error = GroupState.PENDING, None
         with self._store.change() as s:
             s.trainer.weights_group = GroupState.PENDING
-        w.group_task = asyncio.create_task(self._run_group(w, body), name="init-weights-update-group")
+        w.group_task = asyncio.create_task(self._run_group(w, body), name="join-weights-group")
         return self.view()
 
     async def _run_group(self, w: OpenWindow, body: InitWeightsGroup) -> None:
@@ -238,31 +222,3 @@ class RefitWindows:
         with self._store.change() as s:
             s.trainer.refit_window_version = None
         return self.view()
-
-
-def _decoded(i: int, text: str) -> bytes:
-    try:  # C-REFIT-TENSOR-B64: fatal on 0.5.6
-        return base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise Refused(
-            422, "InvalidPush", f"serializedNamedTensors[{i}] is not base64 ({e}); nothing was sent"
-        ) from e
-
-
-def _check_readable(i: int, payload: bytes, load_format: str | None) -> None:
-    obj, broken = bucket_check.read(payload)  # once: a bucket's pickle names ~40 entries
-    if broken is not None:  # C-REFIT-TENSOR-PICKLE: fatal on every version
-        raise Refused(
-            422,
-            "InvalidPush",
-            f"serializedNamedTensors[{i}] is not a pickle SGLang can read ({broken}): SGLang would die; "
-            "nothing was sent",
-        )
-    missing = bucket_check.missing_in(obj) if load_format == "flattened_bucket" else None
-    if missing is not None:  # C-REFIT-TENSOR-META: fatal on every version
-        raise Refused(
-            422,
-            "InvalidPush",
-            f"serializedNamedTensors[{i}].{missing} is missing: SGLang reads it and would die; "
-            "nothing was sent",
-        )

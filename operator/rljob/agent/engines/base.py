@@ -17,7 +17,17 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rljob.api.agent import DistributedPush, InitWeightsGroup, LaunchRefusal, TensorPush
+from rljob.api.agent import (
+    AgentState,
+    DistributedPush,
+    DrainCommand,
+    InitWeightsGroup,
+    LaunchRefusal,
+    RefitCommand,
+    ReleaseCommand,
+    ResumeCommand,
+    TensorPush,
+)
 from rljob.api.spec import DrainMode, EngineKind, ReleaseTag
 
 if TYPE_CHECKING:
@@ -119,6 +129,36 @@ class Counter(StrEnum):
     GENERATION_TOKENS = "generation_tokens"
 
 
+class EngineGuards(Protocol):
+    """What the engine's version and launch forbid: pure functions of the agent's state and the engine's
+    facts, each raising Refused (agent/errors.py; `forbidden_by_launch` where no retry can change it). A
+    refusal means nothing was sent. The core's own refusals (the stage order, its record) come first."""
+
+    def leader_ready(self, state: AgentState, facts: EngineFacts) -> None:
+        """Whatever the command: refused while the engine can take no command at all."""
+        ...
+
+    def drain(self, cmd: DrainCommand, state: AgentState, facts: EngineFacts) -> None: ...
+
+    def release(self, cmd: ReleaseCommand, state: AgentState, facts: EngineFacts) -> None: ...
+
+    def refit(self, cmd: RefitCommand, state: AgentState, facts: EngineFacts) -> None: ...
+
+    def resume(self, cmd: ResumeCommand, state: AgentState, facts: EngineFacts) -> None: ...
+
+    def tensor_push(self, push: TensorPush) -> int:
+        """A tensor push the engine would die on or misread; the bytes it carries."""
+        ...
+
+    def weights_group(self, facts: EngineFacts | None) -> None:
+        """A weights group the engine cannot join."""
+        ...
+
+    def distributed_push(self, push: DistributedPush, formed: set[str], facts: EngineFacts | None) -> None:
+        """A broadcast the engine would die on; `formed`: the groups it joined through this agent."""
+        ...
+
+
 class Engine(Protocol):
     """One engine process in the pod, driven by the agent's core through the handoff's verbs."""
 
@@ -140,6 +180,9 @@ class Engine(Protocol):
         """The memory parts in the order they come back: a refit resumes all but the last, the resume the
         last."""
         ...
+
+    @property
+    def guards(self) -> EngineGuards: ...
 
     @property
     def metrics_off(self) -> str:

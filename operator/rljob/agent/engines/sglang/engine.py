@@ -20,6 +20,7 @@ from rljob.agent.engines.base import (
 from rljob.agent.engines.sglang import metrics
 from rljob.agent.engines.sglang.client import SGLangClient
 from rljob.agent.engines.sglang.facts import SGLangFacts
+from rljob.agent.engines.sglang.guards import SGLangGuards
 from rljob.agent.engines.sglang.hang import SchedulerProbe
 from rljob.agent.engines.sglang.quirks import SGLangQuirks
 from rljob.agent.engines.sglang.weights import look
@@ -53,6 +54,7 @@ class SGLangEngine:
     name = "SGLang"
     resume_order = RESUME_ORDER
     metrics_off = metrics.METRICS_OFF
+    guards = SGLangGuards()
 
     def __init__(self, client: SGLangClient, hang_probe_timeout_s: float = 5.0) -> None:
         self.client = client
