@@ -216,14 +216,14 @@ def test_sglang_api_keys(
     (tmp_path / "admin").write_text("admin-key")
     both = start_agent(
         emu,
-        "--sglang-api-key-file",
+        "--engine-api-key-file",
         str(tmp_path / "api"),
-        "--sglang-admin-api-key-file",
+        "--engine-admin-api-key-file",
         str(tmp_path / "admin"),
     )
     AgentDriver(both).full_iteration("1", str(write_weights(tmp_path, "1")))
     # only the api key: SGLang refuses lifecycle calls (401), the agent reports it, SGLang lives
-    user_only = start_agent(emu, "--sglang-api-key-file", str(tmp_path / "api"), serving=False)
+    user_only = start_agent(emu, "--engine-api-key-file", str(tmp_path / "api"), serving=False)
     user_only.wait_stage("Ready")
     failed = AgentDriver(user_only).failed("drain")
     assert "HTTP 401" in failed["error"]

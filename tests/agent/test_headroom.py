@@ -45,7 +45,7 @@ def start_trainer(procs: list[Proc], tmp: Path, agent: Agent, emu: Emulator, kee
     bytes after publishing, until it gets SIGUSR1."""
     env = {
         "RLJOB_AGENT_URL": agent.trainer_url,
-        "RLJOB_SGLANG_URL": emu.url,
+        "RLJOB_ENGINE_SERVER_URL": emu.url,
         "RLJOB_REFIT_SOURCE": "disk",
         "RLJOB_WEIGHTS_DIR": str(tmp / "weights"),
         "RLJOB_CONTAINER": "trainer",

@@ -42,7 +42,7 @@ def test_model_trainer_publishes_checkpoints_and_the_last_reference(
     weights = tmp_path / "weights"
     env = {
         "RLJOB_AGENT_URL": agent.trainer_url,
-        "RLJOB_SGLANG_URL": emu.url,
+        "RLJOB_ENGINE_SERVER_URL": emu.url,
         "RLJOB_REFIT_SOURCE": "disk",
         "RLJOB_WEIGHTS_DIR": str(weights),
     }

@@ -41,7 +41,7 @@ def start_trainer(
 ) -> Proc:
     env = {
         "RLJOB_AGENT_URL": agent.trainer_url,
-        "RLJOB_SGLANG_URL": emu.url,
+        "RLJOB_ENGINE_SERVER_URL": emu.url,
         "RLJOB_REFIT_SOURCE": source,
         "RLJOB_WEIGHTS_DIR": str(tmp / "weights"),
     }

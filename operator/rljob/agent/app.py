@@ -1,4 +1,5 @@
-"""Wiring of the agent: one SGLang client, the state store, the desks, two listeners, background loops.
+"""Wiring of the agent: the engine (built through the registry), the state store, the desks, the
+listeners, background loops.
 With `--state-dir` the store keeps a pod-local record, and a restarted agent recovers from it
 (agent/record.py, agent/recovery.py)."""
 
@@ -15,9 +16,7 @@ from rljob.agent import follower
 from rljob.agent.actions import Actions
 from rljob.agent.commands import CommandDesk
 from rljob.agent.config import AgentConfig
-from rljob.agent.engines.sglang.client import SGLangClient
-from rljob.agent.engines.sglang.endpoint import EngineEndpoint, build_engine_app
-from rljob.agent.engines.sglang.engine import SGLangEngine
+from rljob.agent.engines import EngineLink, build_engine
 from rljob.agent.gpu_probe import make_probe
 from rljob.agent.lease import LeaseDesk
 from rljob.agent.metrics import AgentMetrics
@@ -40,14 +39,15 @@ class Agent:
         self.metrics = AgentMetrics()
         self.record = AgentRecord(cfg.state_dir) if cfg.state_dir else None
         self.store = StateStore(on_commit=self.metrics.revision.set, record=self.record)
-        self.client = SGLangClient(
-            cfg.sglang_url,
-            api_key=cfg.sglang_api_key,
-            admin_api_key=cfg.sglang_admin_api_key,
+        link = EngineLink(
+            cfg.engine_server_url,
+            api_key=cfg.engine_api_key,
+            admin_api_key=cfg.engine_admin_api_key,
             call_timeout_s=cfg.call_timeout_s,
-            observe=self.metrics.observe_sglang,
+            observe=self.metrics.observe_engine,
+            hang_probe_timeout_s=cfg.scheduler_probe_timeout_s,
         )
-        self.engine = SGLangEngine(self.client, cfg.scheduler_probe_timeout_s)
+        self.engine = build_engine(cfg.engine, link)
         self.windows = RefitWindows(self.store, self.engine, cfg.group_init_timeout_s)
         self.lease = LeaseDesk(self.store)
         self.watch = EngineWatch(self.store, self.engine, interval_s=cfg.liveness_s)
@@ -68,7 +68,7 @@ class Agent:
         )
         self.store.state.node_rank = cfg.node_rank
         actions = Actions.leader(ops)
-        if cfg.node_rank > 0:  # a follower pod: no SGLang API, its own GPUs only (agent/follower.py)
+        if cfg.node_rank > 0:  # a follower pod: no engine API, its own GPUs only (agent/follower.py)
             self.watch = follower.FollowerWatch(self.store, self.engine)  # type: ignore[assignment]
             ops = follower.FollowerOperations(
                 self.store, self.engine, ops.probe, self.windows, self.lease, self.metrics, cfg.call_timeout_s
@@ -99,31 +99,32 @@ class Agent:
             await web.TCPSite(runner, host, port).start()
             self._runners.append(runner)
         log.info(
-            "rljob-agent listening: operator %s:%d, trainer %s:%d; SGLang %s; GPU probe %s",
+            "rljob-agent listening: operator %s:%d, trainer %s:%d; %s %s; GPU probe %s",
             *self.cfg.listen,
             *self.cfg.trainer_listen,
-            self.cfg.sglang_url,
+            self.engine.name,
+            self.cfg.engine_server_url,
             self.cfg.gpu_probe,
         )
         self._tasks = [
-            asyncio.create_task(self.watch.run(), name="sglang-watch"),
+            asyncio.create_task(self.watch.run(), name="engine-watch"),
             *(
                 [asyncio.create_task(self.sampler.run(), name="rollout-sampler")]
-                if self.cfg.node_rank == 0  # a follower's SGLang serves no load route
+                if self.cfg.node_rank == 0  # a follower's engine serves no load
                 else []
             ),
         ]
 
     def _engine_app(self) -> list[tuple[web.Application, tuple[str, int]]]:
-        """The SGLang-compatible endpoint, where asked for and on a leader (a follower has no SGLang API)."""
+        """The engine's framework endpoint, where asked for and on a leader (a follower has no engine API)."""
         if self.cfg.engine_listen is None or self.cfg.node_rank > 0:
             return []
-        endpoint = EngineEndpoint(self.store, self.lease, self.windows, self.client, self.cfg.refit_source)
-        return [(build_engine_app(endpoint), self.cfg.engine_listen)]
+        app = self.engine.framework_endpoint(self.store, self.lease, self.windows, self.cfg.refit_source)
+        return [(app, self.cfg.engine_listen)]
 
     def _load_record(self) -> None:
         """The first start in a pod writes the record; a restart restores it (Recovering until the watch
-        has checked it against SGLang). An unreadable record: what the last process did is unknown."""
+        has checked it against the engine). An unreadable record: what the last process did is unknown."""
         if self.record is None:
             return
         try:
@@ -151,7 +152,7 @@ class Agent:
             self.desk.resume_recorded(self.store.command)
 
     async def stop(self) -> None:
-        """Stops what `start` started (background loops, listeners, the SGLang client)."""
+        """Stops what `start` started (background loops, listeners, the engine's client)."""
         log.info("rljob-agent stopping")
         tasks, self._tasks = self._tasks, []
         for t in tasks:

@@ -173,7 +173,7 @@ def agent_container(spec: RLJobSpec, options: AgentOptions) -> dict[str, Any]:
             f"127.0.0.1:{AGENT_ENGINE_PORT}",
             "--refit-source",
             spec.refit.source.value,
-            "--sglang-url",
+            "--engine-server-url",
             f"http://127.0.0.1:{spec.rollout.port}",
             "--token-file",
             f"{TOKEN_DIR}/{TOKEN_KEY}",
@@ -232,11 +232,11 @@ def gang_startup(spec: RLJobSpec) -> dict[str, Any]:
     }
 
 
-def sglang_liveness(spec: RLJobSpec) -> dict[str, Any]:
-    """SGLang binds 127.0.0.1, which a kubelet probe can't reach, so the probe goes through the agent,
-    which asks SGLang's `/ping`. Never `/health`: it blocks while paused, then fails."""
+def engine_liveness(spec: RLJobSpec) -> dict[str, Any]:
+    """The engine binds 127.0.0.1, which a kubelet probe can't reach, so the probe goes through the agent,
+    which asks the engine's liveness route (one that answers while paused: Engine.liveness)."""
     return {
-        "httpGet": {"path": "/probe/sglang", "port": spec.agent.port},
+        "httpGet": {"path": "/probe/engine", "port": spec.agent.port},
         "initialDelaySeconds": 30,
         "periodSeconds": 10,
         "timeoutSeconds": 5,
@@ -273,14 +273,14 @@ def gang_pod(
                     *_env_list(layout.trainer_env(index)),
                     _env("RLJOB_AGENT_URL", f"http://127.0.0.1:{TRAINER_PORT}"),
                     _env("RLJOB_ENGINE_URL", f"http://127.0.0.1:{AGENT_ENGINE_PORT}"),
-                    _env("RLJOB_SGLANG_URL", f"http://127.0.0.1:{spec.rollout.port}"),
+                    _env("RLJOB_ENGINE_SERVER_URL", f"http://127.0.0.1:{spec.rollout.port}"),
                     _env("RLJOB_REFIT_SOURCE", spec.refit.source.value),
                     *([_env("RLJOB_ITERATIONS", str(iterations))] if iterations else []),
                 ],
             )
         elif container["name"] == spec.rollout.container:
             _with_env(container, [*common_env, *own])
-            container["livenessProbe"] = sglang_liveness(spec)
+            container["livenessProbe"] = engine_liveness(spec)
         else:
             _with_env(container, [*common_env, *own])
     agent = agent_container(spec, options)

@@ -22,7 +22,7 @@ load: config.json, safetensors, tokenizer.json) and either `cuda_weights(seed)` 
 
     python -m rljob.testing.model_trainer --model-path /weights/base [--model MODULE:FACTORY]
         [--seed-base 100] [--gate-dir DIR] [the rollout flags of rljob.testing.trainer]
-    env: RLJOB_AGENT_URL, RLJOB_SGLANG_URL, RLJOB_REFIT_SOURCE (disk | tensor), RLJOB_WEIGHTS_DIR,
+    env: RLJOB_AGENT_URL, RLJOB_ENGINE_SERVER_URL, RLJOB_REFIT_SOURCE (disk | tensor), RLJOB_WEIGHTS_DIR,
          RLJOB_ITERATIONS (when --iterations is not given)
 
 Needs torch with CUDA, transformers, tokenizers; imported only when run.
@@ -140,8 +140,8 @@ class ModelTrainer:
         self.args, self.handoff, self.model = args, handoff, model
         self.weights_dir, self.source = weights_dir, source
         self.rollout = sim.Rollout(
-            os.environ.get("RLJOB_SGLANG_URL", "http://127.0.0.1:30000"),
-            os.environ.get("RLJOB_SGLANG_API_KEY"),
+            os.environ.get("RLJOB_ENGINE_SERVER_URL", "http://127.0.0.1:30000"),
+            os.environ.get("RLJOB_ENGINE_API_KEY"),
             args,
         )
         self.gate = RolloutGate(Path(args.gate_dir), args.timeout) if args.gate_dir else None

@@ -10,7 +10,8 @@ for tensor/distributed refits push it through the agent's refit window. Exits 2 
 check fails, 4 when an answer has no usable logprobs.
 
     python -m rljob.testing.trainer [--iterations N] [--prompts P] [--samples-per-prompt K] ...
-    env: RLJOB_AGENT_URL, RLJOB_SGLANG_URL, RLJOB_REFIT_SOURCE (disk|tensor|distributed), RLJOB_WEIGHTS_DIR
+    env: RLJOB_AGENT_URL, RLJOB_ENGINE_SERVER_URL, RLJOB_REFIT_SOURCE (disk|tensor|distributed),
+    RLJOB_WEIGHTS_DIR
 """
 
 from __future__ import annotations
@@ -307,7 +308,7 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="emulated GPU memory per GPU the training step allocates while it holds the lease (needs the "
-        "SGLang emulator at RLJOB_SGLANG_URL)",
+        "SGLang emulator at RLJOB_ENGINE_SERVER_URL)",
     )
     p.add_argument(
         "--keep-gpu-bytes", type=int, default=0, help="of it, what the trainer still holds after publishing"
@@ -389,8 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"RLJOB_REFIT_SOURCE must be disk, tensor or distributed, not {source!r}", file=sys.stderr)
         return 1
     rollout = Rollout(
-        os.environ.get("RLJOB_SGLANG_URL", "http://127.0.0.1:30000"),
-        os.environ.get("RLJOB_SGLANG_API_KEY"),
+        os.environ.get("RLJOB_ENGINE_SERVER_URL", "http://127.0.0.1:30000"),
+        os.environ.get("RLJOB_ENGINE_API_KEY"),
         args,
     )
     weights_dir = Path(os.environ.get("RLJOB_WEIGHTS_DIR", "/tmp/rljob-weights"))

@@ -28,10 +28,15 @@ from rljob.api.agent import (
     ResumeCommand,
     TensorPush,
 )
-from rljob.api.spec import DrainMode, EngineKind, ReleaseTag
+from rljob.api.spec import DrainMode, EngineKind, RefitSource, ReleaseTag
 
 if TYPE_CHECKING:
+    from aiohttp import web
+
     from rljob.agent.deadline import Deadline
+    from rljob.agent.lease import LeaseDesk
+    from rljob.agent.refit_window import RefitWindows
+    from rljob.agent.state import StateStore
     from rljob.agent.weights_look import Look
 
 
@@ -293,4 +298,11 @@ class Engine(Protocol):
 
     async def get_json(self, operation: str, path: str, timeout: float = 5.0) -> Any:
         """A GET on the engine's port for a plugin of the agent (a GPU probe that reads through it)."""
+        ...
+
+    def framework_endpoint(
+        self, store: StateStore, lease: LeaseDesk, windows: RefitWindows, refit_source: RefitSource | None
+    ) -> web.Application:
+        """The endpoint a framework is pointed at instead of the engine (on the pod's loopback): its
+        lifecycle calls become the RLJob handoff, the rest passes through to the engine."""
         ...

@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -40,11 +40,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from rljob.agent.engines.sglang.client import SGLangClient
 from rljob.agent.engines.sglang.quirks import SGLangQuirks
 from rljob.agent.errors import Refused
-from rljob.agent.lease import LeaseDesk
-from rljob.agent.refit_window import RefitWindows
-from rljob.agent.state import StateStore
 from rljob.api.agent import CommandState, PublishRequest, Stage, TensorPush
 from rljob.api.spec import RefitSource
+
+if TYPE_CHECKING:  # the core modules the endpoint is handed, not imported (they import the registry)
+    from rljob.agent.lease import LeaseDesk
+    from rljob.agent.refit_window import RefitWindows
+    from rljob.agent.state import StateStore
 
 
 @dataclass(frozen=True)
@@ -167,7 +169,7 @@ def next_version(served: str | None) -> str:
     return str(int(served) + 1) if served is not None and served.isdigit() else "1"
 
 
-class EngineEndpoint:
+class SGLangEndpoint:
     """One pod's framework session: the version it published in the current lease, if any."""
 
     def __init__(
@@ -406,7 +408,7 @@ class EngineEndpoint:
             return reply
 
 
-def build_engine_app(endpoint: EngineEndpoint) -> web.Application:
+def build_app(endpoint: SGLangEndpoint) -> web.Application:
     @web.middleware
     async def refusals(request: web.Request, handler: Any) -> web.StreamResponse:
         try:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
 
 from rljob.agent.deadline import Deadline
 from rljob.agent.engines.base import (
@@ -19,6 +21,7 @@ from rljob.agent.engines.base import (
 )
 from rljob.agent.engines.sglang import metrics
 from rljob.agent.engines.sglang.client import SGLangClient
+from rljob.agent.engines.sglang.endpoint import SGLangEndpoint, build_app
 from rljob.agent.engines.sglang.facts import SGLangFacts
 from rljob.agent.engines.sglang.guards import SGLangGuards
 from rljob.agent.engines.sglang.hang import SchedulerProbe
@@ -27,7 +30,12 @@ from rljob.agent.engines.sglang.weights import look
 from rljob.agent.errors import CommandFailed
 from rljob.agent.weights_look import Look
 from rljob.api.agent import DistributedPush, InitWeightsGroup, TensorPush
-from rljob.api.spec import DrainMode, EngineKind, ReleaseTag
+from rljob.api.spec import DrainMode, EngineKind, RefitSource, ReleaseTag
+
+if TYPE_CHECKING:  # the core modules the endpoint is handed, not imported (they import the registry)
+    from rljob.agent.lease import LeaseDesk
+    from rljob.agent.refit_window import RefitWindows
+    from rljob.agent.state import StateStore
 
 log = logging.getLogger("rljob.agent")
 
@@ -60,6 +68,24 @@ class SGLangEngine:
         self.client = client
         self._facts: SGLangFacts | None = None
         self._hang = SchedulerProbe(client, hang_probe_timeout_s)
+
+    @classmethod
+    def build(
+        cls,
+        url: str,
+        *,
+        api_key: str | None,
+        admin_api_key: str | None,
+        call_timeout_s: float,
+        observe: Callable[[str, float], None],
+        hang_probe_timeout_s: float = 5.0,
+    ) -> SGLangEngine:
+        """`api_key`: SGLang's --api-key (normal routes, and lifecycle ones without an admin key);
+        `admin_api_key`: its --admin-api-key, the only key its lifecycle routes take then (C-ROUTE-AUTH)."""
+        client = SGLangClient(
+            url, api_key=api_key, admin_api_key=admin_api_key, call_timeout_s=call_timeout_s, observe=observe
+        )
+        return cls(client, hang_probe_timeout_s)
 
     @property
     def facts(self) -> SGLangFacts | None:
@@ -334,3 +360,9 @@ class SGLangEngine:
 
     async def get_json(self, operation: str, path: str, timeout: float = 5.0) -> Any:
         return await self.client.get_json(operation, path, timeout=timeout)
+
+    def framework_endpoint(
+        self, store: StateStore, lease: LeaseDesk, windows: RefitWindows, refit_source: RefitSource | None
+    ) -> web.Application:
+        """The SGLang-compatible endpoint a framework is pointed at instead of SGLang (endpoint.py)."""
+        return build_app(SGLangEndpoint(store, lease, windows, self.client, refit_source))
