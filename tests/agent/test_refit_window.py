@@ -175,7 +175,7 @@ def test_push_that_is_not_base64_is_refused_before_sglang(
     assert "/update_weights_from_tensor" not in emu.stats()["calls"]
     assert emu.alive() and agent.state()["lastCommand"]["state"] == "Running"
     _push_one_bucket(agent)
-    assert emu.alive() and agent.state()["sglang"]["servedVersion"] == "1"
+    assert emu.alive() and agent.state()["engine"]["servedVersion"] == "1"
 
 
 @pytest.mark.parametrize("version", ["0.5.6", "0.5.23"])
@@ -190,7 +190,7 @@ def test_push_that_is_not_a_pickle_is_refused_before_sglang(
     assert "serializedNamedTensors[0] is not a pickle" in r.body["reason"], r.text
     assert "/update_weights_from_tensor" not in emu.stats()["calls"]
     _push_one_bucket(agent)
-    assert emu.alive() and agent.state()["sglang"]["servedVersion"] == "1"
+    assert emu.alive() and agent.state()["engine"]["servedVersion"] == "1"
 
 
 def bucket_without_numel() -> bytes:
@@ -219,7 +219,7 @@ def test_bucket_metadata_without_numel_is_refused_before_sglang(
     assert "/update_weights_from_tensor" not in emu.stats()["calls"]
     assert emu.alive() and agent.state()["lastCommand"]["state"] == "Running"
     _push_one_bucket(agent)
-    assert emu.alive() and agent.state()["sglang"]["servedVersion"] == "1"
+    assert emu.alive() and agent.state()["engine"]["servedVersion"] == "1"
 
 
 @pytest.mark.parametrize("version", ["0.5.6", "0.5.15.post1", "0.5.21"])
@@ -283,7 +283,7 @@ def test_wrong_source_and_final_push_guards(
     assert r.status == 409 and r.body["error"] == "FinalPushDone"
     t("POST", "/v1/trainer/refit/close", {})
     assert _outcome(agent)["state"] == "Succeeded"
-    assert agent.state()["sglang"]["servedVersion"] == "1"
+    assert agent.state()["engine"]["servedVersion"] == "1"
     assert agent.state()["releasedTags"] == ["kv_cache"]
 
 

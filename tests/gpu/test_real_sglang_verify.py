@@ -122,7 +122,7 @@ def test_three_verified_refits(served: tuple[RealSGLang, Path, Any], results_dir
     rows, report = [], []
     try:
         st = agent.wait_stage("Ready", timeout=120)
-        assert st["sglang"]["weights"]["checksum"], st["sglang"]["weights"]
+        assert st["engine"]["weights"]["checksum"], st["engine"]["weights"]
         c = AgentDriver(agent)
         c.done("resume", 60)
         handoff = Handoff(agent.trainer_url)
@@ -162,7 +162,7 @@ def test_three_verified_refits(served: tuple[RealSGLang, Path, Any], results_dir
                     )["lastCommand"]
                 )
             assert refit["state"] == "Succeeded", refit
-            w = agent.state()["sglang"]["weights"]
+            w = agent.state()["engine"]["weights"]
             assert w["version"] == version and w["checked"] == ["Trainer", "Previous"], w
             c.done("resume", 60)
             held, call_s = checker(server)

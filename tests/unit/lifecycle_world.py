@@ -22,13 +22,13 @@ from rljob.api.agent import (
     Command,
     CommandState,
     CommandStatus,
+    EngineInfo,
     MemoryReport,
     RefitCommand,
     ReleaseCommand,
     ResumeCommand,
     ResumeHeadroom,
     RolloutReport,
-    SGLangInfo,
     Stage,
     TrainerReport,
     WeightsCheck,
@@ -96,10 +96,10 @@ class FakeAgent:
             last_command=copy.deepcopy(self.last),
             released_tags=list(self.released),
             memory=MemoryReport(freed_bytes=self.freed, verified=self.verified, gpus=1),
-            sglang=SGLangInfo(
+            engine=EngineInfo(
                 reachable=True,
                 version="0.5.23",
-                weight_cache_mode=self.weight_cache_mode,
+                launch_refusal=self.facts().launch_refusal,  # as the agent reports its facts
                 served_version=self.served_version,
                 paused=self.stage not in (Stage.SERVING, Stage.STARTING),
                 weights=self.weights,

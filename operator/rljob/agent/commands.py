@@ -142,4 +142,4 @@ class CommandDesk:
             s.last_command.permanent = permanent is not None
             s.last_command.failure_reason = reason
             s.last_command.seconds = seconds
-            s.last_command.sglang_seconds = min(seconds, external[0])
+            s.last_command.engine_seconds = min(seconds, external[0])

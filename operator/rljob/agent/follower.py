@@ -34,12 +34,12 @@ from rljob.agent.state import StateStore
 from rljob.api.agent import (
     AgentState,
     DrainCommand,
+    EngineInfo,
     MemoryReport,
     RefitCommand,
     ReleaseCommand,
     ResumeCommand,
     RolloutReport,
-    SGLangInfo,
     Stage,
 )
 from rljob.api.spec import ReleaseTag
@@ -71,7 +71,7 @@ class FollowerWatch:
                 log.debug("%s (follower) not up yet: %s", name, e)
                 await asyncio.sleep(0.1)
         with self._store.change(stage=Stage.READY) as s:
-            s.sglang = SGLangInfo(reachable=True, paused=False)
+            s.engine = EngineInfo(kind=self._engine.kind, reachable=True, paused=False)
         log.info("%s follower (node rank %d) answers", name, self._store.state.node_rank)
         while not self._failed():
             await asyncio.sleep(self._interval)
@@ -103,7 +103,7 @@ class FollowerOperations(Operations):
 
         def record(s: AgentState) -> None:
             s.memory = MemoryReport(used_before_bytes=sum(g.used_bytes for g in before), gpus=len(before))
-            s.sglang.paused = True  # the leader pauses the instance in the same phase
+            s.engine.paused = True  # the leader pauses the instance in the same phase
 
         return record
 
@@ -122,8 +122,8 @@ class FollowerOperations(Operations):
             s.released_tags = [
                 t for t in s.released_tags if t not in (ReleaseTag.WEIGHTS, ReleaseTag.CUDA_GRAPH)
             ]
-            s.sglang.served_version = cmd.version
-            s.sglang.paused = True
+            s.engine.served_version = cmd.version
+            s.engine.paused = True
 
         return record
 
@@ -134,9 +134,9 @@ class FollowerOperations(Operations):
 
         def record(s: AgentState) -> None:
             s.released_tags = []
-            s.sglang.paused = False
+            s.engine.paused = False
             if cmd.version is not None:
-                s.sglang.served_version = cmd.version
+                s.engine.served_version = cmd.version
             s.memory.verified = False
             s.rollout = RolloutReport()
 

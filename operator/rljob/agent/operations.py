@@ -135,7 +135,7 @@ class Operations:
 
     async def _stop(self, mode: DrainMode, dl: Deadline) -> None:
         with self.store.change() as s:
-            s.sglang.paused = True  # from here on the engine may be paused: never assume otherwise
+            s.engine.paused = True  # from here on the engine may be paused: never assume otherwise
         if self.pause_mode != DrainMode.RETRACT:  # a retract stays in effect until the engine continues
             self.pause_mode = mode
         await self.engine.stop_new_work(mode, dl)
@@ -376,10 +376,10 @@ class Operations:
         loaded = reloaded if cmd.reload else (path if cmd.source == RefitSource.DISK else None)
 
         def record(s: AgentState) -> None:
-            s.sglang.served_version = served
-            s.sglang.weights = weights
+            s.engine.served_version = served
+            s.engine.weights = weights
             if loaded is not None:
-                s.sglang.model_path = loaded
+                s.engine.model_path = loaded
             if loaded is not None or not cmd.reload:  # a pushed version is in no checkpoint the engine read
                 self.store.path_version = served if loaded is not None else None
 
@@ -415,7 +415,7 @@ class Operations:
         )
         if verdict.failures:
             with self.store.change() as s:  # what the engine holds, for the operator's message
-                s.sglang.weights = report
+                s.engine.weights = report
             raise CommandFailed(f"{WEIGHTS_MISMATCH}: {'; '.join(verdict.failures)}", reason=WEIGHTS_MISMATCH)
         return report
 
@@ -447,7 +447,7 @@ class Operations:
             reload=cmd.reload,
             digest=digest,
             no_digest=no_digest,
-            previous=self.store.state.sglang.weights,
+            previous=self.store.state.engine.weights,
             previous_held=self.store.weights_held,
             before_load=before_load,
             committed_checksum=cmd.committed_checksum,
@@ -468,7 +468,7 @@ class Operations:
         the weights resumed and the load still owed in its record (StateStore.reload_owed), and makes it."""
         if not discarded and self.store.reload_owed != cmd.version:
             return None
-        known = self.store.state.sglang.model_path if self.store.path_version == cmd.version else None
+        known = self.store.state.engine.model_path if self.store.path_version == cmd.version else None
         path = known or cmd.path
         if path is None:
             facts = self.store.facts
@@ -550,7 +550,7 @@ class Operations:
     async def resume(self, cmd: ResumeCommand) -> Record:
         dl = Deadline(cmd.timeout_seconds)
         await self._resume_tags(self._released(*self.engine.resume_order), dl)
-        expected = self.store.state.sglang.served_version
+        expected = self.store.state.engine.served_version
         served = (await self.engine.continue_serving(dl, self._serving)).version
         if served != expected:
             raise CommandFailed(f"{self.engine.name} serves weight_version {served!r}, expected {expected!r}")
@@ -562,7 +562,7 @@ class Operations:
         """The engine took the call to serve again: it is no longer paused."""
         self.pause_mode = None
         with self.store.change() as s:
-            s.sglang.paused = False
+            s.engine.paused = False
 
 
 def freed_target(verify: ReleaseVerify, used_before: dict[int, int]) -> dict[int, int]:

@@ -35,10 +35,10 @@ from rljob.agent.state import StateStore
 from rljob.api.agent import (
     Action,
     CommandState,
+    EngineInfo,
     RecoveryState,
     RefitCommand,
     ReleaseCommand,
-    SGLangInfo,
     Stage,
 )
 from rljob.api.spec import ReleaseTag
@@ -62,7 +62,7 @@ class Recovery:
         self.probe = probe
         self._resume_command = resume_command  # CommandDesk.resume_recorded of the recorded command
 
-    async def run(self, seen: SGLangInfo) -> None:
+    async def run(self, seen: EngineInfo) -> None:
         """`seen`: what the engine reported at detection (reachable, version, served version, model path)."""
         store, st = self.store, self.store.state
         intent = store.intent
@@ -74,7 +74,7 @@ class Recovery:
         if not self._same_server(seen):
             store.unsure(
                 f"{self.engine.name} serves weight_version {seen.served_version!r}, the record says "
-                f"{st.sglang.served_version!r}: not the server this agent recorded"
+                f"{st.engine.served_version!r}: not the server this agent recorded"
             )
             return
         detail = f"recorded state matches {self.engine.name}"
@@ -90,30 +90,31 @@ class Recovery:
             detail = found
         self._recovered(seen, detail)
 
-    def _recovered(self, seen: SGLangInfo, detail: str) -> None:
+    def _recovered(self, seen: EngineInfo, detail: str) -> None:
         """The record matches the engine: Recovered, and the command that was running runs on."""
         store, st = self.store, self.store.state
         fresh = st.stage == Stage.STARTING  # died before the engine was first seen: start as a fresh agent
         with store.outcome(stage=Stage.READY if fresh else None) as s:  # closes the intent with its outcome
-            s.sglang.reachable = True
-            s.sglang.version = seen.version
-            s.sglang.weight_cache_mode = seen.weight_cache_mode
+            s.engine.reachable = True
+            s.engine.version = seen.version
+            s.engine.kind = seen.kind
+            s.engine.launch_refusal = seen.launch_refusal
             s.recovery.state = RecoveryState.RECOVERED
             s.recovery.detail = detail[:1024]
             if fresh:
-                s.sglang = seen
+                s.engine = seen
         log.info("agent recovered after restart %d: %s", st.recovery.restarts, detail)
         last = st.last_command
         if last is not None and last.state == CommandState.RUNNING and store.command is not None:
             self._resume_command()
 
-    def _same_server(self, seen: SGLangInfo) -> bool:
+    def _same_server(self, seen: EngineInfo) -> bool:
         """The engine serves a version the record knows: the one recorded, or one a refit was loading."""
         store, intent = self.store, self.store.intent
-        allowed = {store.state.sglang.served_version, store.refit_done}
+        allowed = {store.state.engine.served_version, store.refit_done}
         if intent is not None and intent.call == "refit":
             allowed.add(intent.version)
-        return store.state.sglang.served_version is None or seen.served_version in allowed
+        return store.state.engine.served_version is None or seen.served_version in allowed
 
     async def _resolve(self, intent: Intent) -> str | None:
         """The outcome of an announced call, applied to the state; None when it cannot be known (a
@@ -210,8 +211,8 @@ class Recovery:
         # What the engine serves once the load ran: the version when it is a new one, the path when it
         # named another before it (a successful load sets both). A reload of the version and checkpoint
         # the engine already named shows neither: nothing can tell.
-        version_shows = intent.version != st.sglang.served_version
-        path_shows = intent.path is not None and intent.path != st.sglang.model_path
+        version_shows = intent.version != st.engine.served_version
+        path_shows = intent.path is not None and intent.path != st.engine.model_path
         if not (version_shows or path_shows):
             return False
 

@@ -200,7 +200,7 @@ class StateStore:
             return
         with self.change(stage=Stage.FAILED) as s:
             s.fatal = reason[:1024]
-            s.sglang.reachable = False
+            s.engine.reachable = False
 
     def unsure(self, detail: str) -> None:
         """A restarted agent cannot tell what the engine did (an announced call without an outcome and no

@@ -14,7 +14,7 @@ from rljob.agent.engines.base import Engine, EngineError, EngineUnreachable, Eng
 from rljob.agent.state import StateStore
 from rljob.agent.weights_check import Verdict, unverified
 from rljob.agent.weights_look import timed
-from rljob.api.agent import SGLangInfo, Stage, WeightsCheck
+from rljob.api.agent import EngineInfo, Stage, WeightsCheck
 
 log = logging.getLogger("rljob.agent")
 
@@ -30,7 +30,7 @@ class EngineWatch:
         self._engine = engine
         self._interval = interval_s
         # A restarted agent (agent/recovery.py): called with what the engine reports instead of going Ready.
-        self.on_recover: Callable[[SGLangInfo], Awaitable[None]] | None = None
+        self.on_recover: Callable[[EngineInfo], Awaitable[None]] | None = None
 
     async def run(self) -> None:
         if self._failed():  # restored Failed from the record: nothing to watch
@@ -83,10 +83,11 @@ class EngineWatch:
         facts, served = found.facts, found.served.version
         self._store.facts = facts
         self._store.architectures = list(found.architectures)
-        seen = SGLangInfo(
+        seen = EngineInfo(
+            kind=facts.kind,
             reachable=True,
             version=facts.version,
-            weight_cache_mode=getattr(facts, "weight_cache_mode", "off"),
+            launch_refusal=facts.launch_refusal,
             served_version=served,
             model_path=found.served.model_path,
             paused=False,
@@ -97,7 +98,7 @@ class EngineWatch:
         self._store.path_version = served  # the launch checkpoint holds the launch version
         seen.weights = await self._launch_weights(served)
         with self._store.change(stage=Stage.READY) as s:  # not Serving: the operator verifies it first
-            s.sglang = seen
+            s.engine = seen
         log.info("%s %s is up, serving weight_version %s", name, facts.version, served)
         return True
 

@@ -167,7 +167,7 @@ def _kept_gang_serves(step: Step, version: str) -> bool:
     if step.finished_trainers():  # a trainer that exited takes no further iteration: a fresh gang does
         return False
     serving = [
-        a for a in step.gang_agents() if a.stage == Stage.SERVING and a.sglang.served_version == version
+        a for a in step.gang_agents() if a.stage == Stage.SERVING and a.engine.served_version == version
     ]
     return len(serving) == spec.replicas
 

@@ -33,7 +33,7 @@ def held_at(leaders: Iterable[tuple[str, AgentState | None]], version: str | Non
     """The leaders whose agent took a checksum at `version`."""
     out = []
     for pod, agent in leaders:
-        w = agent.sglang.weights if agent is not None else None
+        w = agent.engine.weights if agent is not None else None
         if w is not None and w.checksum is not None and w.version == version and w.layout is not None:
             out.append(Held(pod, w.checksum, w.layout))
     return out
@@ -76,7 +76,7 @@ def differs_from_committed(held: list[Held], committed: CommittedWeights) -> lis
 def unverified(leaders: Iterable[tuple[str, AgentState | None]], version: str | None) -> str | None:
     """Why a leader's weights at `version` were not checked by checksum, naming it; None if all were."""
     for pod, agent in leaders:
-        w = agent.sglang.weights if agent is not None else None
+        w = agent.engine.weights if agent is not None else None
         if w is not None and w.version == version and w.checksum is None:
             return f"pod {pod}: {w.unverified or 'weights not verified'}"
     return None

@@ -150,7 +150,7 @@ class ModelTrainer:
         expected: str | None = None
         for iteration in range(1, iterations + 1):
             state = self.handoff.wait_for_stage("Serving", timeout=self.args.timeout)
-            served = state["sglang"]["servedVersion"]
+            served = state["engine"]["servedVersion"]
             if expected is not None and served != expected:
                 raise sim.StaleServing(f"agent serves {served!r} after this trainer published {expected!r}")
             with self.gate.edges(iteration) if self.gate is not None else contextlib.nullcontext():
@@ -159,7 +159,7 @@ class ModelTrainer:
             self.handoff.report_rollout(samples=stats["completed"])
             expected = sim.next_version(served)
             self.step(iteration, expected, last=iteration == iterations)
-        final = self.handoff.wait_for_stage("Serving", timeout=self.args.timeout)["sglang"]["servedVersion"]
+        final = self.handoff.wait_for_stage("Serving", timeout=self.args.timeout)["engine"]["servedVersion"]
         if final != expected:
             raise sim.StaleServing(f"agent serves {final!r} after this trainer published {expected!r}")
         _log("done", iterations=iterations, served=final)

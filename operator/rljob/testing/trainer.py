@@ -350,7 +350,7 @@ def train_loop(
     iteration = 0
     while not stopping() and (args.iterations == 0 or iteration < args.iterations):
         iteration += 1
-        served = handoff.wait_for_stage("Serving", timeout=args.timeout)["sglang"]["servedVersion"]
+        served = handoff.wait_for_stage("Serving", timeout=args.timeout)["engine"]["servedVersion"]
         if expected is not None and served != expected:
             raise StaleServing(f"agent serves {served!r} after this trainer published {expected!r}")
         with gate.edges(iteration) if gate is not None else contextlib.nullcontext():
@@ -377,7 +377,7 @@ def train_loop(
         expected = version
     if stopping():
         return
-    final = handoff.wait_for_stage("Serving", timeout=args.timeout)["sglang"]["servedVersion"]
+    final = handoff.wait_for_stage("Serving", timeout=args.timeout)["engine"]["servedVersion"]
     if expected is not None and final != expected:
         raise StaleServing(f"agent serves {final!r} after this trainer published {expected!r}")
     log("done", iterations=iteration, served=final)

@@ -260,7 +260,7 @@ class SGLangEndpoint:
             self.windows.trainer_close(None, versioned_by_agent=True)
         why = await self._until(
             lambda: (
-                self.store.state.stage == Stage.SERVING and self.store.state.sglang.served_version == version
+                self.store.state.stage == Stage.SERVING and self.store.state.engine.served_version == version
             ),
             lambda: self._command_failed("refit")() or self._command_failed("resume")(),
         )
@@ -314,7 +314,7 @@ class SGLangEndpoint:
         st = self.store.state
         if not st.trainer.lease_held:
             raise _update_error("the trainer holds no GPU lease: call /release_memory_occupation first")
-        chosen = version or next_version(st.sglang.served_version)
+        chosen = version or next_version(st.engine.served_version)
         try:
             self.lease.publish(PublishRequest(version=chosen, path=path))
         except (Refused, ValidationError) as e:
@@ -345,7 +345,7 @@ class SGLangEndpoint:
     def _served_already(self, version: str) -> str | None:
         """A push for weights the pod already serves: their refit window closed, none will open again."""
         st = self.store.state
-        if st.stage == Stage.SERVING and st.sglang.served_version == version:
+        if st.stage == Stage.SERVING and st.engine.served_version == version:
             return f"weights {version} are refitted and served: this push came after their refit window"
         return None
 
@@ -355,7 +355,7 @@ class SGLangEndpoint:
         version = self._publish(body.weight_version, body.model_path, RefitSource.DISK)
         why = await self._until(
             lambda: (
-                self.store.state.sglang.served_version == version
+                self.store.state.engine.served_version == version
                 and self.store.state.stage in (Stage.REFITTED, Stage.SERVING)
             ),
             self._command_failed("refit"),
