@@ -15,7 +15,7 @@ import pytest
 from agent_procs import ALL_TAGS, Agent, AgentDriver, Emulator, Reply, free_port, http, write_weights
 
 from rljob.testing.ipc_stand_in import cuda_reduction
-from rljob.trainer import packing
+from rljob.trainer.engines.sglang import packing
 
 
 def _bucket(name: str = "w") -> str:

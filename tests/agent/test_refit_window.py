@@ -1,7 +1,8 @@
 """Tensor/distributed refits through the agent's refit window, with the trainer SDK: sessions by version,
 the final push carrying the version, and every way a window can fail without leaving SGLang inconsistent.
-Tensor pushes are real flattened-bucket payloads (rljob.trainer.packing's writer, with a stand-in for the
-CUDA IPC reduction: no torch here), which the emulator's accounting backend reads as SGLang would."""
+Tensor pushes are real flattened-bucket payloads (rljob.trainer.engines.sglang.packing's writer, with a
+stand-in for the CUDA IPC reduction: no torch here), which the emulator's accounting backend reads as SGLang
+would."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from agent_procs import ALL_TAGS, Agent, AgentDriver, Emulator
 
 from rljob.emulator.rendezvous import Rank0
 from rljob.testing.ipc_stand_in import cuda_reduction
-from rljob.trainer import AgentError, Handoff, packing
-from rljob.trainer.packing import Call, TensorSpec, plan_buckets
+from rljob.trainer import AgentError, Handoff
+from rljob.trainer.engines.sglang import packing
+from rljob.trainer.engines.sglang.packing import Call, TensorSpec, plan_buckets
 
 ITEMSIZE = {"bfloat16": 2, "float32": 4}
 

@@ -14,8 +14,9 @@ import pytest
 from agent_procs import VERSIONS, Agent, AgentDriver, Emulator, write_weights
 
 from rljob.testing.trainer import SIM_LAYOUT, make_tensors, rewrite_checkpoint, tensor_payload
-from rljob.trainer import Handoff, packing
-from rljob.trainer.digest import checkpoint_digest, digest_named_tensors
+from rljob.trainer import Handoff
+from rljob.trainer.engines.sglang import packing
+from rljob.trainer.engines.sglang.digest import checkpoint_digest, digest_named_tensors
 
 CHECKSUM_VERSIONS = [v for v in VERSIONS if v != "0.5.6"]  # C-CHECKER-CHECKSUM: from 0.5.15.post1
 

@@ -1,9 +1,9 @@
 """Verified weights on real SGLang 0.5.15.post1 (docs/agent.md, "Verified weights").
 
-test_sdk_hash_is_sglangs_gpu_kernel: rljob.trainer.tensor_hash (torch on the GPU, numpy on the CPU) equals
-SGLang's own `gpu_tensor_hash` (its compiled Triton kernels) on the same tensors: every dtype a model holds,
-lengths that are not whole words, more than 1024 tiles (two levels of its tree reduction), a fused
-parameter's parts back to back.
+test_sdk_hash_is_sglangs_gpu_kernel: rljob.trainer.engines.sglang.tensor_hash (torch on the GPU, numpy on the
+CPU) equals SGLang's own `gpu_tensor_hash` (its compiled Triton kernels) on the same tensors: every dtype a
+model holds, lengths that are not whole words, more than 1024 tiles (two levels of its tree reduction), a
+fused parameter's parts back to back.
 
 test_three_verified_refits: the real agent (`--gpu-probe nvml`) and a torch trainer in this process, 3
 iterations (disk, tensor, disk): drain, release of every tag, grant, publish with the trainer's digest (disk:
@@ -34,8 +34,8 @@ from gpu_helpers import markdown_table
 from real_sglang import RealSGLang, sglang_missing
 
 from rljob.trainer import Handoff
-from rljob.trainer import tensor_hash as th
-from rljob.trainer.digest import ModelLayout, checkpoint_digest, digest_named_tensors
+from rljob.trainer.engines.sglang import tensor_hash as th
+from rljob.trainer.engines.sglang.digest import ModelLayout, checkpoint_digest, digest_named_tensors
 
 pytestmark = pytest.mark.gpu
 

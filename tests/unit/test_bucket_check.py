@@ -7,7 +7,7 @@ import os
 import pickle
 
 from rljob.agent.engines.sglang.bucket_check import missing_in, missing_metadata, read, unreadable
-from rljob.trainer import packing
+from rljob.trainer.engines.sglang import packing
 
 IPC = packing.Call(packing.Global("torch.multiprocessing.reductions", "rebuild_cuda_tensor"), (1, 2))
 

@@ -1,7 +1,7 @@
-"""rljob.trainer.tensor_hash against SGLang's own kernels: the per-parameter hash of `/weights_checker`
-(C-CHECKER-CHECKSUM), `gpu_tensor_hash`'s Triton kernels run by Triton's interpreter on the CPU
-(tests/unit/sglang_hash_reader.py), for every recorded version whose wheel has them; and the numpy and torch
-implementations against each other, chunked and not. On a GPU, tests/gpu/test_real_sglang_verify.py runs
+"""rljob.trainer.engines.sglang.tensor_hash against SGLang's own kernels: the per-parameter hash of
+`/weights_checker` (C-CHECKER-CHECKSUM), `gpu_tensor_hash`'s Triton kernels run by Triton's interpreter on the
+CPU (tests/unit/sglang_hash_reader.py), for every recorded version whose wheel has them; and the numpy and
+torch implementations against each other, chunked and not. On a GPU, tests/gpu/test_real_sglang_verify.py runs
 the compiled kernel."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rljob.trainer import tensor_hash as th
+from rljob.trainer.engines.sglang import tensor_hash as th
 
 CACHE = Path(os.environ.get("RLJOB_SGLANG_CACHE", Path.home() / ".cache/rljob/sglang"))
 READER = Path(__file__).with_name("sglang_hash_reader.py")

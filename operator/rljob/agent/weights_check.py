@@ -1,9 +1,10 @@
 """What the engine holds, by content: its checksum of every parameter (Engine.read_weights) held against
 what it must equal after a refit (docs/agent.md, "Verified weights"). Pure: operations.py makes the call.
 
-- **Trainer**: the trainer's digest of what it published or pushed (rljob.trainer.digest), parameter by
-  parameter; a parameter it did not push must be what it was before the refit. Only where the engine holds
-  whole tensors (TP 1, PP 1) and the model is not quantized: the digest hashes whole, unquantized tensors.
+- **Trainer**: the trainer's digest of what it published or pushed (rljob.trainer.engines: the engine's
+  hash), parameter by parameter; a parameter it did not push must be what it was before the refit. Only
+  where the engine holds whole tensors (TP 1, PP 1) and the model is not quantized: the digest hashes
+  whole, unquantized tensors.
 - **Previous**: the weights before the refit. New weights that hash the same moved nothing (unless the
   trainer's digest says they are the same); a reload of the committed version must hash the same.
 - **Committed**: a rejoin or a reload must hold what the job verified when it committed the version.

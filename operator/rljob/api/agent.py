@@ -27,7 +27,7 @@ CONTAINER_ENV = "RLJOB_CONTAINER"
 TRAINER_CONTAINER_ENV = "RLJOB_TRAINER_CONTAINER"
 
 ParameterHash = Annotated[str, Field(min_length=16, max_length=16, pattern=r"^[0-9a-f]{16}$")]
-"""One parameter's hash as /weights_checker writes it (rljob.trainer.tensor_hash)."""
+"""One parameter's hash as the engine's weights checksum writes it (rljob.trainer.engines: its hash)."""
 MAX_DIGEST_PARAMETERS = 200_000
 
 
@@ -547,7 +547,7 @@ class ChannelFrame(WireModel):
 
 
 class WeightsDigest(WireModel):
-    """The trainer's digest of the weights it published or pushed (rljob.trainer.digest): per parameter of
+    """The trainer's digest of the weights it published or pushed (rljob.trainer.engines): per parameter of
     the engine, the hash the engine's checksum gives for it once loaded; or why the trainer gives none."""
 
     parameters: dict[str, ParameterHash] = Field(default_factory=dict, max_length=MAX_DIGEST_PARAMETERS)

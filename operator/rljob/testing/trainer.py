@@ -40,8 +40,9 @@ from rljob.testing.collective import join as join_world
 from rljob.testing.emulated_gpu import EmulatedGpuMemory
 from rljob.testing.ipc_stand_in import cuda_reduction, share
 from rljob.testing.rollout_gate import RolloutGate
-from rljob.trainer import Handoff, packing
-from rljob.trainer.digest import ModelLayout, checkpoint_digest, digest_named_tensors
+from rljob.trainer import Handoff
+from rljob.trainer.engines.sglang import packing
+from rljob.trainer.engines.sglang.digest import ModelLayout, checkpoint_digest, digest_named_tensors
 
 
 class StaleServing(Exception):

@@ -408,7 +408,9 @@ class PushReport:
     serialize_seconds: float = 0.0  # IPC handles, pickle, base64
     ipc_share_seconds: float = 0.0  # of serialize_seconds: torch's reduction (handle, event, ref count)
     send_seconds: list[float] = field(default_factory=list)  # each push's round trip through the agent
-    digest_seconds: float = 0.0  # hashing the tensors as SGLang's /weights_checker will (trainer/digest.py)
+    digest_seconds: float = (
+        0.0  # hashing the tensors as SGLang's /weights_checker will (trainer/engines/sglang/digest.py)
+    )
 
 
 @dataclass
