@@ -2,10 +2,9 @@
 (spec.rollout.podsPerInstance).
 
 Only node rank 0 runs the engine's HTTP API; the other nodes run its workers and get release, resume and
-refit from node 0 (for SGLang: a dummy server that answers its liveness route only, and the TP-group
-broadcast; its folder cites the rows). So the operator sends the engine's lifecycle calls to the instance's
-leader agent, and a follower's agent never makes one. It does what the leader's agent cannot see from its
-own pod, on its own GPUs:
+refit from node 0 (each engine's folder says how its followers get them). So the operator sends the engine's
+lifecycle calls to the instance's leader agent, and a follower's agent never makes one. It does what the
+leader's agent cannot see from its own pod, on its own GPUs:
 
 - drain: the GPUs' "before" sample (a drain frees no GPU memory);
 - release (sent once the leader's release was verified): every GPU of this pod freed what `verify` asks,

@@ -1,4 +1,4 @@
-"""Time a command spends waiting on SGLang and the GPU probe, so the agent's own overhead is measurable
+"""Time a command spends waiting on the engine and the GPU probe, so the agent's own overhead is measurable
 (CommandStatus.engine_seconds). A context variable: tasks spawned by the command inherit the counter."""
 
 from __future__ import annotations

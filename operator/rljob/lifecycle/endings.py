@@ -79,7 +79,7 @@ def _fail_without_iterations(step: Step, of: str) -> None:
 
 
 def fail_on_permanent_refusal(step: Step, refusal: AgentRefusal) -> None:
-    """An agent refused a command that no retry and no new gang can change (its SGLang's version or launch
+    """An agent refused a command that no retry and no new gang can change (its engine's version or launch
     flags forbid it): the job fails now, with the agent's reason and what to change, and no restart."""
     known = {r.value: r for r in EventReason}
     reason = known.get(refusal.error or "", EventReason.COMMAND_REFUSED)

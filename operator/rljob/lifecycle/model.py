@@ -115,7 +115,7 @@ class EventReason(StrEnum):
     RESUME_WAITING_FOR_MEMORY = "ResumeWaitingForMemory"  # a resume's GPU memory is held by another process
     TRAINER_HOLDS_GPU_MEMORY = "TrainerHoldsGpuMemory"  # a trainer kept GPU memory after returning its lease
     WEIGHTS_MISMATCH = "WeightsMismatch"  # a pod holds other weights than it must (lifecycle/weights.py)
-    WEIGHTS_NOT_VERIFIED = "WeightsNotVerified"  # a pod's SGLang gave no checksum of its weights
+    WEIGHTS_NOT_VERIFIED = "WeightsNotVerified"  # a pod's engine gave no checksum of its weights
 
 
 # The event reason of each launch refusal an engine reports (AgentState.engine.launchRefusal).

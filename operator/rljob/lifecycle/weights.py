@@ -1,6 +1,6 @@
-"""The weights the pods hold, by content: each leader's agent takes SGLang's checksum after every refit and
-holds it against the trainer's digest and the weights before (agent/weights_check.py); here the pods of one
-layout at one version are held against each other and against what the job committed, and each pod's
+"""The weights the pods hold, by content: each leader's agent takes its engine's checksum after every refit
+and holds it against the trainer's digest and the weights before (agent/weights_check.py); here the pods of
+one layout at one version are held against each other and against what the job committed, and each pod's
 verification is put in words for status. Pure."""
 
 from __future__ import annotations

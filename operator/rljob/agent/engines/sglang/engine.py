@@ -56,7 +56,11 @@ class SGLangEngine:
     """One SGLang server (its HTTP API on the pod's loopback), driven through its client. SGLang has no
     route that tells which memory tags are released or whether a call is still running (its `/server_info`
     internal state has neither, docs/sglang-conformance.md §1; `/ready` reports paused or not from 0.5.20
-    only, C-HEALTH-READY): a restarted agent's recovery reads `/model_info` (C-ROUTE-WV-READ) and the GPUs."""
+    only, C-HEALTH-READY): a restarted agent's recovery reads `/model_info` (C-ROUTE-WV-READ) and the GPUs.
+
+    Multi-node (C-NODE, C-TP-REPLY): only node rank 0 runs SGLang's HTTP server; the other nodes run
+    schedulers and a dummy server that answers /ping, /health and /health_generate only, and get release,
+    resume and refit from node 0 over the TP-group broadcast. A follower's agent calls `liveness` only."""
 
     kind = EngineKind.SGLANG
     name = "SGLang"
@@ -126,7 +130,8 @@ class SGLangEngine:
         )
 
     async def liveness(self, timeout: float = 5.0) -> int:
-        """`/ping`: any HTTP answer means the process is alive (200 while paused, C-HEALTH-PING)."""
+        """`/ping`: any HTTP answer means the process is alive (200 while paused, C-HEALTH-PING). Never
+        `/health`: it blocks while paused, then fails."""
         return await self.client.ping(timeout=timeout)
 
     @property
@@ -231,7 +236,10 @@ class SGLangEngine:
 
     async def resume(self, parts: Sequence[ReleaseTag], timeout: float) -> None:
         """One `/resume_memory_occupation`; a tag never released, or twice in one list, is a fatal KeyError
-        in the scheduler (C-MEM-RESUME-UNRELEASED): the core sends each released tag once."""
+        in the scheduler (C-MEM-RESUME-UNRELEASED): the core sends each released tag once. A tag whose
+        memory another process holds kills it (torch_memory_saver cannot map the region again and exits the
+        scheduler, C-MEM-RESUME-OOM): the core's headroom gate sends it only once the memory is free, sized
+        by /server_info's memory_usage (C-MEM-USAGE-REPORT, SGLangFacts.tag_bytes)."""
         await self.client.resume([t.value for t in parts], timeout=timeout)
 
     # --- load weights ----------------------------------------------------------------------------------
