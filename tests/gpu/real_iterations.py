@@ -531,7 +531,7 @@ def push_breakdown(seen: dict[str, Any], floor: dict[str, Any] | None) -> dict[s
         rep = t["report"]
         send = sum(rep["send_seconds"])
         check = sum(p["check_s"] for p in agent_pushes)
-        call = sum(p["sglang_s"] for p in agent_pushes)
+        call = sum(p["engine_s"] for p in agent_pushes)
         direct = o.get("push", {})
         reused, instrumented = direct.get("reused", {}), direct.get("instrumented", {})
         loads = [x for x in instrumented.get("weight_load_seconds", []) if x is not None]
