@@ -1,6 +1,6 @@
 """The registry of the engines the agent drives, one folder each (agent/engines/<name>/: its client,
-quirks, guards and framework endpoint), behind the verbs of agent/engines/base.py. The only module outside
-the engines' folders that names them."""
+quirks, guards and framework endpoint), behind the verbs of agent/engines/base.py. The only agent module
+outside the engines' folders that names them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 from rljob.agent.engines.base import Engine, EngineGuards
 from rljob.agent.engines.sglang.engine import SGLangEngine
-from rljob.agent.engines.sglang.guards import SGLangGuards
 from rljob.api.spec import EngineKind
 
 
@@ -35,7 +34,7 @@ ENGINES: Mapping[EngineKind, Callable[[EngineLink], Engine]] = {
         hang_probe_timeout_s=link.hang_probe_timeout_s,
     ),
 }
-GUARDS: Mapping[EngineKind, EngineGuards] = {EngineKind.SGLANG: SGLangGuards()}
+GUARDS: Mapping[EngineKind, EngineGuards] = {EngineKind.SGLANG: SGLangEngine.guards}
 
 
 def build_engine(kind: EngineKind, link: EngineLink) -> Engine:
