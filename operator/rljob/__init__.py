@@ -1,3 +1,4 @@
-"""rljob: a Kubernetes operator for RL post-training where SGLang rollout and training share GPU pods."""
+"""rljob: a Kubernetes operator for RL post-training where an inference engine's rollout and training share
+GPU pods."""
 
 __version__ = "0.1.0"

@@ -1,5 +1,5 @@
 """The event loop every rljob process runs on: uvloop's where it is installed (a dependency on Linux), as
-kopf's own CLI (kopf/_kits/loops.py@1.45.2) and SGLang's HTTP server (C-EVENT-LOOP) use it; else asyncio's.
+kopf's own CLI (kopf/_kits/loops.py@1.45.2) and the engines' HTTP servers use it; else asyncio's.
 The operator's and the agent's frame reads and writes are loop callbacks, which uvloop runs in C."""
 
 from __future__ import annotations

@@ -210,7 +210,7 @@ class Agent(Proc):
             f"127.0.0.1:{self.port}",
             "--trainer-listen",
             f"127.0.0.1:{self.trainer_port}",
-            "--sglang-url",
+            "--engine-server-url",
             sglang_url,
             "--token-file",
             str(token_file),

@@ -26,9 +26,9 @@ from agent_procs import (
 )
 
 from rljob.agent.actions import check_leader as check
+from rljob.agent.engines.sglang.facts import SGLangFacts
+from rljob.agent.engines.sglang.quirks import SGLangQuirks
 from rljob.agent.errors import Refused
-from rljob.agent.quirks import SGLangQuirks
-from rljob.agent.state import ServerFacts
 from rljob.api.agent import AgentState, DrainCommand, RefitCommand, ResumeCommand, Stage
 from rljob.api.spec import DrainMode, RefitSource
 from rljob.emulator.rendezvous import Rank0
@@ -128,7 +128,7 @@ def test_abort_and_retract_drains_with_requests_in_flight(
         c.ok("refit", version=v)
         assert _calls(emu, *HEALTH_ROUTES) == health, "a health probe reached SGLang while paused"
         c.ok("resume")
-        assert agent.state()["sglang"]["servedVersion"] == v
+        assert agent.state()["engine"]["servedVersion"] == v
     traffic.stop()
     finished = [r for r in traffic.replies if r["meta_info"]["finish_reason"]["type"] == "length"]
     assert "2" in {r["meta_info"]["weight_version"] for r in finished}
@@ -142,8 +142,8 @@ def test_drain_refusals_by_version() -> None:
     under DP attention (pure functions: nothing reaches SGLang)."""
     serving = AgentState(revision=1, boot_id="b", stage=Stage.SERVING)
 
-    def facts(version: str, **kw: Any) -> ServerFacts:
-        return ServerFacts(version, "off", True, False, kw.pop("dp_size", 1), **kw)
+    def facts(version: str, **kw: Any) -> SGLangFacts:
+        return SGLangFacts(version, "off", True, False, kw.pop("dp_size", 1), **kw)
 
     retract = DrainCommand(epoch=1, mode=DrainMode.RETRACT)
     for version in ("0.5.6", "0.5.8", "0.5.21", "0.5.23"):
@@ -231,7 +231,7 @@ def test_dp2_release_proves_every_rank_idle(
     c.publish("1", str(write_weights(tmp_path, "1")))
     c.ok("refit", version="1")
     c.ok("resume")
-    assert agent.state()["sglang"]["servedVersion"] == "1"
+    assert agent.state()["engine"]["servedVersion"] == "1"
     c.refused("refit", "DataParallelUnsupported", version="2", source="tensor", _emulator_url=emu.url)
 
 
@@ -261,7 +261,7 @@ def test_dp2_retract_is_refused_for_good(
     c.ok("refit", version="1")
     c.ok("resume")
     traffic.stop()  # the requests the pause held finish on the new weights
-    assert agent.state()["sglang"]["servedVersion"] == "1"
+    assert agent.state()["engine"]["servedVersion"] == "1"
 
 
 # --- distributed refit with a peer that joins (C-REFIT-GROUP-BLOCK) ---------------------------------
@@ -299,7 +299,7 @@ def test_distributed_refit_where_the_trainer_joins_the_group(
     out = _outcome(agent)
     assert out["state"] == "Succeeded", out
     st = agent.state()
-    assert st["stage"] == "Refitted" and st["sglang"]["servedVersion"] == "1"
+    assert st["stage"] == "Refitted" and st["engine"]["servedVersion"] == "1"
     assert st["trainer"]["weightsGroup"] == "Ready"
     calls = emu.stats()["calls"]
     assert calls.get("/begin_weight_update", 0) == int(version in ("0.5.21", "0.5.23"))

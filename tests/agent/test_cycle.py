@@ -25,8 +25,8 @@ def test_full_iteration_disk_refit(pod: Pod, tmp_path: Path) -> None:
     agent, emu, c = pod.agent, pod.emu, pod.conductor
     st = agent.state()
     assert st["stage"] == "Serving"
-    assert st["sglang"]["version"] == emu.version
-    assert st["sglang"]["servedVersion"] == "default"
+    assert st["engine"]["version"] == emu.version
+    assert st["engine"]["servedVersion"] == "default"
     # rollout traffic so the drain has something to drain
     r = emu.call(
         "POST", "/generate", {"text": ["a b c d", "a b c e"], "sampling_params": {"max_new_tokens": 3}}
@@ -36,7 +36,7 @@ def test_full_iteration_disk_refit(pod: Pod, tmp_path: Path) -> None:
     assert agent.trainer("POST", "/v1/trainer/request", {}).body["requested"] is True
     c.ok("drain")
     st = agent.state()
-    assert st["stage"] == "Drained" and st["sglang"]["paused"] is True
+    assert st["stage"] == "Drained" and st["engine"]["paused"] is True
     assert emu.stats()["paused"] is True
 
     used_before = emu.memory()[0]["used_bytes"]
@@ -62,7 +62,7 @@ def test_full_iteration_disk_refit(pod: Pod, tmp_path: Path) -> None:
 
     c.ok("refit", version="1")  # path from the trainer's publish
     st = agent.state()
-    assert st["stage"] == "Refitted" and st["sglang"]["servedVersion"] == "1"
+    assert st["stage"] == "Refitted" and st["engine"]["servedVersion"] == "1"
     assert st["releasedTags"] == ["kv_cache"]  # multi-stage resume: KV stays released until resume
     assert emu.stats()["paused"] is True  # engine stays paused until after the last resume
     w = emu.weights()
@@ -70,7 +70,7 @@ def test_full_iteration_disk_refit(pod: Pod, tmp_path: Path) -> None:
 
     c.ok("resume")
     st = agent.state()
-    assert st["stage"] == "Serving" and st["releasedTags"] == [] and st["sglang"]["paused"] is False
+    assert st["stage"] == "Serving" and st["releasedTags"] == [] and st["engine"]["paused"] is False
     r = emu.call("POST", "/generate", {"text": "a b c d", "sampling_params": {"max_new_tokens": 3}})
     assert r.body["meta_info"]["weight_version"] == "1"
     assert "GARBAGE" not in r.body["text"]
@@ -82,7 +82,7 @@ def test_two_iterations_and_replays(pod: Pod, tmp_path: Path) -> None:
     for v in ("1", "2"):
         c.full_iteration(v, str(write_weights(tmp_path, v)))
     st = pod.agent.state()
-    assert st["sglang"]["servedVersion"] == "2" and st["epoch"] == 11
+    assert st["engine"]["servedVersion"] == "2" and st["epoch"] == 11
     # the last command again: recorded outcome, nothing re-executed
     calls = pod.emu.lifecycle_calls()
     r = pod.agent.command("resume", 11)
@@ -165,7 +165,7 @@ def test_fresh_server_is_ready_until_the_operator_opens_rollout(
     emu = start_emulator(version, "--weight-version", "3")
     agent = start_agent(emu, serving=False)
     st = agent.wait_stage("Ready")
-    assert st["sglang"]["servedVersion"] == "3" and st["sglang"]["paused"] is False and st["epoch"] == 0
+    assert st["engine"]["servedVersion"] == "3" and st["engine"]["paused"] is False and st["epoch"] == 0
     c = AgentDriver(agent)
     for action in ("release", "grant"):
         c.refused(
@@ -179,11 +179,11 @@ def test_fresh_server_is_ready_until_the_operator_opens_rollout(
     c.ok("refit", version="5", path=path)  # rejoin at the committed version: drains first
     st = agent.state()
     assert (
-        st["stage"] == "Refitted" and st["sglang"]["servedVersion"] == "5" and emu.stats()["paused"] is True
+        st["stage"] == "Refitted" and st["engine"]["servedVersion"] == "5" and emu.stats()["paused"] is True
     )
     c.ok("resume")
     st = agent.state()
-    assert st["stage"] == "Serving" and st["sglang"]["paused"] is False
+    assert st["stage"] == "Serving" and st["engine"]["paused"] is False
     assert (
         emu.call("POST", "/generate", {"text": "a", "sampling_params": {"max_new_tokens": 1}}).body[
             "meta_info"

@@ -25,8 +25,8 @@ from rljob.emulator.fatal import StartupError
 from rljob.emulator.rendezvous import Rank0
 from rljob.emulator.versions import SUPPORTED_VERSIONS as VERSIONS
 from rljob.testing.ipc_stand_in import cuda_reduction
-from rljob.trainer import packing
-from rljob.trainer.packing import Call, Global, Instance
+from rljob.trainer.engines.sglang import packing
+from rljob.trainer.engines.sglang.packing import Call, Global, Instance
 
 SESSION_VERSIONS = ("0.5.21", "0.5.23")  # tensor refits only inside begin/end (C-ROUTE-SESSION)
 SHARED_FLAGS = ("--enable-metrics", "--health-check-timeout", "0.5", "--weight-update-group-timeout", "1")
@@ -383,7 +383,7 @@ def test_c_checker_checksum_and_c_checker_hash(emu: Emulator, version: str, tmp_
     0.5.6 answers 400 "Unsupported action='checksum'". An action no version knows is the same 400."""
     import hashlib
 
-    from rljob.trainer.digest import checkpoint_digest
+    from rljob.trainer.engines.sglang.digest import checkpoint_digest
 
     unknown = emu.call("POST", "/weights_checker", {"action": "audit"})
     assert unknown.status == 400 and unknown.body == {

@@ -13,7 +13,7 @@ from agent_procs import Emulator, sha256_file, wait_until, write_weights
 from test_refit_window import bucket_payloads
 
 from rljob.emulator.versions import SUPPORTED_VERSIONS as VERSIONS
-from rljob.trainer import packing
+from rljob.trainer.engines.sglang import packing
 
 
 def _gen(emu: Emulator, text: str | list[str], n: int = 4) -> object:

@@ -16,7 +16,7 @@ from test_emulator_conformance import local_serialized_push
 from test_refit_window import bucket_without_numel
 
 from rljob.emulator.rendezvous import Rank0
-from rljob.trainer import packing
+from rljob.trainer.engines.sglang import packing
 
 pytestmark = pytest.mark.emulator_may_die
 

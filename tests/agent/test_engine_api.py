@@ -1,7 +1,7 @@
-"""The agent's SGLang-compatible endpoint (agent/engine_api.py) against the emulator, with this test as the
-operator: a framework's release waits for the lease, its pushes go through the refit window once the
-refit opens it, its resume returns once the pod serves the new version; refusals come back in SGLang's
-error shape for the route and reach SGLang with nothing."""
+"""The agent's SGLang-compatible endpoint (agent/engines/sglang/endpoint.py) against the emulator, with
+this test as the operator: a framework's release waits for the lease, its pushes go through the refit
+window once the refit opens it, its resume returns once the pod serves the new version; refusals come back
+in SGLang's error shape for the route and reach SGLang with nothing."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from agent_procs import ALL_TAGS, Agent, AgentDriver, Emulator, Reply, free_port, http, write_weights
 
 from rljob.testing.ipc_stand_in import cuda_reduction
-from rljob.trainer import packing
+from rljob.trainer.engines.sglang import packing
 
 
 def _bucket(name: str = "w") -> str:
@@ -83,7 +83,7 @@ def test_tensor_iteration_through_the_endpoint(pod: tuple[Emulator, Agent, Frame
     emu, agent, fw = pod
     c = AgentDriver(agent)
     r = fw.call("POST", "/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
-    served = agent.state()["sglang"]["servedVersion"]
+    served = agent.state()["engine"]["servedVersion"]
     assert r.status == 200 and r.body["meta_info"]["weight_version"] == served, r.text  # passed through
     body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3}, "stream": True}
     r = fw.call("POST", "/generate", body)  # streamed: SGLang's server-sent events, chunk by chunk
@@ -108,7 +108,7 @@ def test_tensor_iteration_through_the_endpoint(pod: tuple[Emulator, Agent, Frame
     c.ok("resume")
     r = fw.reply("resume")
     assert (r.status, r.text) == (200, "null"), r.text
-    served = agent.state()["sglang"]["servedVersion"]
+    served = agent.state()["engine"]["servedVersion"]
     assert served == "1"
     calls = _lifecycle_calls(emu)
     assert calls["repeats"] == [], calls  # nothing non-idempotent twice
@@ -129,7 +129,7 @@ def test_disk_iteration_through_the_endpoint(pod: tuple[Emulator, Agent, Framewo
     fw.start("resume", "POST", "/resume_memory_occupation", {})
     c.ok("resume")
     assert fw.reply("resume").text == "null"
-    assert agent.state()["sglang"]["servedVersion"] == "1"
+    assert agent.state()["engine"]["servedVersion"] == "1"
     assert _lifecycle_calls(emu)["repeats"] == []
 
 
@@ -186,7 +186,7 @@ def test_a_resume_with_nothing_pushed_gives_the_lease_back_and_serves_the_commit
     agent = start_agent(emu, "--engine-listen", f"127.0.0.1:{port}")
     fw = Framework(f"http://127.0.0.1:{port}")
     c = AgentDriver(agent)
-    served = agent.state()["sglang"]["servedVersion"]
+    served = agent.state()["engine"]["servedVersion"]
     _to_granted(agent, c, fw)
     fw.start("resume", "POST", "/resume_memory_occupation", {})
     st = agent.wait_state(lambda s: s["stage"] == "Trained", 10, "the lease to come back")
@@ -197,7 +197,7 @@ def test_a_resume_with_nothing_pushed_gives_the_lease_back_and_serves_the_commit
     c.ok("resume")
     r = fw.reply("resume")
     assert (r.status, r.text) == (200, "null"), r.text
-    assert agent.state()["sglang"]["servedVersion"] == served
+    assert agent.state()["engine"]["servedVersion"] == served
     calls = _lifecycle_calls(emu)
     assert calls["repeats"] == [], calls
     assert calls["routes"].get("/update_weights_from_disk", 0) == (0 if cpu_backup else 1), calls["routes"]

@@ -138,7 +138,7 @@ def test_a_load_and_a_resume_sent_again_after_the_restart_are_answered_as_the_fi
     r = Call(engine, "/resume_memory_occupation", {}).result()
     assert (r.status, r.text) == (200, "null"), r.text
     st = agent.state()
-    assert (st["stage"], st["sglang"]["servedVersion"]) == ("Serving", "1")
+    assert (st["stage"], st["engine"]["servedVersion"]) == ("Serving", "1")
     report = calls(emu)
     assert count(report, "/update_weights_from_disk") == 1 and report["repeats"] == [], report
 
@@ -161,7 +161,7 @@ def test_a_push_sent_again_after_the_restart_goes_to_sglang_once(endpoint_pod: A
     agent.wait_stage("Refitted", 15)
     c.ok("resume")
     assert resume.result().text == "null"
-    assert agent.state()["sglang"]["servedVersion"] == "1"
+    assert agent.state()["engine"]["servedVersion"] == "1"
     restart(agent)  # serving 1: the record still names 1 as this lease's weights
     recovered(agent)
     r = Call(engine, "/update_weights_from_tensor", body).result()  # no window for 1 will open again

@@ -97,11 +97,11 @@ def test_refit_success_false_fails_the_refit(
     c.iteration_to_trained("1", path)
     st = c.failed("refit", version="1")
     assert "cache was not flushed" in st["error"]
-    assert agent.state()["stage"] == "Trained" and agent.state()["sglang"]["servedVersion"] == "default"
+    assert agent.state()["stage"] == "Trained" and agent.state()["engine"]["servedVersion"] == "default"
     emu.set_faults(refit_fail=False)
     c.ok("refit", version="1")
     c.ok("resume")
-    assert agent.state()["sglang"]["servedVersion"] == "1"
+    assert agent.state()["engine"]["servedVersion"] == "1"
 
 
 def test_slow_routes_count_as_sglang_time(
@@ -110,8 +110,8 @@ def test_slow_routes_count_as_sglang_time(
     emu = start_emulator("0.5.23", "--fault-slow", "/flush_cache=0.4")
     c = AgentDriver(start_agent(emu))
     st = c.ok("drain")
-    assert st["seconds"] >= 0.4 and st["sglangSeconds"] >= 0.4
-    assert st["seconds"] - st["sglangSeconds"] < 0.2  # the agent's own share stays small
+    assert st["seconds"] >= 0.4 and st["engineSeconds"] >= 0.4
+    assert st["seconds"] - st["engineSeconds"] < 0.2  # the agent's own share stays small
 
 
 @pytest.mark.parametrize("route", ["/pause_generation", "/flush_cache"])
@@ -127,7 +127,7 @@ def test_hung_route_fails_the_drain_by_its_deadline(
     assert time.monotonic() - started < 5
     assert "within 1s" in st["error"]
     st = agent.state()
-    assert st["stage"] == "Serving" and st["sglang"]["paused"] is True  # maybe paused: never assume not
+    assert st["stage"] == "Serving" and st["engine"]["paused"] is True  # maybe paused: never assume not
     emu.set_faults(hang=[])
     c.ok("drain")
 
@@ -140,7 +140,7 @@ def test_sglang_death_fails_the_agent(
     agent = start_agent(emu)
     emu.popen.send_signal(signal.SIGKILL)
     st = agent.wait_stage("Failed", timeout=10)
-    assert "stopped answering" in st["fatal"] and st["sglang"]["reachable"] is False
+    assert "stopped answering" in st["fatal"] and st["engine"]["reachable"] is False
     r = agent.command("drain", 2)
     assert r.status == 409 and r.body["error"] == "AgentFailed"
     assert agent.trainer("POST", "/v1/trainer/request", {}).status == 409

@@ -92,7 +92,8 @@ def test_weight_cache_refusals(
 ) -> None:
     emu = start_emulator(version, "--weight-cache-mode", "daemon")
     agent = start_agent(emu)
-    assert agent.state()["sglang"]["weightCacheMode"] == "daemon"
+    refusal = agent.state()["engine"]["launchRefusal"]  # the weight cache mode, as the launch refusal it is
+    assert refusal["reason"] == "WeightCacheActive" and "--weight-cache-mode daemon" in refusal["message"]
     c = AgentDriver(agent)
     c.ok("drain")
     r = c.refused("release", "WeightCacheActive", tags=ALL_TAGS, _emulator_url=emu.url)
@@ -124,7 +125,7 @@ def test_epoch_rules(start_emulator: Callable[..., Emulator], start_agent: Calla
     assert r.status == 409 and r.body["error"] == "Busy"
     r = agent.command("drain", 5, wait=10)
     assert r.status == 200 and r.body["state"] == "Succeeded" and r.body["seconds"] >= 1.5
-    assert 1.5 <= r.body["sglangSeconds"] <= r.body["seconds"]
+    assert 1.5 <= r.body["engineSeconds"] <= r.body["seconds"]
     assert emu.stats()["calls"]["/pause_generation"] == 1
     r = agent.command("drain", 4)
     assert r.status == 409 and r.body["error"] == "StaleEpoch"
@@ -216,14 +217,14 @@ def test_sglang_api_keys(
     (tmp_path / "admin").write_text("admin-key")
     both = start_agent(
         emu,
-        "--sglang-api-key-file",
+        "--engine-api-key-file",
         str(tmp_path / "api"),
-        "--sglang-admin-api-key-file",
+        "--engine-admin-api-key-file",
         str(tmp_path / "admin"),
     )
     AgentDriver(both).full_iteration("1", str(write_weights(tmp_path, "1")))
     # only the api key: SGLang refuses lifecycle calls (401), the agent reports it, SGLang lives
-    user_only = start_agent(emu, "--sglang-api-key-file", str(tmp_path / "api"), serving=False)
+    user_only = start_agent(emu, "--engine-api-key-file", str(tmp_path / "api"), serving=False)
     user_only.wait_stage("Ready")
     failed = AgentDriver(user_only).failed("drain")
     assert "HTTP 401" in failed["error"]

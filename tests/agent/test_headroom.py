@@ -45,7 +45,7 @@ def start_trainer(procs: list[Proc], tmp: Path, agent: Agent, emu: Emulator, kee
     bytes after publishing, until it gets SIGUSR1."""
     env = {
         "RLJOB_AGENT_URL": agent.trainer_url,
-        "RLJOB_SGLANG_URL": emu.url,
+        "RLJOB_ENGINE_SERVER_URL": emu.url,
         "RLJOB_REFIT_SOURCE": "disk",
         "RLJOB_WEIGHTS_DIR": str(tmp / "weights"),
         "RLJOB_CONTAINER": "trainer",
@@ -133,7 +133,7 @@ def test_resume_waits_for_a_trainer_that_keeps_memory(
     os.kill(trainer.pid, signal.SIGUSR1)  # its offload finished: the memory frees
     st = finished(agent, c.epoch)
     assert st["lastCommand"]["state"] == "Succeeded", st["lastCommand"]
-    assert st["stage"] == "Serving" and st["sglang"]["servedVersion"] == "1"
+    assert st["stage"] == "Serving" and st["engine"]["servedVersion"] == "1"
     assert not st["headroom"]["waiting"] and st["headroom"]["waitedSeconds"] > 0
     assert trainer.wait_exit(60) == 0, trainer.log_text()[-3000:]
     assert emu.stats()["offload_tags"] == []

@@ -40,7 +40,7 @@ def test_metrics_after_an_iteration(
         "generate_probe",
         "weight_version",
     ):
-        assert _value(text, f'rljob_agent_sglang_operation_seconds_count{{operation="{op}"}}') >= 1, op
+        assert _value(text, f'rljob_agent_engine_operation_seconds_count{{operation="{op}"}}') >= 1, op
     freed = emu.call("GET", "/_emulator/memory").body  # resumed by now; the gauge keeps the release's figure
     assert len(freed["gpus"]) == 2
     for gpu in ("0", "1"):
@@ -52,19 +52,19 @@ def test_metrics_after_an_iteration(
 
 
 @pytest.mark.emulator_may_die  # the test stops SGLang to see the probe fail
-def test_sglang_liveness_probe_goes_through_the_agent(
+def test_engine_liveness_probe_goes_through_the_agent(
     start_emulator: Callable[..., Emulator], start_agent: Callable[..., Agent]
 ) -> None:
     """The kubelet can't reach SGLang on 127.0.0.1, so the SGLang container's liveness probe asks the
     agent, which asks SGLang's /ping: 200 while paused (never /health, which blocks then fails)."""
     emu = start_emulator("0.5.23")
     agent = start_agent(emu)
-    assert agent.get("/probe/sglang", token=None).status == 200  # open: probes carry no token
+    assert agent.get("/probe/engine", token=None).status == 200  # open: probes carry no token
     c = AgentDriver(agent)
     c.ok("drain")
-    assert agent.get("/probe/sglang", token=None).status == 200  # paused is alive
+    assert agent.get("/probe/engine", token=None).status == 200  # paused is alive
     emu.stop()
-    assert agent.get("/probe/sglang", token=None).status == 503
+    assert agent.get("/probe/engine", token=None).status == 503
 
 
 def test_gang_startup_probe_passes_once_the_operator_reached_the_agent(

@@ -42,7 +42,7 @@ def test_model_trainer_publishes_checkpoints_and_the_last_reference(
     weights = tmp_path / "weights"
     env = {
         "RLJOB_AGENT_URL": agent.trainer_url,
-        "RLJOB_SGLANG_URL": emu.url,
+        "RLJOB_ENGINE_SERVER_URL": emu.url,
         "RLJOB_REFIT_SOURCE": "disk",
         "RLJOB_WEIGHTS_DIR": str(weights),
     }
@@ -60,7 +60,7 @@ def test_model_trainer_publishes_checkpoints_and_the_last_reference(
     conductor.join(30)
     assert edges == [(1, "start"), (1, "end"), (2, "start"), (2, "end")] and not keeper.errors
     st = agent.state()
-    assert st["sglang"]["servedVersion"] == "2" and st["sglang"]["modelPath"] == str(weights / "v2")
+    assert st["engine"]["servedVersion"] == "2" and st["engine"]["modelPath"] == str(weights / "v2")
     assert (weights / "v1" / "model.safetensors").is_file() and (weights / "v2" / "config.json").is_file()
     published = [json.loads(x) for x in trainer.log_text().splitlines() if '"published"' in x]
     assert [p["version"] for p in published] == ["1", "2"] and all(

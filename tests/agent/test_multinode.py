@@ -59,7 +59,7 @@ def test_the_follower_frees_and_maps_its_own_memory_through_the_leaders_calls(
     assert http("GET", follower.url + "/server_info").status == 404  # the dummy server has no API
     lc, fc = AgentDriver(la), AgentDriver(fa)
     both(lc, fc, "resume", version="0")  # open rollout at the launch version
-    assert fa.state()["sglang"]["servedVersion"] == "0"
+    assert fa.state()["engine"]["servedVersion"] == "0"
     used = [g["used_bytes"] for g in follower.memory()]
     assert len(used) == 2 and all(u >= KV + WEIGHTS for u in used)  # real emulated memory on both GPUs
 
@@ -84,7 +84,7 @@ def test_the_follower_frees_and_maps_its_own_memory_through_the_leaders_calls(
     fc.ok("resume", version="1")  # the version its leader verified
     for agent in (la, fa):
         st = agent.state()
-        assert st["stage"] == "Serving" and st["sglang"]["servedVersion"] == "1", st
+        assert st["stage"] == "Serving" and st["engine"]["servedVersion"] == "1", st
     assert [g["used_bytes"] for g in follower.memory()] == used
     stats = follower.stats()
     assert stats["received"] == {"release": 1, "resume": 2}  # weights at refit, kv_cache at resume

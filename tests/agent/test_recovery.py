@@ -76,12 +76,12 @@ def test_restart_while_serving_keeps_the_state(start_pod: Any, tmp_path: Path) -
         "detail": "recorded state matches SGLang",
     }
     assert st["bootId"] != before["bootId"]
-    assert (st["stage"], st["epoch"], st["sglang"]["servedVersion"]) == ("Serving", 1, "default")
+    assert (st["stage"], st["epoch"], st["engine"]["servedVersion"]) == ("Serving", 1, "default")
     # The operator's repeat of the last epoch is a replay of its recorded outcome, not a second resume.
     r = agent.command("resume", 1)
     assert r.status == 200 and r.body["state"] == "Succeeded", r.text
     c.full_iteration("1", str(write_weights(tmp_path, "1")))
-    assert agent.state()["sglang"]["servedVersion"] == "1"
+    assert agent.state()["engine"]["servedVersion"] == "1"
     assert calls(emu)["repeats"] == []
 
 
@@ -133,7 +133,7 @@ def test_killed_during_a_disk_refit_recovers_from_the_served_version(start_pod: 
     assert st["recovery"]["state"] == "Recovered" and "made" in st["recovery"]["detail"], st["recovery"]
     st = wait_command(agent, c.epoch)
     assert st["lastCommand"]["state"] == "Succeeded", st["lastCommand"]
-    assert (st["stage"], st["sglang"]["servedVersion"]) == ("Refitted", "1")
+    assert (st["stage"], st["engine"]["servedVersion"]) == ("Refitted", "1")
     c.ok("resume")
     report = calls(emu)
     assert count(report, "/update_weights_from_disk") == 1 and report["repeats"] == [], report
@@ -228,7 +228,7 @@ def reload_pod(
         c.ok("grant")
         _send_in_background(engine + "/resume_memory_occupation")  # nothing pushed: the lease goes back
         agent.wait_state(lambda s: s["stage"] == "Trained", 10, "the lease to come back without weights")
-        return emu, agent, c, str(agent.state()["sglang"]["servedVersion"])
+        return emu, agent, c, str(agent.state()["engine"]["servedVersion"])
 
     return start
 
@@ -246,7 +246,7 @@ def test_killed_after_a_reload_resumed_the_discarded_weights_still_loads_them(re
     assert st["recovery"]["state"] == "Recovered" and "made" in st["recovery"]["detail"], st["recovery"]
     st = wait_command(agent, c.epoch)
     assert st["lastCommand"]["state"] == "Succeeded", st["lastCommand"]
-    assert (st["stage"], st["sglang"]["servedVersion"]) == ("Refitted", served)
+    assert (st["stage"], st["engine"]["servedVersion"]) == ("Refitted", served)
     weights = emu.weights()
     assert weights["valid"] is True and weights["source"] == "disk", weights  # not the resumed garbage
     c.ok("resume")

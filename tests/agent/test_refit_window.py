@@ -1,7 +1,8 @@
 """Tensor/distributed refits through the agent's refit window, with the trainer SDK: sessions by version,
 the final push carrying the version, and every way a window can fail without leaving SGLang inconsistent.
-Tensor pushes are real flattened-bucket payloads (rljob.trainer.packing's writer, with a stand-in for the
-CUDA IPC reduction: no torch here), which the emulator's accounting backend reads as SGLang would."""
+Tensor pushes are real flattened-bucket payloads (rljob.trainer.engines.sglang.packing's writer, with a
+stand-in for the CUDA IPC reduction: no torch here), which the emulator's accounting backend reads as SGLang
+would."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from agent_procs import ALL_TAGS, Agent, AgentDriver, Emulator
 
 from rljob.emulator.rendezvous import Rank0
 from rljob.testing.ipc_stand_in import cuda_reduction
-from rljob.trainer import AgentError, Handoff, packing
-from rljob.trainer.packing import Call, TensorSpec, plan_buckets
+from rljob.trainer import AgentError, Handoff
+from rljob.trainer.engines.sglang import packing
+from rljob.trainer.engines.sglang.packing import Call, TensorSpec, plan_buckets
 
 ITEMSIZE = {"bfloat16": 2, "float32": 4}
 
@@ -175,7 +177,7 @@ def test_push_that_is_not_base64_is_refused_before_sglang(
     assert "/update_weights_from_tensor" not in emu.stats()["calls"]
     assert emu.alive() and agent.state()["lastCommand"]["state"] == "Running"
     _push_one_bucket(agent)
-    assert emu.alive() and agent.state()["sglang"]["servedVersion"] == "1"
+    assert emu.alive() and agent.state()["engine"]["servedVersion"] == "1"
 
 
 @pytest.mark.parametrize("version", ["0.5.6", "0.5.23"])
@@ -190,7 +192,7 @@ def test_push_that_is_not_a_pickle_is_refused_before_sglang(
     assert "serializedNamedTensors[0] is not a pickle" in r.body["reason"], r.text
     assert "/update_weights_from_tensor" not in emu.stats()["calls"]
     _push_one_bucket(agent)
-    assert emu.alive() and agent.state()["sglang"]["servedVersion"] == "1"
+    assert emu.alive() and agent.state()["engine"]["servedVersion"] == "1"
 
 
 def bucket_without_numel() -> bytes:
@@ -219,7 +221,7 @@ def test_bucket_metadata_without_numel_is_refused_before_sglang(
     assert "/update_weights_from_tensor" not in emu.stats()["calls"]
     assert emu.alive() and agent.state()["lastCommand"]["state"] == "Running"
     _push_one_bucket(agent)
-    assert emu.alive() and agent.state()["sglang"]["servedVersion"] == "1"
+    assert emu.alive() and agent.state()["engine"]["servedVersion"] == "1"
 
 
 @pytest.mark.parametrize("version", ["0.5.6", "0.5.15.post1", "0.5.21"])
@@ -283,7 +285,7 @@ def test_wrong_source_and_final_push_guards(
     assert r.status == 409 and r.body["error"] == "FinalPushDone"
     t("POST", "/v1/trainer/refit/close", {})
     assert _outcome(agent)["state"] == "Succeeded"
-    assert agent.state()["sglang"]["servedVersion"] == "1"
+    assert agent.state()["engine"]["servedVersion"] == "1"
     assert agent.state()["releasedTags"] == ["kv_cache"]
 
 

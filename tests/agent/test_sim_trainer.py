@@ -41,7 +41,7 @@ def start_trainer(
 ) -> Proc:
     env = {
         "RLJOB_AGENT_URL": agent.trainer_url,
-        "RLJOB_SGLANG_URL": emu.url,
+        "RLJOB_ENGINE_SERVER_URL": emu.url,
         "RLJOB_REFIT_SOURCE": source,
         "RLJOB_WEIGHTS_DIR": str(tmp / "weights"),
     }
@@ -116,7 +116,7 @@ def test_simulated_trainer_cycles(
     agent = start_agent(emu, "--rollout-sample-seconds", "0.05")
     seen = _run_cycle(source, 3, procs, tmp_path, emu, agent)
     st = agent.state()
-    assert st["stage"] == "Serving" and st["sglang"]["servedVersion"] == "3"
+    assert st["stage"] == "Serving" and st["engine"]["servedVersion"] == "3"
     w = emu.weights()
     assert w["weight_version"] == "3" and w["valid"]
     if source == "disk":
@@ -148,9 +148,9 @@ def test_trainer_restart_resumes_from_served_version(
     emu = start_emulator("0.5.23", "--weight-version", "4")
     agent = start_agent(emu)
     _run_cycle("disk", 1, procs, tmp_path, emu, agent)
-    assert agent.state()["sglang"]["servedVersion"] == "5"
+    assert agent.state()["engine"]["servedVersion"] == "5"
     _run_cycle("disk", 1, procs, tmp_path, emu, agent)  # a fresh trainer process
-    assert agent.state()["sglang"]["servedVersion"] == "6"
+    assert agent.state()["engine"]["servedVersion"] == "6"
 
 
 def test_trainer_detects_stale_serving(

@@ -92,7 +92,8 @@ def test_api_key_guards_only_v1(version: str, start_vllm: StartVllm) -> None:
 def test_agent_gpu_probe_reads_the_vllm_emulator(version: str, start_vllm: StartVllm) -> None:
     """The agent's emulator probe plugin (memory, NVML's per-process list, busy time) reads the vLLM
     emulator as it reads SGLang's; a level-1 sleep shows on it."""
-    from rljob.agent.sglang_client import SGLangClient
+    from rljob.agent.engines.sglang.client import SGLangClient
+    from rljob.agent.engines.sglang.engine import SGLangEngine
     from rljob.emulator.probe import EmulatorProbe
 
     emu = start_vllm(version, "-tp", "2")
@@ -104,7 +105,7 @@ def test_agent_gpu_probe_reads_the_vllm_emulator(version: str, start_vllm: Start
         )
         await client.start()
         try:
-            probe = EmulatorProbe(client)
+            probe = EmulatorProbe(SGLangEngine(client))
             return await probe.sample(), await probe.processes()
         finally:
             await client.close()

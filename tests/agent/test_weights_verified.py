@@ -14,8 +14,9 @@ import pytest
 from agent_procs import VERSIONS, Agent, AgentDriver, Emulator, write_weights
 
 from rljob.testing.trainer import SIM_LAYOUT, make_tensors, rewrite_checkpoint, tensor_payload
-from rljob.trainer import Handoff, packing
-from rljob.trainer.digest import checkpoint_digest, digest_named_tensors
+from rljob.trainer import Handoff
+from rljob.trainer.engines.sglang import packing
+from rljob.trainer.engines.sglang.digest import checkpoint_digest, digest_named_tensors
 
 CHECKSUM_VERSIONS = [v for v in VERSIONS if v != "0.5.6"]  # C-CHECKER-CHECKSUM: from 0.5.15.post1
 
@@ -40,7 +41,7 @@ def to_trained(c: AgentDriver, version: str, path: Path | None, digest: bool = T
 
 
 def weights(agent: Agent) -> dict[str, Any]:
-    return dict(agent.state()["sglang"]["weights"])
+    return dict(agent.state()["engine"]["weights"])
 
 
 def push(agent: Agent, c: AgentDriver, version: str, shared: Path | None) -> dict[str, Any]:
@@ -109,7 +110,7 @@ def test_a_push_answered_success_that_moved_nothing_fails_the_refit(
     assert out["state"] == "Failed" and out["failureReason"] == "WeightsMismatch", out
     assert "the load answered success and moved nothing" in out["error"]
     st = agent.state()
-    assert st["stage"] == "Trained" and st["sglang"]["servedVersion"] == "1"  # rollout stays closed
+    assert st["stage"] == "Trained" and st["engine"]["servedVersion"] == "1"  # rollout stays closed
     c.refused("resume", "IllegalTransition", _emulator_url=emu.url)
 
 

@@ -11,7 +11,7 @@ from typing import Any
 from agent_procs import PY, Proc, Reply, free_port, http, wait_until
 
 from rljob.emulator import tokens
-from rljob.trainer import packing
+from rljob.trainer.engines.sglang import packing
 
 VLLM_VERSIONS = ("0.26.0", "0.34.0")
 GARBAGE = tokens.GARBAGE_MARKER

@@ -4,7 +4,7 @@
     pytest tests/bench/bench_agent_overhead.py -m bench -s
 
 For each action: `own` = the agent's execution time minus the time it waited on SGLang and the GPU probe
-(CommandStatus.seconds - sglangSeconds); `e2e` = the operator-side round trip of POST /v1/commands?wait=30
+(CommandStatus.seconds - engineSeconds); `e2e` = the operator-side round trip of POST /v1/commands?wait=30
 until the outcome is back (HTTP, validation, scheduling, execution, long-poll wake-up).
 """
 
@@ -31,7 +31,7 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def run(iterations: int, version: str) -> dict[str, dict[str, list[float]]]:
-    samples: dict[str, dict[str, list[float]]] = {a: {"own": [], "e2e": [], "sglang": []} for a in ACTIONS}
+    samples: dict[str, dict[str, list[float]]] = {a: {"own": [], "e2e": [], "engine": []} for a in ACTIONS}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         emu = Emulator(tmp, version, "--weights-bytes", str(1 << 30))
@@ -54,8 +54,8 @@ def run(iterations: int, version: str) -> dict[str, dict[str, list[float]]]:
                     e2e = time.perf_counter() - started
                     assert r.status == 200 and r.body["state"] == "Succeeded", (action, r.text)
                     samples[action]["e2e"].append(e2e)
-                    samples[action]["own"].append(r.body["seconds"] - r.body.get("sglangSeconds", 0.0))
-                    samples[action]["sglang"].append(r.body.get("sglangSeconds", 0.0))
+                    samples[action]["own"].append(r.body["seconds"] - r.body.get("engineSeconds", 0.0))
+                    samples[action]["engine"].append(r.body.get("engineSeconds", 0.0))
                     if action == "grant":
                         pub = agent.trainer("POST", "/v1/trainer/publish", {"version": str(i), "path": path})
                         assert pub.status == 200, pub.text
@@ -70,13 +70,13 @@ def table(samples: dict[str, dict[str, list[float]]], iterations: int, version: 
     ms = 1000.0
     lines = [
         f"agent overhead per command: SGLang emulator {version}, zero-cost operations, {iterations} cycles",
-        f"{'action':<8} {'own p50':>9} {'own p99':>9} {'e2e p50':>9} {'e2e p99':>9} {'sglang p50':>11}  (ms)",
+        f"{'action':<8} {'own p50':>9} {'own p99':>9} {'e2e p50':>9} {'e2e p99':>9} {'engine p50':>11}  (ms)",
     ]
     for action, s in samples.items():
-        own, e2e, sglang = s["own"], s["e2e"], statistics.median(s["sglang"]) * ms
+        own, e2e, engine = s["own"], s["e2e"], statistics.median(s["engine"]) * ms
         lines.append(
             f"{action:<8} {_pct(own, 0.5) * ms:9.2f} {_pct(own, 0.99) * ms:9.2f} "
-            f"{_pct(e2e, 0.5) * ms:9.2f} {_pct(e2e, 0.99) * ms:9.2f} {sglang:11.2f}"
+            f"{_pct(e2e, 0.5) * ms:9.2f} {_pct(e2e, 0.99) * ms:9.2f} {engine:11.2f}"
         )
     return "\n".join(lines)
 

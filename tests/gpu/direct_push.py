@@ -1,7 +1,7 @@
 """SGLang's own tensor refit, with no agent: version `--seed`'s weights pushed straight to SGLang's
-/update_weights_from_tensor in the SDK's flattened buckets (rljob.trainer.packing: the same packing, each
-bucket packed while the previous push is in flight), the last push flushing the cache: a first round
-(`cold`: the bucket buffers allocated, the last push carrying the version), a second (`reused`: the same
+/update_weights_from_tensor in the SDK's flattened buckets (rljob.trainer.engines.sglang.packing: the same
+packing, each bucket packed while the previous push is in flight), the last push flushing the cache: a first
+round (`cold`: the bucket buffers allocated, the last push carrying the version), a second (`reused`: the same
 buffers, as a trainer's later refits). What the agent's tensor refit is compared with in
 real_iterations.py.
 
@@ -32,7 +32,7 @@ from typing import Any
 import real_models
 import torch
 
-from rljob.trainer import packing
+from rljob.trainer.engines.sglang import packing
 
 GAUGE = re.compile(r'^sglang:weight_load_duration_seconds\{[^}]*source="tensor"[^}]*\}\s+(\S+)', re.M)
 

@@ -326,7 +326,7 @@ def drive(
         it["resume"] = c.done("resume", 60)
         it["switching_seconds"] = sum(it[k]["seconds"] for k in ("drain", "release", "refit", "resume"))
         served_version = version
-        assert agent.state()["sglang"]["servedVersion"] == version
+        assert agent.state()["engine"]["servedVersion"] == version
         it |= check_refit(server, prompts, cached_prompt, version, previous)
         if served.reference:
             ref = json.loads((trainer_dir / f"reference-{version}.json").read_text())
@@ -447,7 +447,7 @@ def summarize(
         for phase, own_key in (("drain", "drain"), ("release", "release"), ("refit", "refit"),
                                ("resume", "resume_plus_token")):  # fmt: skip
             agent_s = it[phase]["seconds"]
-            in_sglang = it[phase]["sglangSeconds"] or 0
+            in_sglang = it[phase]["engineSeconds"] or 0
             rows.append([str(i + 1), it["kind"] if phase == "refit" else "", phase, ms(agent_s),
                          ms(in_sglang), ms(o[own_key]), f"{agent_s / o[own_key]:.2f}"])  # fmt: skip
         own_switch = o["drain"] + o["release"] + o["refit"] + o["resume_plus_token"]
@@ -531,7 +531,7 @@ def push_breakdown(seen: dict[str, Any], floor: dict[str, Any] | None) -> dict[s
         rep = t["report"]
         send = sum(rep["send_seconds"])
         check = sum(p["check_s"] for p in agent_pushes)
-        call = sum(p["sglang_s"] for p in agent_pushes)
+        call = sum(p["engine_s"] for p in agent_pushes)
         direct = o.get("push", {})
         reused, instrumented = direct.get("reused", {}), direct.get("instrumented", {})
         loads = [x for x in instrumented.get("weight_load_seconds", []) if x is not None]

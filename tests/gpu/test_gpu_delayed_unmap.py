@@ -99,7 +99,7 @@ def test_delayed_unmap_is_not_granted_early(
         "delay_s": DELAY_S,
         "footprint_bytes": footprint,
         "release_seconds": cmd["seconds"],
-        "release_sglang_seconds": cmd["sglangSeconds"],
+        "release_engine_seconds": cmd["engineSeconds"],
         "sglang_answered_to_first_unmap_s": first_unmap_started - answered,
         "last_unmap_started_to_agent_finished_s": finished_at - last_unmap_started,
         "last_unmap_returned_to_agent_finished_s": finished_at - unmapped_at,

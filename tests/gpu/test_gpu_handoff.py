@@ -134,7 +134,7 @@ def test_release_train_refit_resume_on_real_gpu(
     assert (w["checksum"], w["valid"], w["weight_version"], w["source"]) == (file_sha, True, "2", "disk")
     out = generate(emu)
     assert out["meta_info"]["weight_version"] == "2" and GARBAGE_MARKER not in out["text"]
-    assert agent.state()["sglang"]["servedVersion"] == "2"
+    assert agent.state()["engine"]["servedVersion"] == "2"
     assert trainer.wait_exit(120) == 0, trainer.log_text()[-4000:]
     tr = json.loads(result_file.read_text())
     assert tr["losses_finite"], tr["losses"]
@@ -171,7 +171,7 @@ def test_release_train_refit_resume_on_real_gpu(
 
     def agent_row(name: str, floor: float | None, floor_what: str) -> list[Any]:
         cmd = phases[name]
-        return [name, s(cmd["seconds"]), s(cmd.get("sglangSeconds")), s(floor), floor_what]
+        return [name, s(cmd["seconds"]), s(cmd.get("engineSeconds")), s(floor), floor_what]
 
     rows = [
         agent_row("drain", None, "-"),
@@ -220,7 +220,7 @@ def test_release_train_refit_resume_on_real_gpu(
         ],
     ]
     time_table = markdown_table(
-        ["phase", "agent seconds", "agent sglang_seconds", "raw floor seconds", "floor and breakdown"], rows
+        ["phase", "agent seconds", "agent engine_seconds", "raw floor seconds", "floor and breakdown"], rows
     )
     byte_rows = [
         ["regions (weights + kv_cache + cuda_graph)", gib(footprint)],

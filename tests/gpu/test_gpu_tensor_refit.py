@@ -136,7 +136,7 @@ def test_tensor_refit_through_the_agent(
         it["resume"] = c.done("resume", 120)
         out = generate(emu)
         assert out["meta_info"]["weight_version"] == version and GARBAGE_MARKER not in out["text"], out
-        assert agent.state()["sglang"]["servedVersion"] == version
+        assert agent.state()["engine"]["servedVersion"] == version
         it["tms"] = tms_events(emu.log_text())[it["tms_from"] :]
         iterations.append(it)
     assert trainer.wait_exit(120) == 0, trainer.log_text()[-4000:]
@@ -191,7 +191,7 @@ def report(
             "step": it["step"],
             "raw": {k: it[k] for k in ("drain", "release", "grant", "refit", "resume", "tms")},
             "refit_seconds": refit["seconds"],
-            "refit_sglang_seconds": refit.get("sglangSeconds"),
+            "refit_engine_seconds": refit.get("engineSeconds"),
             "resume_graph_weights_seconds": resume_s,
             "release_seconds": it["release"]["seconds"],
             "release_floor_seconds": sum(p["seconds"] for p in pauses.values()),
@@ -275,7 +275,7 @@ def report(
             [
                 n,
                 ms(fig["release_seconds"]),
-                ms(it["release"].get("sglangSeconds")),
+                ms(it["release"].get("engineSeconds")),
                 ms(fig["release_floor_seconds"]),
                 " + ".join(f"{t} {ms(s)}" for t, s in fig["release_floor_parts"].items()),
                 f"{fig['release_ratio']:.3f}",

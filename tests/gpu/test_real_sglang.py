@@ -271,7 +271,7 @@ def conduct(agent: Agent, c: AgentDriver, trainer: Proc, source: str) -> dict[st
     fields = {"source": "tensor"} if source == "tensor" else {"path": st["trainer"]["publishedPath"]}
     it["refit"] = c.done("refit", 300, version=version, **fields)
     it["resume"] = c.done("resume", 60)
-    it["version"] = agent.state()["sglang"]["servedVersion"]
+    it["version"] = agent.state()["engine"]["servedVersion"]
     assert it["version"] == version
     return it
 

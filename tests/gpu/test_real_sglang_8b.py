@@ -28,7 +28,7 @@ from real_iterations import Served, drive, summarize
 from real_models import Built8B
 from real_sglang import RealSGLang, launch_flags, mem_fraction, sglang_missing
 
-from rljob.trainer.packing import DEFAULT_BUCKET_BYTES
+from rljob.trainer.engines.sglang.packing import DEFAULT_BUCKET_BYTES
 
 pytestmark = pytest.mark.gpu
 

@@ -196,7 +196,7 @@ def test_resume_fails_at_its_deadline_sglang_answers(
     pod: tuple[RealSGLang, Agent], tmp_path: Path, results_dir: Path
 ) -> None:
     server, agent = pod
-    version = str(int(agent.state()["sglang"]["servedVersion"] or "1") + 1)
+    version = str(int(agent.state()["engine"]["servedVersion"] or "1") + 1)
     trainer = start_trainer(tmp_path, agent, version)
     seen: dict[str, Any] = {"total": nvml_total()}
     try:

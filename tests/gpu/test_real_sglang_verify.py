@@ -1,6 +1,6 @@
 """Verified weights on real SGLang 0.5.15.post1 (docs/agent.md, "Verified weights").
 
-test_sdk_hash_is_sglangs_gpu_kernel: rljob.trainer.tensor_hash (the SDK's Triton kernel and torch ops on
+test_sdk_hash_is_sglangs_gpu_kernel: the SDK's tensor_hash (the SDK's Triton kernel and torch ops on
 the GPU, numpy on the CPU) equals SGLang's own `gpu_tensor_hash` (its compiled Triton kernels) on the same
 tensors: every dtype a model holds, lengths that are not whole words, more than 1024 tiles (two levels of
 its tree reduction), a fused parameter's parts back to back (whole words, and boundaries that split words),
@@ -38,8 +38,8 @@ from real_sglang import RealSGLang, sglang_missing
 
 from rljob.testing.gpu_models import load_model, model_weights, spec_from_env
 from rljob.trainer import Handoff
-from rljob.trainer import tensor_hash as th
-from rljob.trainer.digest import ModelLayout, checkpoint_digest, digest_named_tensors
+from rljob.trainer.engines.sglang import tensor_hash as th
+from rljob.trainer.engines.sglang.digest import ModelLayout, checkpoint_digest, digest_named_tensors
 
 pytestmark = pytest.mark.gpu
 
@@ -66,7 +66,7 @@ def test_sdk_hash_is_sglangs_gpu_kernel() -> None:
     import torch
     from sglang.srt.layers.multimodal import gpu_tensor_hash  # 0.5.15.post1's kernels
 
-    from rljob.trainer import triton_hash
+    from rljob.trainer.engines.sglang import triton_hash
 
     assert triton_hash.AVAILABLE, "triton does not import: the SDK would hash with torch ops"
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -115,7 +115,7 @@ def test_sdk_digest_at_8b(results_dir: Path) -> None:
     import torch
     from sglang.srt.layers.multimodal import gpu_tensor_hash
 
-    from rljob.trainer.digest import plan, start_digest_named_tensors
+    from rljob.trainer.engines.sglang.digest import plan, start_digest_named_tensors
 
     layout = ModelLayout("LlamaForCausalLM")
     weights = _random_8b()
@@ -201,7 +201,7 @@ def test_three_verified_refits(served: tuple[RealSGLang, Path, Any], results_dir
     rows, report = [], []
     try:
         st = agent.wait_stage("Ready", timeout=120)
-        assert st["sglang"]["weights"]["checksum"], st["sglang"]["weights"]
+        assert st["engine"]["weights"]["checksum"], st["engine"]["weights"]
         c = AgentDriver(agent)
         c.done("resume", 60)
         handoff = Handoff(agent.trainer_url)
@@ -241,7 +241,7 @@ def test_three_verified_refits(served: tuple[RealSGLang, Path, Any], results_dir
                     )["lastCommand"]
                 )
             assert refit["state"] == "Succeeded", refit
-            w = agent.state()["sglang"]["weights"]
+            w = agent.state()["engine"]["weights"]
             assert w["version"] == version and w["checked"] == ["Trainer", "Previous"], w
             c.done("resume", 60)
             held, call_s = checker(server)

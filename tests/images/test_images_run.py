@@ -94,7 +94,7 @@ def test_agent_image_serves_healthz_with_a_token_file_and_no_sglang(
     port, nothing = free_port(), free_port()
     argv = [
         "rljob-agent", "--listen", f"127.0.0.1:{port}", "--trainer-listen", f"127.0.0.1:{free_port()}",
-        "--sglang-url", f"http://127.0.0.1:{nothing}", "--token-file", "/var/run/rljob/agent/token",
+        "--engine-server-url", f"http://127.0.0.1:{nothing}", "--token-file", "/var/run/rljob/agent/token",
     ]  # fmt: skip
     agent = runtime.start(built_images["agent"], argv, binds=[Bind(secret, "/var/run/rljob/agent")])
     try:

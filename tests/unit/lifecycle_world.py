@@ -14,21 +14,21 @@ from datetime import UTC, datetime, timedelta
 
 from rljob.agent.actions import check_follower, check_leader
 from rljob.agent.commands import is_new
+from rljob.agent.engines.sglang.facts import SGLangFacts
 from rljob.agent.errors import Refused
-from rljob.agent.state import ServerFacts
 from rljob.api.agent import (
     Action,
     AgentState,
     Command,
     CommandState,
     CommandStatus,
+    EngineInfo,
     MemoryReport,
     RefitCommand,
     ReleaseCommand,
     ResumeCommand,
     ResumeHeadroom,
     RolloutReport,
-    SGLangInfo,
     Stage,
     TrainerReport,
     WeightsCheck,
@@ -96,10 +96,10 @@ class FakeAgent:
             last_command=copy.deepcopy(self.last),
             released_tags=list(self.released),
             memory=MemoryReport(freed_bytes=self.freed, verified=self.verified, gpus=1),
-            sglang=SGLangInfo(
+            engine=EngineInfo(
                 reachable=True,
                 version="0.5.23",
-                weight_cache_mode=self.weight_cache_mode,
+                launch_refusal=self.facts().launch_refusal,  # as the agent reports its facts
                 served_version=self.served_version,
                 paused=self.stage not in (Stage.SERVING, Stage.STARTING),
                 weights=self.weights,
@@ -121,10 +121,10 @@ class FakeAgent:
             headroom=copy.deepcopy(self.headroom),
         )
 
-    def facts(self) -> ServerFacts:
+    def facts(self) -> SGLangFacts:
         """What the agent reads from /server_info at start: SGLang's defaults plus the memory saver the
         job needs (weights have no CPU backup, so a resume of released weights is refused)."""
-        return ServerFacts(
+        return SGLangFacts(
             version="0.5.23",
             weight_cache_mode=self.weight_cache_mode,
             memory_saver=True,

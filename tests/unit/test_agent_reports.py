@@ -43,11 +43,11 @@ def test_what_the_operator_acts_on() -> None:
     assert not changed(st, lambda s: setattr(s.rollout, "samples", 3))  # a rollout sample
     assert not changed(st, lambda s: setattr(s, "revision", 9))
     assert changed(st, lambda s: setattr(s.trainer, "requested", True))  # ends the rollout
-    assert changed(st, lambda s: setattr(s.sglang, "served_version", "7"))
+    assert changed(st, lambda s: setattr(s.engine, "served_version", "7"))
     assert not changed(st, accept)  # the operator knows what it sent
     running = st.model_copy(deep=True)
     accept(running)
-    assert not changed(running, lambda s: setattr(s.sglang, "paused", True))  # a step of the drain
+    assert not changed(running, lambda s: setattr(s.engine, "paused", True))  # a step of the drain
     assert not changed(running, lambda s: setattr(s, "stage", Stage.DRAINED))
     assert changed(running, lambda s: setattr(s, "fatal", "SGLang died"))
     assert changed(running, lambda s: setattr(s, "stage", Stage.FAILED))

@@ -11,12 +11,13 @@ import pytest
 
 from rljob.agent.actions import ACTIONS, Actions, check_follower
 from rljob.agent.actions import check_leader as check
+from rljob.agent.engines.sglang.facts import SGLangFacts
 from rljob.agent.errors import Refused
 from rljob.agent.lease import LeaseDesk
 from rljob.agent.metrics import AgentMetrics
 from rljob.agent.operations import Operations
 from rljob.agent.stages import BY_ACTION, IllegalMove, allowed
-from rljob.agent.state import ServerFacts, StateStore
+from rljob.agent.state import StateStore
 from rljob.agent.transitions import refit_path
 from rljob.api.agent import (
     Action,
@@ -33,7 +34,7 @@ from rljob.api.agent import (
 )
 from rljob.api.spec import RefitSource, ReleaseTag
 
-FACTS = ServerFacts(
+FACTS = SGLangFacts(
     version="0.5.23", weight_cache_mode="off", memory_saver=True, weights_cpu_backup=False, dp_size=1
 )
 ALL = [ReleaseTag.KV_CACHE, ReleaseTag.WEIGHTS, ReleaseTag.CUDA_GRAPH]
@@ -53,7 +54,7 @@ def command(action: Action) -> Command:
     }[action]
 
 
-def refused(cmd: Command, st: AgentState, facts: ServerFacts | None = FACTS) -> str:
+def refused(cmd: Command, st: AgentState, facts: SGLangFacts | None = FACTS) -> str:
     with pytest.raises(Refused) as err:
         check(cmd, st, facts)
     assert err.value.status == 409

@@ -14,9 +14,10 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from rljob.agent.commands import CommandDesk
+from rljob.agent.engines.sglang.facts import SGLangFacts
 from rljob.agent.metrics import AgentMetrics
 from rljob.agent.operator_api import build_operator_app
-from rljob.agent.state import ServerFacts, StateStore
+from rljob.agent.state import StateStore
 from rljob.api.agent import (
     AgentState,
     ChannelFrame,
@@ -71,7 +72,7 @@ class _Operations:
     def __init__(self) -> None:
         self.finish = asyncio.Event()
 
-    def check(self, cmd: Command, state: AgentState, facts: ServerFacts | None) -> None:
+    def check(self, cmd: Command, state: AgentState, facts: SGLangFacts | None) -> None:
         return None
 
     async def execute(self, cmd: Command) -> None:

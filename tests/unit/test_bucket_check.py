@@ -1,13 +1,13 @@
-"""The agent's read of a flattened-bucket push (agent/bucket_check.py): what SGLang would miss, named;
-nothing in the pickle runs."""
+"""The agent's read of a flattened-bucket push (agent/engines/sglang/bucket_check.py): what SGLang would
+miss, named; nothing in the pickle runs."""
 
 from __future__ import annotations
 
 import os
 import pickle
 
-from rljob.agent.bucket_check import missing_in, missing_metadata, read, unreadable
-from rljob.trainer import packing
+from rljob.agent.engines.sglang.bucket_check import missing_in, missing_metadata, read, unreadable
+from rljob.trainer.engines.sglang import packing
 
 IPC = packing.Call(packing.Global("torch.multiprocessing.reductions", "rebuild_cuda_tensor"), (1, 2))
 

@@ -58,7 +58,7 @@ def test_gang_pod_injects_agent_token_env_and_probe() -> None:
     assert agent["args"][agent["args"].index("--refit-source") + 1] == "disk"
     # SGLang liveness goes through the agent to /ping (never /health, which fails while paused).
     probe = containers["sglang"]["livenessProbe"]["httpGet"]
-    assert probe == {"path": "/probe/sglang", "port": 8471}
+    assert probe == {"path": "/probe/engine", "port": 8471}
     trainer_env = {e["name"]: e.get("value") for e in containers["trainer"]["env"]}
     assert trainer_env["RLJOB_AGENT_URL"] == "http://127.0.0.1:8472"
     assert trainer_env["RLJOB_ENGINE_URL"] == "http://127.0.0.1:8473"

@@ -19,7 +19,7 @@ from lifecycle_world import FakeAgent
 from test_conductor_refusals import body
 from test_pod_cache import ListingKube, counted_decisions
 
-from rljob.agent.state import ServerFacts
+from rljob.agent.engines.sglang.facts import SGLangFacts
 from rljob.api.agent import AgentState, Command, GroupState
 from rljob.controller.agent_client import AgentClient, AgentEndpoint, CommandOutcome
 from rljob.controller.agent_link import AgentChannels
@@ -106,7 +106,7 @@ class GroupPendingAgent(FakeAgent):
 class DataParallelAttentionAgent(FakeAgent):
     """SGLang runs --enable-dp-attention: every command is refused for good (forbidden by the launch)."""
 
-    def facts(self) -> ServerFacts:
+    def facts(self) -> SGLangFacts:
         return dataclasses.replace(super().facts(), dp_attention=True)
 
 

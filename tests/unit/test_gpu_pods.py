@@ -29,7 +29,7 @@ TRAINER = {
 AGENT = {
     "name": AGENT_CONTAINER,
     "command": ["rljob-agent"],
-    "args": ["--sglang-url", "http://127.0.0.1:30000"],
+    "args": ["--engine-server-url", "http://127.0.0.1:30000"],
 }
 
 
@@ -69,7 +69,7 @@ def test_the_trainer_runs_its_own_command_and_the_agent_the_real_agent(tmp_path:
     )
     agent = launch(mapping, context(AGENT, tmp_path))
     assert list(agent.argv) == [
-        sys.executable, "-u", "-m", "rljob.agent.main", "--sglang-url", f"http://{POD_IP}:30000",
+        sys.executable, "-u", "-m", "rljob.agent.main", "--engine-server-url", f"http://{POD_IP}:30000",
     ]  # fmt: skip
 
 

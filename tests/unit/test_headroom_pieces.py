@@ -10,11 +10,12 @@ from typing import Any
 
 import pytest
 
+from rljob.agent.engines.sglang.facts import SGLangFacts, reported_tag_bytes
 from rljob.agent.errors import CommandFailed
 from rljob.agent.gpu_holders import HOST_PIDS, NOT_IN_POD, attribute, describe
 from rljob.agent.gpu_probe import GpuMemory, GpuProcessUse, NvmlProbe, processes_of
 from rljob.agent.headroom import RESUME_MARGIN_BYTES, HeadroomGate, trainer_held
-from rljob.agent.state import ServerFacts, StateStore, reported_tag_bytes
+from rljob.agent.state import StateStore
 from rljob.api.agent import GpuProcess
 from rljob.api.spec import ReleaseTag
 
@@ -176,7 +177,7 @@ def test_sglangs_size_report_in_both_layouts() -> None:
         "weights": 2 * GiB
     }
     assert reported_tag_bytes({}) == {}
-    facts = ServerFacts.from_server_info({"version": "0.5.23", **old})
+    facts = SGLangFacts.from_server_info({"version": "0.5.23", **old})
     assert dict(facts.tag_bytes)["kv_cache"] == int(36.5 * GiB)
 
 
@@ -204,7 +205,7 @@ def gate(
     proc: Path = Path("/nonexistent"),
 ) -> tuple[HeadroomGate, StateStore]:
     store = StateStore()
-    store.facts = ServerFacts("0.5.23", "off", True, False, 1, tag_bytes=tuple(sorted((sizes or {}).items())))
+    store.facts = SGLangFacts("0.5.23", "off", True, False, 1, tag_bytes=tuple(sorted((sizes or {}).items())))
     store.release_freed = dict(freed)
     return HeadroomGate(store, probe, probe.sample, proc), store  # type: ignore[arg-type]
 

@@ -10,6 +10,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
+from rljob.agent.engines.sglang.facts import SGLangFacts
 from rljob.agent.reports import carried, operator_view
 from rljob.api.agent import (
     NOT_SENT_ALONE,
@@ -18,6 +19,7 @@ from rljob.api.agent import (
     AgentState,
     CommandState,
     CommandStatus,
+    EngineInfo,
     GpuScope,
     GpuScopeReport,
     MemoryReport,
@@ -25,7 +27,6 @@ from rljob.api.agent import (
     RecoveryState,
     ResumeHeadroom,
     RolloutReport,
-    SGLangInfo,
     Stage,
     TrainerReport,
 )
@@ -49,12 +50,12 @@ NOT_SENT_WHILE_RUNNING: dict[str, st.SearchStrategy[Any]] = {
         MemoryReport, freed_bytes=st.integers(min_value=0, max_value=2**40), verified=st.booleans()
     ),
     "gpus": st.none() | st.builds(GpuScopeReport, scope=st.sampled_from(list(GpuScope))),
-    "sglang": st.builds(
-        SGLangInfo,
+    "engine": st.builds(
+        EngineInfo,
         reachable=st.booleans(),
         served_version=VERSIONS,
         paused=st.booleans(),
-        weight_cache_mode=st.sampled_from(["off", "lru"]),
+        launch_refusal=st.sampled_from([None, SGLangFacts("0.5.23", "lru", True, False, 1).launch_refusal]),
     ),
     "rollout": st.builds(RolloutReport, samples=st.integers(min_value=0, max_value=9)),
 }
@@ -162,7 +163,7 @@ def test_each_predicate() -> None:
     assert not Evidence.PUBLISHED.shown_by(granted.model_copy(update={"trainer": back}), 5, None)
     earlier = TrainerReport(returned_epoch=4)  # given back under an earlier grant
     assert not Evidence.LEASE_RETURNED.shown_by(granted.model_copy(update={"trainer": earlier}), 5, None)
-    refitted = succeeded(Action.REFIT, stage=Stage.REFITTED, sglang=SGLangInfo(served_version="2"))
+    refitted = succeeded(Action.REFIT, stage=Stage.REFITTED, engine=EngineInfo(served_version="2"))
     assert Evidence.SERVES_TARGET.shown_by(refitted, 5, "2")
     assert not Evidence.SERVES_TARGET.shown_by(refitted, 5, "1")
     assert not Evidence.SERVING_TARGET.shown_by(refitted, 5, "2")  # still paused: not Serving

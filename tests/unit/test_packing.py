@@ -1,5 +1,5 @@
-"""The trainer SDK's tensor packing (rljob.trainer.packing) against the format SGLang reads, and the
-emulator's reader of it (rljob.emulator.tensor_refit). The envelope is written with a stand-in for
+"""The trainer SDK's tensor packing (rljob.trainer.engines.sglang.packing) against the format SGLang reads,
+and the emulator's reader of it (rljob.emulator.tensor_refit). The envelope is written with a stand-in for
 torch's CUDA IPC reduction; tests that need torch (`make install` has it) or CUDA skip without it.
 SGLang's own code reads these payloads in test_sglang_reads_payloads.py (every recorded version)."""
 
@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from rljob.emulator import tensor_refit
 from rljob.emulator.tensor_refit import SchedulerError, TensorRef, read_push, stand_in, unpickle
 from rljob.testing.ipc_stand_in import cuda_reduction
-from rljob.trainer import packing
-from rljob.trainer.packing import (
+from rljob.trainer.engines.sglang import packing
+from rljob.trainer.engines.sglang.packing import (
     TORCH_SIZE,
     BucketPlan,
     Call,

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from rljob.trainer import packing
+from rljob.trainer.engines.sglang import packing
 
 torch = pytest.importorskip("torch")
 

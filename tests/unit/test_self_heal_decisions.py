@@ -125,7 +125,14 @@ def test_record_round_trip_is_atomic(tmp_path: Path) -> None:
 
 
 def test_intent_round_trip() -> None:
-    intent = Intent("release", 7, ("kv_cache", "weights"), used_before={0: 10, 1: 20}, at=1.5)
+    intent = Intent(
+        "release",
+        7,
+        ("kv_cache", "weights"),
+        used_before={0: 10, 1: 20},
+        at=1.5,
+        named="release_memory_occupation",
+    )
     assert Intent.from_wire(json.loads(json.dumps(intent.wire()))) == intent
     assert intent.describe() == "release_memory_occupation(kv_cache, weights) at epoch 7"
 

@@ -1,6 +1,6 @@
-"""SGLang's own code reads what the trainer SDK writes (rljob.trainer.packing, its torch-free writer): for
-each recorded SGLang version whose receive path imports on CPU, a subprocess with that version on sys.path
-(hack/sglang-wheels.sh, run by `make install`) runs `monkey_patch_torch_reductions`,
+"""SGLang's own code reads what the trainer SDK writes (rljob.trainer.engines.sglang.packing, its torch-free
+writer): for each recorded SGLang version whose receive path imports on CPU, a subprocess with that version on
+sys.path (hack/sglang-wheels.sh, run by `make install`) runs `monkey_patch_torch_reductions`,
 `MultiprocessingSerializer.deserialize` (its SafeUnpickler) and `FlattenedTensorBucket.reconstruct_tensors`
 on every payload shape the SDK writes, and the tensors it rebuilds must be the ones packed, byte for byte
 (tests/unit/sglang_reader.py; only opening the CUDA IPC handle is stood in for). A version whose wheel is
@@ -24,11 +24,11 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from rljob.agent.quirks import SGLangQuirks
-from rljob.agent.sglang_client import SGLangClient
+from rljob.agent.engines.sglang.client import SGLangClient
+from rljob.agent.engines.sglang.quirks import SGLangQuirks
 from rljob.api.agent import InitWeightsGroup
 from rljob.testing.ipc_stand_in import cuda_reduction
-from rljob.trainer.packing import (
+from rljob.trainer.engines.sglang.packing import (
     BucketPlan,
     Call,
     Global,

@@ -10,10 +10,13 @@ from typing import Any
 import pytest
 
 from rljob.agent import rollout as rollout_module
+from rljob.agent.engines.base import EngineError
+from rljob.agent.engines.sglang.engine import SGLangEngine
+from rljob.agent.engines.sglang.facts import SGLangFacts
+from rljob.agent.engines.sglang.metrics import parse_metrics
 from rljob.agent.gpu_probe import GpuMemory
 from rljob.agent.rollout import RolloutSampler
-from rljob.agent.sglang_client import SGLangError, parse_metrics
-from rljob.agent.state import ServerFacts, StateStore
+from rljob.agent.state import StateStore
 from rljob.api.agent import AgentState, RolloutReport, Stage
 from rljob.api.spec import ProfileHints
 from rljob.api.status import (
@@ -75,12 +78,12 @@ class FakeClient:
     def __init__(self) -> None:
         self.load_value: dict[str, float | None] = {}
         self.counters: dict[str, float] | None = {}  # None: a 404 (no --enable-metrics)
-        self.metrics_error: SGLangError | None = None
+        self.metrics_error: EngineError | None = None
 
-    async def load(self) -> dict[str, float | None]:
+    async def load(self, timeout: float = 5.0) -> dict[str, float | None]:
         return dict(self.load_value)
 
-    async def metrics(self) -> dict[str, float] | None:
+    async def metrics(self, timeout: float = 5.0) -> dict[str, float] | None:
         if self.metrics_error is not None:
             raise self.metrics_error
         return None if self.counters is None else dict(self.counters)
@@ -109,7 +112,7 @@ def test_sampler_weights_samples_by_time_and_counts_from_the_baseline(
 
     async def run() -> RolloutReport:
         store = StateStore()
-        store.facts = ServerFacts(
+        store.facts = SGLangFacts(
             version="0.5.23",
             weight_cache_mode="off",
             memory_saver=True,
@@ -118,7 +121,7 @@ def test_sampler_weights_samples_by_time_and_counts_from_the_baseline(
             tp_size=2,
         )
         client, probe = FakeClient(), FakeProbe()
-        sampler = RolloutSampler(store, client, 1.0, 0.0, probe=probe)  # type: ignore[arg-type]
+        sampler = RolloutSampler(store, SGLangEngine(client), 1.0, 0.0, probe=probe)  # type: ignore[arg-type]
         client.counters = {"sglang:prompt_tokens_total": 1000.0, "sglang:generation_tokens_total": 50.0}
         await sampler.begin()  # at t=100, before Serving: the baseline
         with store.change() as s:
@@ -160,7 +163,7 @@ def _sample_once(
 
     async def run() -> RolloutReport:
         store = StateStore()
-        sampler = RolloutSampler(store, client, 1.0, 0.0, probe=FakeProbe())  # type: ignore[arg-type]
+        sampler = RolloutSampler(store, SGLangEngine(client), 1.0, 0.0, probe=FakeProbe())  # type: ignore[arg-type]
         await sampler.begin()
         with store.change() as s:
             s.stage, s.rollout = Stage.SERVING, RolloutReport()
@@ -213,7 +216,7 @@ def test_unmeasured_has_room_for_every_signal_and_names_a_missing_baseline() -> 
 
 def test_sampler_whose_metrics_do_not_answer_lacks_only_the_counters(monkeypatch: pytest.MonkeyPatch) -> None:
     client = FakeClient()
-    client.metrics_error = SGLangError("metrics", 500, "boom")
+    client.metrics_error = EngineError("metrics", 500, "boom")
     r = _sample_once(monkeypatch, client, _load(2, 0))
     assert r.cache_hit_rate == 0.25 and r.generation_tokens_per_second == 10.0  # /metrics exists: measured
     assert r.prompt_tokens is None

@@ -53,8 +53,8 @@ def test_status_pods_say_what_each_agent_last_reported_and_why_a_member_is_lost(
         AgentState,
         CommandState,
         CommandStatus,
+        EngineInfo,
         MemoryReport,
-        SGLangInfo,
         Stage,
     )
     from rljob.api.spec import ReleaseTag
@@ -69,7 +69,7 @@ def test_status_pods_say_what_each_agent_last_reported_and_why_a_member_is_lost(
         stage=Stage.RELEASED,
         released_tags=[ReleaseTag.KV_CACHE],
         memory=MemoryReport(freed_bytes=2**30),
-        sglang=SGLangInfo(served_version="7"),
+        engine=EngineInfo(served_version="7"),
     )
     gang = [
         (

@@ -1,7 +1,7 @@
-"""rljob.trainer.tensor_hash against SGLang's own kernels: the per-parameter hash of `/weights_checker`
+"""The SDK's tensor_hash against SGLang's own kernels: the per-parameter hash of `/weights_checker`
 (C-CHECKER-CHECKSUM), `gpu_tensor_hash`'s Triton kernels run by Triton's interpreter on the CPU
 (tests/unit/sglang_hash_reader.py), for every recorded version whose wheel has them; the SDK's own Triton
-kernel (rljob/trainer/triton_hash.py, run the same way by tests/unit/triton_hash_runner.py) against
+kernel (trainer/engines/sglang/triton_hash.py, run the same way by tests/unit/triton_hash_runner.py) against
 SGLang's kernel and the numpy path, on parameters of one part and of several (a fused parameter's parts,
 read in place); and the numpy and torch implementations against each other, chunked and not. On a GPU,
 tests/gpu/test_real_sglang_verify.py runs the compiled kernels."""
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rljob.trainer import tensor_hash as th
+from rljob.trainer.engines.sglang import tensor_hash as th
 
 CACHE = Path(os.environ.get("RLJOB_SGLANG_CACHE", Path.home() / ".cache/rljob/sglang"))
 READER = Path(__file__).with_name("sglang_hash_reader.py")
@@ -245,7 +245,8 @@ def test_a_digests_hashes_off_cuda_are_taken_at_once(torch_mod) -> None:  # type
 def test_the_sdk_imports_no_torch_triton_or_numpy() -> None:
     """A trainer without them imports the SDK: the hash's libraries load when it hashes."""
     probe = (
-        "import sys, rljob.trainer, rljob.trainer.handoff, rljob.trainer.digest, rljob.trainer.tensor_hash;"
+        "import sys, rljob.trainer, rljob.trainer.handoff, rljob.trainer.engines.sglang.digest,"
+        " rljob.trainer.engines.sglang.tensor_hash;"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'numpy')))"
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)

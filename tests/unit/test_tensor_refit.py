@@ -20,8 +20,8 @@ from rljob.emulator.tensor_refit import (
     stand_in,
     unpickle,
 )
-from rljob.trainer import packing
-from rljob.trainer.packing import TORCH_SIZE, Call, Global, Instance, dumps
+from rljob.trainer.engines.sglang import packing
+from rljob.trainer.engines.sglang.packing import TORCH_SIZE, Call, Global, Instance, dumps
 
 V0_5_6, V0_5_15, V0_5_20, V0_5_21, V0_5_23 = (0, 5, 6), (0, 5, 15), (0, 5, 20), (0, 5, 21), (0, 5, 23)
 VERSIONS = (V0_5_6, V0_5_15, V0_5_20, V0_5_21, V0_5_23)

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from rljob.agent.weights_check import Expected, Held, judge, read_reply
+from rljob.agent.engines.sglang.weights import read_reply
+from rljob.agent.weights_check import Expected, Held, judge
 from rljob.api.agent import WeightsCheck, WeightsComparison, WeightsDigest
 
 A, B, C = "a" * 16, "b" * 16, "c" * 16

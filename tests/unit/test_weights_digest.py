@@ -1,6 +1,6 @@
-"""rljob.trainer.digest: a checkpoint's tensors mapped to SGLang's parameters as its Llama loader maps them
-(…/models/llama.py:628-700@0.5.15.post1), and the emulator's /weights_checker answering the same hashes for
-the same checkpoint."""
+"""rljob.trainer.engines.sglang.digest: a checkpoint's tensors mapped to SGLang's parameters as its Llama
+loader maps them (…/models/llama.py:628-700@0.5.15.post1), and the emulator's /weights_checker answering the
+same hashes for the same checkpoint."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from rljob.testing.tiny_model import TinyConfig, TinyLlama, write_safetensors_bf16
-from rljob.trainer import tensor_hash as th
-from rljob.trainer.digest import (
+from rljob.trainer.engines.sglang import tensor_hash as th
+from rljob.trainer.engines.sglang.digest import (
     ModelLayout,
     checkpoint_digest,
     digest_named_tensors,

@@ -1,5 +1,5 @@
-"""Runs the SDK's Triton hash kernel (rljob.trainer.triton_hash) under Triton's interpreter, on the CPU: used
-by test_tensor_hash.py (the interpreter must be chosen before triton is imported).
+"""Runs the SDK's Triton hash kernel (trainer/engines/sglang/triton_hash.py) under Triton's interpreter, on
+the CPU: used by test_tensor_hash.py (the interpreter must be chosen before triton is imported).
 
     TRITON_INTERPRET=1 python tests/unit/triton_hash_runner.py < job.json > result.json
 
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "operator"))
 def main() -> None:
     import torch
 
-    from rljob.trainer import triton_hash
+    from rljob.trainer.engines.sglang import triton_hash
 
     assert triton_hash.AVAILABLE, "triton does not import"
 

@@ -1,4 +1,5 @@
-"""Wiring of the agent: one SGLang client, the state store, the desks, two listeners, background loops.
+"""Wiring of the agent: the engine (built through the registry), the state store, the desks, the
+listeners, background loops.
 With `--state-dir` the store keeps a pod-local record, and a restarted agent recovers from it
 (agent/record.py, agent/recovery.py)."""
 
@@ -15,7 +16,7 @@ from rljob.agent import follower
 from rljob.agent.actions import Actions
 from rljob.agent.commands import CommandDesk
 from rljob.agent.config import AgentConfig
-from rljob.agent.engine_api import EngineEndpoint, build_engine_app
+from rljob.agent.engines import EngineLink, build_engine
 from rljob.agent.gpu_probe import make_probe
 from rljob.agent.lease import LeaseDesk
 from rljob.agent.metrics import AgentMetrics
@@ -25,10 +26,9 @@ from rljob.agent.record import AgentRecord, RecordError
 from rljob.agent.recovery import Recovery
 from rljob.agent.refit_window import RefitWindows
 from rljob.agent.rollout import RolloutSampler
-from rljob.agent.sglang_client import SGLangClient
 from rljob.agent.state import StateStore
 from rljob.agent.trainer_api import build_trainer_app
-from rljob.agent.watch import SGLangWatch
+from rljob.agent.watch import EngineWatch
 
 log = logging.getLogger("rljob.agent")
 
@@ -39,25 +39,25 @@ class Agent:
         self.metrics = AgentMetrics()
         self.record = AgentRecord(cfg.state_dir) if cfg.state_dir else None
         self.store = StateStore(on_commit=self.metrics.revision.set, record=self.record)
-        self.client = SGLangClient(
-            cfg.sglang_url,
-            api_key=cfg.sglang_api_key,
-            admin_api_key=cfg.sglang_admin_api_key,
+        link = EngineLink(
+            cfg.engine_server_url,
+            api_key=cfg.engine_api_key,
+            admin_api_key=cfg.engine_admin_api_key,
             call_timeout_s=cfg.call_timeout_s,
-            observe=self.metrics.observe_sglang,
+            observe=self.metrics.observe_engine,
+            hang_probe_timeout_s=cfg.scheduler_probe_timeout_s,
         )
-        self.windows = RefitWindows(self.store, self.client, cfg.group_init_timeout_s)
+        self.engine = build_engine(cfg.engine, link)
+        self.windows = RefitWindows(self.store, self.engine, cfg.group_init_timeout_s)
         self.lease = LeaseDesk(self.store)
-        self.watch = SGLangWatch(
-            self.store, self.client, interval_s=cfg.liveness_s, probe_timeout_s=cfg.scheduler_probe_timeout_s
-        )
-        probe = make_probe(cfg.gpu_probe, self.client)
+        self.watch = EngineWatch(self.store, self.engine, interval_s=cfg.liveness_s)
+        probe = make_probe(cfg.gpu_probe, self.engine)
         self.sampler = RolloutSampler(
-            self.store, self.client, cfg.rollout_sample_s, cfg.rollout_report_s, probe=probe
+            self.store, self.engine, cfg.rollout_sample_s, cfg.rollout_report_s, probe=probe
         )
         ops = Operations(
             self.store,
-            self.client,
+            self.engine,
             probe,
             self.windows,
             self.lease,
@@ -68,14 +68,14 @@ class Agent:
         )
         self.store.state.node_rank = cfg.node_rank
         actions = Actions.leader(ops)
-        if cfg.node_rank > 0:  # a follower pod: no SGLang API, its own GPUs only (agent/follower.py)
-            self.watch = follower.FollowerWatch(self.store, self.client)  # type: ignore[assignment]
+        if cfg.node_rank > 0:  # a follower pod: no engine API, its own GPUs only (agent/follower.py)
+            self.watch = follower.FollowerWatch(self.store, self.engine)  # type: ignore[assignment]
             ops = follower.FollowerOperations(
-                self.store, self.client, ops.probe, self.windows, self.lease, self.metrics, cfg.call_timeout_s
+                self.store, self.engine, ops.probe, self.windows, self.lease, self.metrics, cfg.call_timeout_s
             )
             actions = Actions.follower(ops)
-        self.desk = CommandDesk(self.store, actions, self.metrics, self.watch.confirm_death)
-        self.recovery = Recovery(self.store, self.client, ops.probe, self._continue_recorded)
+        self.desk = CommandDesk(self.store, actions, self.metrics, self.watch.confirm_death, self.engine.name)
+        self.recovery = Recovery(self.store, self.engine, ops.probe, self._continue_recorded)
         self.watch.on_recover = self.recovery.run
         self._runners: list[web.AppRunner] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -85,10 +85,10 @@ class Agent:
         be embedded in another program's event loop (`run` is the `rljob-agent` process: start, wait for
         SIGTERM/SIGINT, stop)."""
         self._load_record()
-        await self.client.start()
+        await self.engine.start()
         for app, (host, port) in (
             (
-                build_operator_app(self.store, self.desk, self.metrics, self.cfg.token, self.client.ping),
+                build_operator_app(self.store, self.desk, self.metrics, self.cfg.token, self.engine.liveness),
                 self.cfg.listen,
             ),
             (build_trainer_app(self.store, self.lease, self.windows, self.metrics), self.cfg.trainer_listen),
@@ -99,31 +99,32 @@ class Agent:
             await web.TCPSite(runner, host, port).start()
             self._runners.append(runner)
         log.info(
-            "rljob-agent listening: operator %s:%d, trainer %s:%d; SGLang %s; GPU probe %s",
+            "rljob-agent listening: operator %s:%d, trainer %s:%d; %s %s; GPU probe %s",
             *self.cfg.listen,
             *self.cfg.trainer_listen,
-            self.cfg.sglang_url,
+            self.engine.name,
+            self.cfg.engine_server_url,
             self.cfg.gpu_probe,
         )
         self._tasks = [
-            asyncio.create_task(self.watch.run(), name="sglang-watch"),
+            asyncio.create_task(self.watch.run(), name="engine-watch"),
             *(
                 [asyncio.create_task(self.sampler.run(), name="rollout-sampler")]
-                if self.cfg.node_rank == 0  # a follower's SGLang serves no load route
+                if self.cfg.node_rank == 0  # a follower's engine serves no load
                 else []
             ),
         ]
 
     def _engine_app(self) -> list[tuple[web.Application, tuple[str, int]]]:
-        """The SGLang-compatible endpoint, where asked for and on a leader (a follower has no SGLang API)."""
+        """The engine's framework endpoint, where asked for and on a leader (a follower has no engine API)."""
         if self.cfg.engine_listen is None or self.cfg.node_rank > 0:
             return []
-        endpoint = EngineEndpoint(self.store, self.lease, self.windows, self.client, self.cfg.refit_source)
-        return [(build_engine_app(endpoint), self.cfg.engine_listen)]
+        app = self.engine.framework_endpoint(self.store, self.lease, self.windows, self.cfg.refit_source)
+        return [(app, self.cfg.engine_listen)]
 
     def _load_record(self) -> None:
         """The first start in a pod writes the record; a restart restores it (Recovering until the watch
-        has checked it against SGLang). An unreadable record: what the last process did is unknown."""
+        has checked it against the engine). An unreadable record: what the last process did is unknown."""
         if self.record is None:
             return
         try:
@@ -151,7 +152,7 @@ class Agent:
             self.desk.resume_recorded(self.store.command)
 
     async def stop(self) -> None:
-        """Stops what `start` started (background loops, listeners, the SGLang client)."""
+        """Stops what `start` started (background loops, listeners, the engine's client)."""
         log.info("rljob-agent stopping")
         tasks, self._tasks = self._tasks, []
         for t in tasks:
@@ -162,7 +163,7 @@ class Agent:
         runners, self._runners = self._runners, []
         for runner in runners:
             await runner.cleanup()
-        await self.client.close()
+        await self.engine.close()
 
     async def run(self) -> None:
         await self.start()

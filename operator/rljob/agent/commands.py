@@ -10,10 +10,10 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
+from rljob.agent.engines.base import EngineError, EngineFacts, EngineUnreachable
 from rljob.agent.errors import CommandFailed, PermanentFailure, StateLost, conflict
 from rljob.agent.metrics import AgentMetrics
-from rljob.agent.sglang_client import SGLangError, SGLangUnreachable
-from rljob.agent.state import ServerFacts, StateStore
+from rljob.agent.state import StateStore
 from rljob.agent.timing import measure_external
 from rljob.api.agent import AgentState, Command, CommandState, CommandStatus
 
@@ -23,7 +23,7 @@ log = logging.getLogger("rljob.agent")
 class CommandActions(Protocol):
     """What the desk runs a command with (agent/actions.py Actions)."""
 
-    def check(self, cmd: Command, state: AgentState, facts: ServerFacts | None) -> None: ...
+    def check(self, cmd: Command, state: AgentState, facts: EngineFacts | None) -> None: ...
 
     async def execute(self, cmd: Command) -> None: ...
 
@@ -40,7 +40,7 @@ def is_new(cmd: Command, epoch: int, last: CommandStatus | None, recovering: boo
     if cmd.epoch < epoch:
         raise conflict("StaleEpoch", f"epoch {cmd.epoch} is older than the last accepted epoch {epoch}")
     if recovering:
-        raise conflict("Busy", "the agent restarted and is checking its record against SGLang (recovery)")
+        raise conflict("Busy", "the agent restarted and is checking its record against the engine (recovery)")
     if last is not None and last.state == CommandState.RUNNING:
         raise conflict("Busy", f"{last.action.value} (epoch {last.epoch}) is still running")
     return True
@@ -53,11 +53,13 @@ class CommandDesk:
         actions: CommandActions,
         metrics: AgentMetrics,
         confirm_death: Callable[[str], Awaitable[None]],
+        engine_name: str = "the engine",
     ) -> None:
         self._store = store
         self._actions = actions
         self._metrics = metrics
-        self._confirm_death = confirm_death  # pings SGLang; marks the agent Failed if it is gone
+        self._confirm_death = confirm_death  # asks the engine; marks the agent Failed if it is gone
+        self._engine_name = engine_name
         self._running: asyncio.Task[None] | None = None
 
     def submit(self, cmd: Command) -> tuple[int, CommandStatus]:
@@ -74,7 +76,7 @@ class CommandDesk:
         )
         self._store.command = cmd
         self._store.refit_done = None
-        with self._store.change() as s:  # with a record: saved before anything is sent to SGLang
+        with self._store.change() as s:  # with a record: saved before anything is sent to the engine
             s.epoch = cmd.epoch
             s.last_command = status
         self._metrics.commands.labels(cmd.action.value, "accepted").inc()
@@ -113,10 +115,10 @@ class CommandDesk:
             except StateLost as e:
                 error = str(e)
                 self._store.fail(error)
-            except SGLangUnreachable as e:
-                error = f"SGLang unreachable: {e}"
+            except EngineUnreachable as e:
+                error = f"{self._engine_name} unreachable: {e}"
                 await self._confirm_death(error)
-            except SGLangError as e:
+            except EngineError as e:
                 error = str(e)
             except Exception as e:  # a bug must not leave the command Running forever
                 log.exception("command %s epoch=%d crashed", cmd.action.value, cmd.epoch)
@@ -140,4 +142,4 @@ class CommandDesk:
             s.last_command.permanent = permanent is not None
             s.last_command.failure_reason = reason
             s.last_command.seconds = seconds
-            s.last_command.sglang_seconds = min(seconds, external[0])
+            s.last_command.engine_seconds = min(seconds, external[0])

@@ -8,29 +8,30 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rljob.agent.gpu_probe import check_probe_name
-from rljob.api.spec import RefitSource
+from rljob.api.spec import DEFAULT_ENGINE, EngineKind, RefitSource
 
 
 @dataclass(frozen=True)
 class AgentConfig:
     listen: tuple[str, int]
     trainer_listen: tuple[str, int]
-    sglang_url: str
+    engine_server_url: str  # the engine's HTTP API in the pod
     token: str
     gpu_probe: str
     log_json: bool
-    sglang_api_key: str | None  # SGLang --api-key: normal routes (and lifecycle ones without an admin key)
-    sglang_admin_api_key: str | None  # SGLang --admin-api-key: the only key lifecycle routes accept then
-    call_timeout_s: float  # bound on SGLang calls made outside a command deadline
+    engine_api_key: str | None  # the key the engine's normal routes take (and lifecycle ones without admin)
+    engine_admin_api_key: str | None  # the only key the engine's lifecycle routes take, where it has one
+    call_timeout_s: float  # bound on engine calls made outside a command deadline
     rollout_sample_s: float
     rollout_report_s: float  # rollout-only changes bump the revision at most this often
-    node_rank: int = 0  # the pod's SGLang node rank (RLJOB_NODE_RANK): 0 leads, > 0 follows
-    group_init_timeout_s: float = 1860.0  # > torch's 30-min rendezvous timeout that SGLang uses
-    scheduler_probe_timeout_s: float = 5.0  # bounded /get_load when /ping cannot tell (C-DEATH-HARD)
-    liveness_s: float = 1.0  # how often the agent asks SGLang whether it lives (agent/watch.py)
+    node_rank: int = 0  # the pod's node rank in its engine instance (RLJOB_NODE_RANK): 0 leads, > 0 follows
+    group_init_timeout_s: float = 1860.0  # > torch's 30-min rendezvous timeout that an engine's side waits
+    scheduler_probe_timeout_s: float = 5.0  # the engine's hang check, where it needs one (Engine.hang_check)
+    liveness_s: float = 1.0  # how often the agent asks the engine whether it lives (agent/watch.py)
     state_dir: str | None = None  # the pod-local record (agent/record.py); None: no recovery on restart
-    engine_listen: tuple[str, int] | None = None  # the SGLang-compatible endpoint (agent/engine_api.py)
+    engine_listen: tuple[str, int] | None = None  # the engine's framework endpoint (its folder's)
     refit_source: RefitSource | None = None  # the RLJob's spec.refit.source (the endpoint checks pushes)
+    engine: EngineKind = DEFAULT_ENGINE  # which engine the pod runs (agent/engines/)
 
 
 def parse_hostport(value: str) -> tuple[str, int]:
@@ -47,7 +48,7 @@ def _env(name: str, default: str | None = None) -> str | None:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="rljob-agent", description="In-pod agent between the operator and SGLang."
+        prog="rljob-agent", description="In-pod agent between the operator and the inference engine."
     )
     p.add_argument(
         "--listen",
@@ -65,8 +66,8 @@ def _parser() -> argparse.ArgumentParser:
         "--engine-listen",
         type=parse_hostport,
         default=_env("RLJOB_ENGINE_LISTEN"),
-        help="SGLang-compatible endpoint for a framework (slime, verl, AReaL), loopback only, no token "
-        "(env RLJOB_ENGINE_LISTEN; agent/engine_api.py); unset: none",
+        help="the engine-compatible endpoint for a framework (slime, verl, AReaL), loopback only, no token "
+        "(env RLJOB_ENGINE_LISTEN; the engine's framework endpoint); unset: none",
     )
     p.add_argument(
         "--refit-source",
@@ -75,9 +76,15 @@ def _parser() -> argparse.ArgumentParser:
         help="the RLJob's refit source (env RLJOB_REFIT_SOURCE): the endpoint refuses other pushes",
     )
     p.add_argument(
-        "--sglang-url",
-        default=_env("RLJOB_SGLANG_URL", "http://127.0.0.1:30000"),
-        help="SGLang server in the pod (env RLJOB_SGLANG_URL)",
+        "--engine",
+        choices=[k.value for k in EngineKind],
+        default=_env("RLJOB_ENGINE", DEFAULT_ENGINE.value),
+        help=f"the inference engine in the pod (env RLJOB_ENGINE; default {DEFAULT_ENGINE.value})",
+    )
+    p.add_argument(
+        "--engine-server-url",
+        default=_env("RLJOB_ENGINE_SERVER_URL", "http://127.0.0.1:30000"),
+        help="the engine's HTTP server in the pod (env RLJOB_ENGINE_SERVER_URL)",
     )
     p.add_argument(
         "--token-file",
@@ -85,21 +92,21 @@ def _parser() -> argparse.ArgumentParser:
         help="bearer token the operator must present (env RLJOB_AGENT_TOKEN_FILE); required",
     )
     p.add_argument(
-        "--sglang-api-key-file",
-        default=_env("RLJOB_SGLANG_API_KEY_FILE"),
-        help="SGLang's --api-key, if it runs with one (env RLJOB_SGLANG_API_KEY_FILE)",
+        "--engine-api-key-file",
+        default=_env("RLJOB_ENGINE_API_KEY_FILE"),
+        help="the engine's API key, if it runs with one (env RLJOB_ENGINE_API_KEY_FILE)",
     )
     p.add_argument(
-        "--sglang-admin-api-key-file",
-        default=_env("RLJOB_SGLANG_ADMIN_API_KEY_FILE"),
-        help="SGLang's --admin-api-key, if it runs with one: lifecycle routes then take only this key "
-        "(env RLJOB_SGLANG_ADMIN_API_KEY_FILE)",
+        "--engine-admin-api-key-file",
+        default=_env("RLJOB_ENGINE_ADMIN_API_KEY_FILE"),
+        help="the engine's admin API key, if it runs with one: lifecycle routes then take only this key "
+        "(env RLJOB_ENGINE_ADMIN_API_KEY_FILE)",
     )
     p.add_argument(
         "--gpu-probe",
         default=_env("RLJOB_GPU_PROBE", "nvml"),
         help="how freed GPU memory is verified: `nvml`, or a plugin `package.module:factory` called with "
-        "the agent's SGLang client (env RLJOB_GPU_PROBE)",
+        "the agent's engine (env RLJOB_GPU_PROBE)",
     )
     p.add_argument(
         "--log-json",
@@ -111,13 +118,13 @@ def _parser() -> argparse.ArgumentParser:
         "--call-timeout",
         type=float,
         default=float(_env("RLJOB_AGENT_CALL_TIMEOUT", "300") or 300),
-        help="seconds any SGLang call may take when no command deadline applies",
+        help="seconds any engine call may take when no command deadline applies",
     )
     p.add_argument(
         "--rollout-sample-seconds",
         type=float,
         default=1.0,
-        help="how often SGLang's load endpoint is sampled while Serving",
+        help="how often the engine's load is sampled while Serving",
     )
     p.add_argument(
         "--rollout-report-seconds",
@@ -129,29 +136,29 @@ def _parser() -> argparse.ArgumentParser:
         "--node-rank",
         type=int,
         default=int(_env("RLJOB_NODE_RANK", "0") or 0),
-        help="the pod's SGLang node rank in its instance (env RLJOB_NODE_RANK, set by the operator): 0 leads "
-        "and calls SGLang; a follower (> 0) has no SGLang API and only checks its own GPUs",
+        help="the pod's node rank in its engine instance (env RLJOB_NODE_RANK, set by the operator): 0 leads "
+        "and calls the engine; a follower (> 0) has no engine API and only checks its own GPUs",
     )
     p.add_argument(
         "--group-init-timeout",
         type=float,
         default=1860.0,
-        help="seconds the background init_weights_update_group may take: longer than the 30 min SGLang's "
-        "rendezvous waits for the trainer, so that the agent hears SGLang's own answer",
+        help="seconds the engine's background join of a weights group may take: longer than the 30 min its "
+        "rendezvous waits for the trainer, so that the agent hears the engine's own answer",
     )
     p.add_argument(
         "--scheduler-probe-timeout",
         type=float,
         default=5.0,
-        help="SGLang without a subprocess watchdog (0.5.6): client timeout of the /get_load probe; two "
-        "timeouts in a row with no control call in flight mean the scheduler is dead",
+        help="client timeout of each probe of the engine's hang check (Engine.hang_check), for an engine "
+        "whose HTTP server may outlive its scheduler",
     )
     p.add_argument(
-        "--sglang-liveness-seconds",
+        "--engine-liveness-seconds",
         type=float,
         default=1.0,
-        help="how often the agent checks that SGLang lives (/ping, and the /get_load probe where SGLang "
-        "has no watchdog): a dead SGLang fails the pod within about this long",
+        help="how often the agent checks that the engine lives (its liveness route, and its hang check "
+        "where it needs one): a dead engine fails the pod within about this long",
     )
     p.add_argument(
         "--state-dir",
@@ -184,16 +191,16 @@ def parse_config(argv: list[str] | None = None) -> AgentConfig:
     return AgentConfig(
         listen=args.listen,
         trainer_listen=args.trainer_listen,
-        sglang_url=args.sglang_url.rstrip("/"),
+        engine_server_url=args.engine_server_url.rstrip("/"),
         token=_read_secret(args.token_file, "token"),
         gpu_probe=args.gpu_probe,
         log_json=args.log_json,
-        sglang_api_key=(
-            _read_secret(args.sglang_api_key_file, "SGLang API key") if args.sglang_api_key_file else None
+        engine_api_key=(
+            _read_secret(args.engine_api_key_file, "engine API key") if args.engine_api_key_file else None
         ),
-        sglang_admin_api_key=(
-            _read_secret(args.sglang_admin_api_key_file, "SGLang admin API key")
-            if args.sglang_admin_api_key_file
+        engine_admin_api_key=(
+            _read_secret(args.engine_admin_api_key_file, "engine admin API key")
+            if args.engine_admin_api_key_file
             else None
         ),
         call_timeout_s=args.call_timeout,
@@ -202,8 +209,9 @@ def parse_config(argv: list[str] | None = None) -> AgentConfig:
         node_rank=args.node_rank,
         group_init_timeout_s=args.group_init_timeout,
         scheduler_probe_timeout_s=args.scheduler_probe_timeout,
-        liveness_s=args.sglang_liveness_seconds,
+        liveness_s=args.engine_liveness_seconds,
         state_dir=args.state_dir or None,
         engine_listen=args.engine_listen or None,
         refit_source=RefitSource(args.refit_source) if args.refit_source else None,
+        engine=EngineKind(args.engine),
     )

@@ -9,7 +9,7 @@ class Refused(Exception):
     def __init__(self, status: int, error: str, reason: str, *, permanent: bool = False) -> None:
         super().__init__(f"{error}: {reason}")
         self.status, self.error, self.reason = status, error, reason
-        self.permanent = permanent  # the spec or SGLang's launch forbids it: no retry or new gang helps
+        self.permanent = permanent  # the spec or the engine's launch forbids it: no retry or new gang helps
 
 
 def conflict(error: str, reason: str) -> Refused:
@@ -18,8 +18,8 @@ def conflict(error: str, reason: str) -> Refused:
 
 
 def forbidden_by_launch(error: str, reason: str) -> Refused:
-    """A refusal that SGLang's version or launch flags, or the spec, make certain for every retry and every
-    new gang: the operator fails the job with `error` (docs/lifecycle.md, "Permanent refusals")."""
+    """A refusal that the engine's version or launch flags, or the spec, make certain for every retry and
+    every new gang: the operator fails the job with `error` (docs/lifecycle.md, "Permanent refusals")."""
     return Refused(409, error, reason, permanent=True)
 
 
@@ -41,4 +41,5 @@ class PermanentFailure(CommandFailed):
 
 
 class StateLost(Exception):
-    """SGLang's state is no longer known (a non-idempotent call did not answer in time): the pod must go."""
+    """The engine's state is no longer known (a non-idempotent call did not answer in time): the pod must
+    go."""

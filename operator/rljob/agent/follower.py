@@ -1,22 +1,22 @@
-"""The agent of a follower pod: SGLang node rank > 0 of a multi-node instance (spec.rollout.podsPerInstance).
+"""The agent of a follower pod: the engine's node rank > 0 of a multi-node instance
+(spec.rollout.podsPerInstance).
 
-Only node rank 0 runs SGLang's HTTP server; the other nodes run schedulers and a dummy server that answers
-/ping, /health and /health_generate only, and get release, resume and refit from node 0 over the TP-group
-broadcast (C-NODE, C-TP-REPLY in docs/sglang-conformance.md). So the
-operator sends SGLang's lifecycle calls to the instance's leader agent, and a follower's agent never calls
-SGLang's lifecycle routes. It does what the leader's agent cannot see from its own pod, on its own GPUs:
+Only node rank 0 runs the engine's HTTP API; the other nodes run its workers and get release, resume and
+refit from node 0 (each engine's folder says how its followers get them). So the operator sends the engine's
+lifecycle calls to the instance's leader agent, and a follower's agent never makes one. It does what the
+leader's agent cannot see from its own pod, on its own GPUs:
 
 - drain: the GPUs' "before" sample (a drain frees no GPU memory);
 - release (sent once the leader's release was verified): every GPU of this pod freed what `verify` asks,
   against that sample; the lease is granted only after every pod of the job verified;
 - grant: the trainer's lease, as on the leader;
-- refit (once the leader's refit is verified): records the version the leader's SGLang now serves;
+- refit (once the leader's refit is verified): records the version the leader's engine now serves;
 - resume (once the leader's resume is verified): every GPU got back at least half of what it freed
   (the trainer shares the GPU, so its allocator may hold or drop some memory in between; a follower whose
   ranks did not resume regains nothing), then Serving at the leader's version.
 
-SGLang's liveness is `/ping`, which the dummy server serves. Each of these is its action's `follow` in
-agent/actions.py, which also holds the follower's guards.
+The engine's liveness (Engine.liveness) is answered on every node. Each of these is its action's `follow`
+in agent/actions.py, which also holds the follower's guards.
 """
 
 from __future__ import annotations
@@ -24,20 +24,21 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from rljob.agent.deadline import Deadline
+from rljob.agent.engines.base import Engine, EngineUnreachable
 from rljob.agent.errors import CommandFailed
 from rljob.agent.gpu_probe import GpuMemory
-from rljob.agent.operations import VERIFY_MAX_POLL_S, Deadline, Operations, Record
-from rljob.agent.sglang_client import SGLangClient, SGLangUnreachable
+from rljob.agent.operations import VERIFY_MAX_POLL_S, Operations, Record
 from rljob.agent.state import StateStore
 from rljob.api.agent import (
     AgentState,
     DrainCommand,
+    EngineInfo,
     MemoryReport,
     RefitCommand,
     ReleaseCommand,
     ResumeCommand,
     RolloutReport,
-    SGLangInfo,
     Stage,
 )
 from rljob.api.spec import ReleaseTag
@@ -48,28 +49,29 @@ REGAINED_FRACTION = 0.5  # of what each GPU freed at release, back after the res
 
 
 class FollowerWatch:
-    """SGLang's presence on a follower: Starting until the dummy server's /ping answers, then Ready; a
-    refused connection after that is death (the node's schedulers are gone)."""
+    """The engine's presence on a follower: Starting until its liveness answers, then Ready; a refused
+    connection after that is death (the node's workers are gone)."""
 
-    def __init__(self, store: StateStore, client: SGLangClient, interval_s: float = 1.0) -> None:
+    def __init__(self, store: StateStore, engine: Engine, interval_s: float = 1.0) -> None:
         self._store = store
-        self._client = client
+        self._engine = engine
         self._interval = interval_s
         self.on_recover = None  # the leader's watch hands a restarted agent's record to recovery; not here
 
     async def run(self) -> None:
         if self._failed():  # a restarted follower: Failed, and that stays
             return
+        name = self._engine.name
         while True:
             try:
-                await self._client.ping(timeout=5)
+                await self._engine.liveness(timeout=5)
                 break
-            except (SGLangUnreachable, TimeoutError) as e:
-                log.debug("SGLang (follower) not up yet: %s", e)
+            except (EngineUnreachable, TimeoutError) as e:
+                log.debug("%s (follower) not up yet: %s", name, e)
                 await asyncio.sleep(0.1)
         with self._store.change(stage=Stage.READY) as s:
-            s.sglang = SGLangInfo(reachable=True, paused=False)
-        log.info("SGLang follower (node rank %d) answers /ping", self._store.state.node_rank)
+            s.engine = EngineInfo(kind=self._engine.kind, reachable=True, paused=False)
+        log.info("%s follower (node rank %d) answers", name, self._store.state.node_rank)
         while not self._failed():
             await asyncio.sleep(self._interval)
             await self.confirm_death("liveness check")
@@ -78,17 +80,18 @@ class FollowerWatch:
         return self._store.state.stage == Stage.FAILED
 
     async def confirm_death(self, cause: str) -> None:
+        name = self._engine.name
         try:
-            await self._client.ping(timeout=5)
-        except SGLangUnreachable as e:
-            log.error("SGLang is gone (%s): %s", cause, e)
-            self._store.fail(f"SGLang stopped answering: {e}")
+            await self._engine.liveness(timeout=5)
+        except EngineUnreachable as e:
+            log.error("%s is gone (%s): %s", name, cause, e)
+            self._store.fail(f"{name} stopped answering: {e}")
         except TimeoutError:
             pass
 
 
 class FollowerOperations(Operations):
-    """Each command on a follower: measurements of its own GPUs, never an SGLang lifecycle call."""
+    """Each command on a follower: measurements of its own GPUs, never an engine lifecycle call."""
 
     before: list[GpuMemory] | None = None  # the drain's sample
     after_release: list[GpuMemory] | None = None  # once the release was verified
@@ -99,7 +102,7 @@ class FollowerOperations(Operations):
 
         def record(s: AgentState) -> None:
             s.memory = MemoryReport(used_before_bytes=sum(g.used_bytes for g in before), gpus=len(before))
-            s.sglang.paused = True  # the leader pauses the instance in the same phase
+            s.engine.paused = True  # the leader pauses the instance in the same phase
 
         return record
 
@@ -118,8 +121,8 @@ class FollowerOperations(Operations):
             s.released_tags = [
                 t for t in s.released_tags if t not in (ReleaseTag.WEIGHTS, ReleaseTag.CUDA_GRAPH)
             ]
-            s.sglang.served_version = cmd.version
-            s.sglang.paused = True
+            s.engine.served_version = cmd.version
+            s.engine.paused = True
 
         return record
 
@@ -130,9 +133,9 @@ class FollowerOperations(Operations):
 
         def record(s: AgentState) -> None:
             s.released_tags = []
-            s.sglang.paused = False
+            s.engine.paused = False
             if cmd.version is not None:
-                s.sglang.served_version = cmd.version
+                s.engine.served_version = cmd.version
             s.memory.verified = False
             s.rollout = RolloutReport()
 

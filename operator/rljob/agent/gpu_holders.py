@@ -8,7 +8,7 @@ when the agent sees a process of that pid in its PID namespace (the pod shares o
 `shareProcessNamespace: true`, which tensor refits set) and, with NVML's host pids, that process maps a GPU
 device (else the pid is another process's number in the host's namespace); its container is the
 `RLJOB_CONTAINER` the operator puts in every container's environment, read from /proc/<pid>/environ (as
-SGLang's user or with CAP_SYS_PTRACE). Everything else is "not attributable", with the reason."""
+the engine's user or with CAP_SYS_PTRACE). Everything else is "not attributable", with the reason."""
 
 from __future__ import annotations
 

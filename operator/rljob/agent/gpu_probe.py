@@ -1,5 +1,6 @@
 """How the agent sees GPU memory: NVML on a real node (every GPU visible to the pod), or a probe plugin
-named by import path (`--gpu-probe module:factory`, the factory called with the agent's SGLang client).
+named by import path (`--gpu-probe module:factory`, the factory called with the agent's engine, whose
+`get_json` reads through the engine's port).
 Release verification compares samples taken before and after the release; the headroom gate
 (agent/headroom.py) reads free memory and the processes that hold it; the rollout sampler reads each
 GPU's busy fraction (docs/profiling.md)."""
@@ -18,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from rljob.agent.engines.base import Engine
 from rljob.agent.gpu_scope import LISTED_ENV, VISIBLE, GpuScopeUnknown, Selection, pod_gpu_lists, select_gpus
-from rljob.agent.sglang_client import SGLangClient
 from rljob.agent.timing import add_external
 from rljob.api.agent import GpuScope
 
@@ -186,7 +187,7 @@ def _text(name: str | bytes) -> str:
     return name.decode(errors="replace") if isinstance(name, bytes) else str(name)
 
 
-ProbeFactory = Callable[[SGLangClient], GpuProbe]
+ProbeFactory = Callable[[Engine], GpuProbe]
 
 
 def check_probe_name(name: str) -> str:
@@ -196,9 +197,9 @@ def check_probe_name(name: str) -> str:
     return name
 
 
-def make_probe(name: str, client: SGLangClient) -> GpuProbe:
+def make_probe(name: str, engine: Engine) -> GpuProbe:
     if check_probe_name(name) == "nvml":
         return NvmlProbe()
     module, _, attr = name.partition(":")
     factory: ProbeFactory = getattr(importlib.import_module(module), attr)
-    return factory(client)
+    return factory(engine)

@@ -1,4 +1,4 @@
-"""Which GPUs are this pod's: release is verified on exactly the GPUs the pod's SGLang uses, never on another
+"""Which GPUs are this pod's: release is verified on exactly the GPUs the pod's engine uses, never on another
 pod's GPUs of the same node (NVML shows every GPU visible to the agent's container).
 
 In order (`select_gpus`):
@@ -11,13 +11,13 @@ In order (`select_gpus`):
    `Container`. This is the primary, documented way.
 3. `NVIDIA_VISIBLE_DEVICES=all` (the operator sets it only when asked to, for nodes with the classic device
    plugin whose NVIDIA runtime still accepts it from an unprivileged container): every GPU of the node. The
-   GPUs that are the pod's are the ones the device plugin gave SGLang's container, which it names in that
+   GPUs that are the pod's are the ones the device plugin gave the engine's container, which it names in that
    container's environment (`NVIDIA_VISIBLE_DEVICES=GPU-<uuid>,...` with its default envvar strategy, or
    `/var/run/nvidia-container-devices` with the volume-mounts strategy, one file per UUID). With
    `shareProcessNamespace: true` the agent sees the pod's processes, and reads `/proc/<pid>/environ` (and
-   `/proc/<pid>/root/...`) where it may: as the same user as SGLang or with CAP_SYS_PTRACE. One list found:
-   scope `Process`. None found, or two different lists: scope `Unknown`, and release verification fails with
-   the reason instead of verifying GPUs that may be another pod's.
+   `/proc/<pid>/root/...`) where it may: as the same user as the engine or with CAP_SYS_PTRACE. One list
+   found: scope `Process`. None found, or two different lists: scope `Unknown`, and release verification fails
+   with the reason instead of verifying GPUs that may be another pod's.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def _by_process(found: dict[str, list[int]]) -> Selection:
             GpuScope.UNKNOWN,
             reason=f"{VISIBLE}=all shows every GPU of the node, and no process of this pod that the agent "
             "can read names its own (give the agent the rollout container's DRA claim, or "
-            f"shareProcessNamespace with the agent as SGLang's user, or {LISTED_ENV})",
+            f"shareProcessNamespace with the agent as the engine's user, or {LISTED_ENV})",
         )
     lists = "; ".join(f"{d} (pids {', '.join(map(str, pids))})" for d, pids in sorted(found.items()))
     return Selection(GpuScope.UNKNOWN, reason=f"processes of this pod name different GPUs: {lists}")

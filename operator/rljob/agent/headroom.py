@@ -1,19 +1,21 @@
-"""The headroom gate: a resume is sent to SGLang only once every GPU of the pod has free what it takes back.
+"""The headroom gate: a resume is sent to the engine only once every GPU of the pod has free what it takes
+back.
 
-A resume whose memory another process holds kills SGLang: torch_memory_saver cannot map the region again
-and exits the scheduler (C-MEM-RESUME-OOM). Before each resume (weights and cuda_graph in the refit,
+A resume whose memory another process holds may kill the engine (it cannot map the region again). Before
+each resume (weights and cuda_graph in the refit,
 kv_cache in the resume) the agent checks on the GPU probe, per GPU, that free memory covers the resume's
 need plus RESUME_MARGIN_BYTES. If not, it does not send the call: it says who holds the memory (NVML's
 per-process list, agent/gpu_holders.py) in its state (`AgentState.headroom`, which the operator puts in
 the RLJob's status message and a ResumeWaitingForMemory event), re-checks with backoff, and resumes once
-the memory is free; at the command's deadline the command fails with that reason, SGLang alive and paused.
+the memory is free; at the command's deadline the command fails with that reason, the engine alive and
+paused.
 
 A resume's need, per GPU: what the cycle's release freed on that GPU (the release verification measured
 it), less what the resumes since took back (measured on the probe around each), and no more than the size
-SGLang reports for the tags it resumes (`/server_info` memory_usage, read at start: C-MEM-USAGE-REPORT)
-where it reports all of them. One release call frees every tag at once, so NVML alone cannot tell how much
-of it the weights take back and how much the KV cache: without SGLang's sizes the refit's resume of
-weights waits for room for everything released.
+the engine reports for the parts it resumes (EngineFacts.tag_bytes, read at start) where it reports all of
+them. One release call frees every part at once, so NVML alone cannot tell how much of it the weights take
+back and how much the KV cache: without the engine's sizes the refit's resume of weights waits for room for
+everything released.
 
 Whether or not the resume waits, a trainer process that still holds more than TRAINER_NOTICE_BYTES on a
 GPU of the pod after returning its lease is named (`ResumeHeadroom.trainer_held`)."""
@@ -34,7 +36,7 @@ from rljob.api.spec import ReleaseTag
 
 log = logging.getLogger("rljob.agent")
 
-# SGLang's size report leaves out what cuMemCreate rounds each of its allocations up to (2 MiB each, a few
+# An engine's size report leaves out what cuMemCreate rounds each of its allocations up to (2 MiB each, a few
 # hundred of them), NVML's used moves by tens of MiB on its own, and the driver maps with some room free.
 RESUME_MARGIN_BYTES = 512 << 20
 FIRST_RECHECK_S, MAX_RECHECK_S = 0.05, 2.0  # re-checks back off to one every 2 s: NVML costs ~1 ms each

@@ -29,9 +29,9 @@ LATENCY_BUCKETS = (
 class AgentMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.sglang_seconds = Histogram(
-            "rljob_agent_sglang_operation_seconds",
-            "Latency of SGLang calls made by the agent, by operation.",
+        self.engine_seconds = Histogram(
+            "rljob_agent_engine_operation_seconds",
+            "Latency of the engine calls made by the agent, by operation.",
             ["operation"],
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
@@ -44,7 +44,7 @@ class AgentMetrics:
         )
         self.refusals = Counter(
             "rljob_agent_refusals",
-            "Requests the agent refused instead of forwarding to SGLang, by reason.",
+            "Requests the agent refused instead of forwarding to the engine, by reason.",
             ["reason"],
             registry=self.registry,
         )
@@ -56,7 +56,7 @@ class AgentMetrics:
         )
         self.command_seconds = Histogram(
             "rljob_agent_command_seconds",
-            "Execution time of operator commands, SGLang calls included, by action.",
+            "Execution time of operator commands, engine calls included, by action.",
             ["action"],
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
@@ -65,5 +65,5 @@ class AgentMetrics:
             "rljob_agent_state_revision", "Current AgentState revision.", registry=self.registry
         )
 
-    def observe_sglang(self, operation: str, seconds: float) -> None:
-        self.sglang_seconds.labels(operation).observe(seconds)
+    def observe_engine(self, operation: str, seconds: float) -> None:
+        self.engine_seconds.labels(operation).observe(seconds)

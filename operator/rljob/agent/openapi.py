@@ -91,9 +91,9 @@ ROUTES: tuple[Route, ...] = (
     Route("get", "/openapi.json", "This document.", {200: None}, open=True, text="application/json"),
     Route(
         "get",
-        "/probe/sglang",
-        "Liveness of the SGLang container: SGLang's /ping through the agent (kubelet probes can't reach "
-        "127.0.0.1). 200 while paused; 503 when SGLang doesn't answer.",
+        "/probe/engine",
+        "Liveness of the engine container: the engine's liveness route through the agent (kubelet probes "
+        "can't reach 127.0.0.1). 200 while paused; 503 when the engine doesn't answer.",
         {200: None, 503: None},
         open=True,
         text="text/plain",
@@ -103,7 +103,7 @@ ROUTES: tuple[Route, ...] = (
         "/probe/gang",
         "Startup probe of the agent container: 200 once the operator has reached this agent (it watches a "
         "gang's agents only after the scheduler placed every member), 503 before. As a native sidecar's "
-        "startupProbe it holds back the pod's SGLang and trainer containers.",
+        "startupProbe it holds back the pod's engine and trainer containers.",
         {200: None, 503: None},
         open=True,
         text="text/plain",
@@ -150,9 +150,9 @@ ROUTES: tuple[Route, ...] = (
     Route(
         "post",
         "/v1/trainer/refit/group",
-        "Start init_weights_update_group in the background (distributed windows); answers at once. "
-        "SGLang joins the trainer's rendezvous: the trainer runs its own init_process_group (rank 0), "
-        "then waits on GET /v1/trainer/refit?wait= for group Ready or Failed.",
+        "Start the engine's join of the weights group in the background (distributed windows); answers at "
+        "once. The engine joins the trainer's rendezvous: the trainer runs its own init_process_group "
+        "(rank 0), then waits on GET /v1/trainer/refit?wait= for group Ready or Failed.",
         {202: "RefitWindow", **_REFUSALS},
         body="InitWeightsGroup",
         trainer=True,
@@ -308,7 +308,8 @@ def build_document(*, trainer: bool = True) -> dict[str, Any]:
         "info": {
             "title": "rljob-agent",
             "version": AGENT_API_VERSION,
-            "description": "In-pod agent between the rljob operator, the trainer and SGLang. Operator routes "
+            "description": "In-pod agent between the rljob operator, the trainer and the inference engine. "
+            "Operator routes "
             "listen on the pod IP and need the bearer token; trainer routes listen on loopback only.",
         },
         "servers": [{"url": "http://{pod_ip}:8471", "variables": {"pod_ip": {"default": "127.0.0.1"}}}],

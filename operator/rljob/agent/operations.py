@@ -1,8 +1,8 @@
-"""What each accepted command does to SGLang, in the safe order of docs/lifecycle.md (each call's rules:
-docs/sglang-conformance.md): drain, release with per-GPU verification, grant, refit (disk, or a
-tensor/distributed window), resume. Every SGLang call
-is bounded by the command's deadline. A non-idempotent call that does not answer leaves SGLang's state
-unknown: that raises StateLost (the pod must be replaced) rather than guessing.
+"""What each accepted command does to the engine, in the safe order of docs/lifecycle.md, through the
+handoff's verbs (agent/engines/base.py; each engine's calls and their rules are in its folder): drain,
+release with per-GPU verification, grant, refit (disk, or a tensor/distributed window), resume. Every
+engine call is bounded by the command's deadline. A non-idempotent call that does not answer leaves the
+engine's state unknown: that raises StateLost (the pod must be replaced) rather than guessing.
 
 Each non-idempotent call (release, resume, a disk refit's load, a refit window) is announced in the
 pod-local record before it is made and closed with its outcome (StateStore.announce/outcome), and each
@@ -22,6 +22,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeAlias
 
+from rljob.agent.deadline import Deadline
+from rljob.agent.engines.base import Engine, EngineError, EngineUnreachable
 from rljob.agent.errors import CommandFailed, PermanentFailure, StateLost
 from rljob.agent.gpu_probe import GpuMemory, GpuProbe
 from rljob.agent.gpu_scope import report_gpu_scope
@@ -30,11 +32,10 @@ from rljob.agent.lease import LeaseDesk
 from rljob.agent.metrics import AgentMetrics
 from rljob.agent.record import Intent
 from rljob.agent.refit_window import RefitWindows
-from rljob.agent.sglang_client import SGLangClient, SGLangError, SGLangUnreachable
 from rljob.agent.state import StateStore
 from rljob.agent.transitions import refit_path
 from rljob.agent.weights_check import WEIGHTS_MISMATCH, Expected, Held, judge, unverified
-from rljob.agent.weights_look import Look, look, timed
+from rljob.agent.weights_look import Look, timed
 from rljob.api.agent import (
     AgentState,
     DrainCommand,
@@ -51,9 +52,6 @@ from rljob.api.spec import DrainMode, RefitSource, ReleaseTag, ReleaseVerify
 
 log = logging.getLogger("rljob.agent")
 
-RESUME_ORDER = (ReleaseTag.CUDA_GRAPH, ReleaseTag.WEIGHTS, ReleaseTag.KV_CACHE)
-FLUSH_SERVER_WAIT_CAP_S = 30.0
-ABORT_SETTLE_S = 0.5  # half the 1 s an abort pause sleeps when it finds a request in flight
 VERIFY_FIRST_POLL_S, VERIFY_MAX_POLL_S = 0.002, 0.1
 RELEASE_SHORTFALL = "ReleaseShortfall"
 FREED_STABLE_S = 1.0  # freed memory unchanged this long when verification times out: nothing is coming
@@ -91,20 +89,11 @@ class FreedHistory:
         return now - self.changed_at >= min(FREED_STABLE_S, window_s / 2)
 
 
-class Deadline:
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self._at = asyncio.get_running_loop().time() + seconds
-
-    def remaining(self) -> float:
-        return max(0.0, self._at - asyncio.get_running_loop().time())
-
-
 class Operations:
     def __init__(
         self,
         store: StateStore,
-        client: SGLangClient,
+        engine: Engine,
         probe: GpuProbe,
         windows: RefitWindows,
         lease: LeaseDesk,
@@ -116,7 +105,7 @@ class Operations:
         self.before_drain = before_drain
         self.before_serving = before_serving
         self.store = store
-        self.client = client
+        self.engine = engine
         self.probe = probe
         self.windows = windows
         self.lease = lease
@@ -127,7 +116,7 @@ class Operations:
 
     @property
     def pause_mode(self) -> DrainMode | None:
-        """How the engine was paused (kept in the store, so in the record: C-IDLE-FLUSH-DEFERRED)."""
+        """How the engine was paused (kept in the store, so in the record: its idle proof reads it)."""
         return self.store.pause_mode
 
     @pause_mode.setter
@@ -140,116 +129,35 @@ class Operations:
         dl = Deadline(cmd.timeout_seconds)
         if self.before_drain is not None:
             await self.before_drain()  # last rollout sample, while requests still run
-        if cmd.mode == DrainMode.ABORT:
-            await self._abort_in_flight(dl)
-        await self._pause(cmd.mode, dl)
-        await self._idle_barrier(dl, "drain")
+        await self._stop(cmd.mode, dl)
+        await self.engine.prove_idle(dl, "drain", self.pause_mode)
         return None
 
-    async def _abort_in_flight(self, dl: Deadline) -> None:
-        """C-DRAIN-ABORT-FIRST: an abort pause that finds a request still in flight sleeps 1 s before it
-        looks again. Aborting first and giving the scheduler up to ABORT_SETTLE_S to go idle lets the pause
-        find none. Best effort: traffic that keeps coming (the engine is not paused yet), a slow or refused
-        call, all leave the stopping to the pause, which the drain makes in any case."""
-        settle = Deadline(min(ABORT_SETTLE_S, dl.remaining()))
-        backoff = VERIFY_FIRST_POLL_S
-        try:
-            await self.client.abort_all(timeout=max(0.001, settle.remaining()))
-            while not await self.client.flush_cache(0.0, timeout=max(0.001, settle.remaining())):
-                if settle.remaining() <= 0:
-                    return
-                await asyncio.sleep(min(backoff, settle.remaining()))
-                backoff = min(backoff * 2, 0.05)
-        except (TimeoutError, SGLangError) as e:
-            log.info("drain: abort before the pause did not settle (%s); the pause stops what runs", e)
-
-    async def _pause(self, mode: DrainMode, dl: Deadline) -> None:
+    async def _stop(self, mode: DrainMode, dl: Deadline) -> None:
         with self.store.change() as s:
-            s.sglang.paused = True  # from here on the engine may be paused: never assume otherwise
-        if self.pause_mode != DrainMode.RETRACT:  # a retract stays in effect until continue_generation
+            s.engine.paused = True  # from here on the engine may be paused: never assume otherwise
+        if self.pause_mode != DrainMode.RETRACT:  # a retract stays in effect until the engine continues
             self.pause_mode = mode
-        try:
-            await self.client.pause(mode.value, timeout=dl.remaining())
-        except TimeoutError as e:
-            raise CommandFailed(
-                f"pause_generation({mode.value}) did not return within {dl.seconds:g}s "
-                "(in-flight requests did not finish aborting)"
-            ) from e
-        except SGLangError as e:
-            raise CommandFailed(str(e)) from e
-
-    async def _idle_barrier(self, dl: Deadline, what: str) -> None:
-        """flush_cache succeeds only when the scheduler is idle by the predicate release asserts (the plain
-        flush's, C-IDLE-RELEASE). The deferred `?timeout=` form saves round trips after an abort drain,
-        but its check always counts waiting requests (C-IDLE-FLUSH-DEFERRED): after a retract it can only
-        time out, so the plain flush is polled instead. With dp_size > 1 one flush 200 is the first rank's
-        answer only (C-DP-FLUSH-FIRST) while release asserts on every rank (C-DP-RELEASE-ALL): every rank
-        must report idle on the load route first."""
-        quirks = self.client.quirks
-        multi_rank = self.store.facts is not None and self.store.facts.dp_size > 1
-        server_waits = (
-            quirks is not None
-            and quirks.flush_takes_timeout
-            and self.pause_mode != DrainMode.RETRACT
-            and not multi_rank
-        )
-        backoff = 0.02
-        busy = ""
-        while True:
-            remaining = dl.remaining()
-            if remaining <= 0:
-                detail = f" ({busy})" if busy else ""
-                raise CommandFailed(f"{what}: SGLang did not become idle within {dl.seconds:g}s{detail}")
-            try:
-                busy = await self._busy_ranks(remaining) if multi_rank else ""
-                if not busy:
-                    server_wait = min(FLUSH_SERVER_WAIT_CAP_S, remaining - 0.25) if server_waits else 0.0
-                    if await self.client.flush_cache(max(0.0, server_wait), timeout=remaining):
-                        return
-            except TimeoutError as e:
-                raise CommandFailed(f"{what}: SGLang did not answer within {dl.seconds:g}s") from e
-            except SGLangError as e:
-                raise CommandFailed(str(e)) from e
-            await asyncio.sleep(min(backoff, dl.remaining()))
-            backoff = min(backoff * 2, 0.5)
-
-    async def _busy_ranks(self, timeout: float) -> str:
-        """'' when every DP rank is idle by the release predicate, else which ranks are not. Waiting
-        requests count, except the retracted ones on versions whose release ignores them
-        (C-IDLE-RELEASE)."""
-        facts, quirks = self.store.facts, self.client.quirks
-        assert facts is not None and quirks is not None
-        ranks = await self.client.rank_loads(timeout=timeout)
-        retracted = self.pause_mode == DrainMode.RETRACT
-        ignore_waiting = retracted and quirks.release_ignores_waiting_when_retracted
-        busy = [
-            f"DP rank {rank}: {running} running, {waiting} waiting"
-            for rank, running, waiting in ranks
-            if running > 0 or (waiting > 0 and not ignore_waiting)
-        ]
-        if len({rank for rank, _, _ in ranks}) < facts.dp_size:
-            busy.append(f"{self.client.load_route} reports {len(ranks)} of {facts.dp_size} DP ranks")
-        return "; ".join(busy)
+        await self.engine.stop_new_work(mode, dl)
 
     # --- release ---------------------------------------------------------------------------------
 
     async def release(self, cmd: ReleaseCommand) -> Record:
-        unique = list(dict.fromkeys(cmd.tags))  # duplicates are harmless (C-MEM-DUP-TAG-RELEASE); send once
+        unique = list(dict.fromkeys(cmd.tags))  # each tag once
         tags = [t.value for t in unique]
         if self.store.release_before and all(t in self.store.state.released_tags for t in unique):
             # Re-run after the agent's restart, the release already made (recorded, or proven by freed
-            # memory): a second one kills SGLang (C-MEM-DOUBLE-RELEASE). Verify it against the sample
-            # taken before it.
+            # memory): a second one may kill the engine. Verify it against the sample taken before it.
             before = [GpuMemory(i, used, 0) for i, used in sorted(self.store.release_before.items())]
             await self._verify_freed(before, cmd.verify, tags)
             return None
-        # Re-check idleness right before the call: release asserts it, and failing kills SGLang. The
-        # memory before is sampled meanwhile: a flush frees no GPU memory (the KV pool is static), and the
+        # Re-check idleness right before the call: a release of a busy engine may kill it. The memory
+        # before is sampled meanwhile: the idle proof frees no GPU memory (the KV pool is static), and the
         # probe's first call (NVML init) then costs the release nothing.
         t0 = time.perf_counter()
         sampling = asyncio.create_task(self._sample())
         try:
-            await self._idle_barrier(Deadline(cmd.verify.timeout_seconds), "release")
+            await self.engine.prove_idle(Deadline(cmd.verify.timeout_seconds), "release", self.pause_mode)
         except BaseException:
             sampling.cancel()
             raise
@@ -274,18 +182,21 @@ class Operations:
         self.store.release_freed, self.store.taken_back = {}, {}  # a new cycle for the headroom gate
         with self.store.change() as s:
             s.memory = MemoryReport(used_before_bytes=sum(g.used_bytes for g in before), gpus=len(before))
-        self.store.announce(Intent("release", cmd.epoch, tuple(tags), used_before=self.store.release_before))
+        named = self.engine.call_name("release")
+        self.store.announce(
+            Intent("release", cmd.epoch, tuple(tags), used_before=self.store.release_before, named=named)
+        )
         try:
-            await self.client.release(tags, timeout=self.call_timeout_s)
+            await self.engine.release(unique, timeout=self.call_timeout_s)
         except TimeoutError as e:
             raise StateLost(
-                f"release_memory_occupation({', '.join(tags)}) did not answer in {self.call_timeout_s:g}s: "
+                f"{named}({', '.join(tags)}) did not answer in {self.call_timeout_s:g}s: "
                 "whether the tags are released is unknown"
             ) from e
-        except SGLangError as e:
+        except EngineError as e:
             with self.store.outcome():
                 pass
-            raise CommandFailed(str(e)) from e  # refused in the tokenizer: nothing was released
+            raise CommandFailed(str(e)) from e  # refused before it ran: nothing was released
         with self.store.outcome() as s:
             s.released_tags = [*s.released_tags, *unique]
 
@@ -310,8 +221,8 @@ class Operations:
     async def _sample(self) -> list[GpuMemory]:
         try:
             gpus = await self.probe.sample()
-        except SGLangUnreachable:
-            raise  # a probe that reads through SGLang's port: its loss is SGLang's death
+        except EngineUnreachable:
+            raise  # a probe that reads through the engine's port: its loss is the engine's death
         except Exception as e:  # NVML errors have no common base class worth naming
             raise CommandFailed(f"GPU probe failed: {e.__class__.__name__}: {e}") from e
         report_gpu_scope(self.store, self.probe, len(gpus))
@@ -366,15 +277,15 @@ class Operations:
     # --- resume helpers --------------------------------------------------------------------------
 
     async def _resume_tags(self, tags: list[ReleaseTag], dl: Deadline) -> None:
-        """C-MEM-RESUME-UNRELEASED: a tag never released, or twice in one list, is a fatal KeyError in the
-        scheduler. Each tag goes once, and only if released."""
+        """A resume of a part never released, or twice in one call, may kill the engine: each part goes
+        once, and only if released."""
         tags = list(dict.fromkeys(tags))
         if not tags:
             return
         unreleased = [t.value for t in tags if t not in self.store.state.released_tags]
         if unreleased:
             raise CommandFailed(
-                f"not resuming {', '.join(unreleased)}: not released (a resume would kill SGLang)"
+                f"not resuming {', '.join(unreleased)}: not released (a resume would kill {self.engine.name})"
             )
         await self._resume_call(tags, dl)
 
@@ -385,15 +296,16 @@ class Operations:
         epoch = self.store.state.epoch
         before = await self.headroom.clear(tags, epoch, dl.remaining)
         used = {g.index: g.used_bytes for g in before}
-        self.store.announce(Intent("resume", epoch, tuple(names), used_before=used))
+        named = self.engine.call_name("resume")
+        self.store.announce(Intent("resume", epoch, tuple(names), used_before=used, named=named))
         try:
-            await self.client.resume(names, timeout=dl.remaining())
+            await self.engine.resume(tags, timeout=dl.remaining())
         except TimeoutError as e:
             raise StateLost(
-                f"resume_memory_occupation({', '.join(names)}) did not answer within the deadline "
-                "(out of GPU memory? sglang#14092): whether the tags are resumed is unknown"
+                f"{named}({', '.join(names)}) did not answer within the deadline "
+                "(out of GPU memory?): whether the tags are resumed is unknown"
             ) from e
-        except SGLangError as e:
+        except EngineError as e:
             with self.store.outcome():
                 pass
             raise CommandFailed(str(e)) from e
@@ -414,20 +326,21 @@ class Operations:
         new_weights = self.store.state.stage == Stage.TRAINED and not cmd.reload
         unpaused = self.store.state.stage in (Stage.READY, Stage.SERVING)
         if unpaused:  # rejoin after recovery: drain first
-            await self._pause(DrainMode.ABORT, dl)
-        # ≤0.5.21 kills the server if the post-refit flush finds work: refit only while paused and idle.
-        # A release asserted idleness and the engine stayed paused since (nothing can have started).
+            await self._stop(DrainMode.ABORT, dl)
+        # A load that finds work may kill the engine: refit only while paused and idle. A release proved
+        # idleness and the engine stayed paused since (nothing can have started).
         if unpaused or not self.store.state.released_tags:
-            await self._idle_barrier(dl, "refit")
+            await self.engine.prove_idle(dl, "refit", self.pause_mode)
         if unpaused:
             with self.store.change(stage=Stage.DRAINED):
                 pass
         facts = self.store.facts
-        discarded = bool(self._released(ReleaseTag.WEIGHTS)) and not (facts and facts.weights_cpu_backup)
+        discarded = bool(self._released(ReleaseTag.WEIGHTS)) and not (facts and facts.weights_survive_release)
         if cmd.reload and discarded:  # saved with the resume's announcement: a restart still owes the load
             self.store.reload_owed = cmd.version
-        # Multi-stage resume: weights (and graphs) now, kv_cache only at resume; the engine stays paused.
-        await self._resume_tags(self._released(ReleaseTag.CUDA_GRAPH, ReleaseTag.WEIGHTS), dl)
+        # Multi-stage resume: every part but the last now (weights among them), the last only at resume;
+        # the engine stays paused.
+        await self._resume_tags(self._released(*self.engine.resume_order[:-1]), dl)
         # What the resumed (discarded) weights hold before the load: new weights that hash the same moved
         # nothing. Weights the release kept are the previous version's: their checksum is known. A disk
         # load with a usable digest needs no look: garbage left in place fails the digest.
@@ -438,38 +351,36 @@ class Operations:
             and self.store.refit_done != cmd.version
             and not self._digest_decides(cmd)
         ):
-            before = await look(self.client, weights_released=False, timeout=max(1.0, dl.remaining()))
+            before = await self.engine.read_weights(weights_released=False, timeout=max(1.0, dl.remaining()))
         reloaded: str | None = None
         try:
             if cmd.reload:
                 reloaded = await self._reload(cmd, discarded, dl)
-                recorded = True
+                carried = True
             else:
-                recorded = await self._load(cmd, path, dl)
-            quirks = self.client.quirks
-            if not recorded or (quirks is not None and not quirks.refit_while_paused_records_version):
-                # C-REFIT-WV-PAUSED: the agent always refits paused, and 0.5.6 then drops weight_version;
-                # set it without a lock or an abort (C-ROUTE-WV-SET), then verify it below as everywhere.
-                await self.client.update_weight_version(cmd.version, timeout=max(1.0, dl.remaining()))
-            served = await self.client.served_version(timeout=max(1.0, dl.remaining()))
-        except SGLangError as e:
+                carried = await self._load(cmd, path, dl)
+            # The label where the load did not carry it (or the engine dropped it), verified below.
+            await self.engine.label_weights(cmd.version, timeout=max(1.0, dl.remaining()), carried=carried)
+            served = (await self.engine.served(timeout=max(1.0, dl.remaining()))).version
+        except EngineError as e:
             raise CommandFailed(str(e)) from e
         except TimeoutError as e:
             raise CommandFailed(f"refit did not finish within {dl.seconds:g}s") from e
         if served != cmd.version:
             raise CommandFailed(
-                f"SGLang serves weight_version {served!r} after the refit, expected {cmd.version!r}"
+                f"{self.engine.name} serves weight_version {served!r} after the refit, "
+                f"expected {cmd.version!r}"
             )
         weights = await self._check_weights(cmd, new_weights, before, dl)
 
         loaded = reloaded if cmd.reload else (path if cmd.source == RefitSource.DISK else None)
 
         def record(s: AgentState) -> None:
-            s.sglang.served_version = served
-            s.sglang.weights = weights
+            s.engine.served_version = served
+            s.engine.weights = weights
             if loaded is not None:
-                s.sglang.model_path = loaded
-            if loaded is not None or not cmd.reload:  # a pushed version is in no checkpoint SGLang read
+                s.engine.model_path = loaded
+            if loaded is not None or not cmd.reload:  # a pushed version is in no checkpoint the engine read
                 self.store.path_version = served if loaded is not None else None
 
         return record
@@ -477,13 +388,13 @@ class Operations:
     async def _check_weights(
         self, cmd: RefitCommand, new_weights: bool, before: Look | None, dl: Deadline
     ) -> WeightsCheck:
-        """What SGLang holds now, by content, held against what it must be (agent/weights_check.py): a
+        """What the engine holds now, by content, held against what it must be (agent/weights_check.py): a
         mismatch fails the refit (WeightsMismatch) naming the parameters, so rollout never opens on them.
         Where no checksum can be taken, the report says "weights not verified: <reason>". `before`: the
         look at the discarded weights before the load."""
         started = time.perf_counter() - (before.seconds if before is not None else 0.0)
         released = ReleaseTag.WEIGHTS in self.store.state.released_tags
-        seen = await look(self.client, released, timeout=max(1.0, dl.remaining()))
+        seen = await self.engine.read_weights(released, timeout=max(1.0, dl.remaining()))
         if seen.held is None:
             return timed(unverified(str(seen.why), cmd.version), seen, started)
         want = self._expected(cmd, new_weights, before.held if before is not None else None)
@@ -503,8 +414,8 @@ class Operations:
             "; ".join(verdict.failures) or "ok",
         )
         if verdict.failures:
-            with self.store.change() as s:  # what SGLang holds, for the operator's message
-                s.sglang.weights = report
+            with self.store.change() as s:  # what the engine holds, for the operator's message
+                s.engine.weights = report
             raise CommandFailed(f"{WEIGHTS_MISMATCH}: {'; '.join(verdict.failures)}", reason=WEIGHTS_MISMATCH)
         return report
 
@@ -536,13 +447,14 @@ class Operations:
             reload=cmd.reload,
             digest=digest,
             no_digest=no_digest,
-            previous=self.store.state.sglang.weights,
+            previous=self.store.state.engine.weights,
             previous_held=self.store.weights_held,
             before_load=before_load,
             committed_checksum=cmd.committed_checksum,
             committed_layout=cmd.committed_layout,
             whole_tensors=(
-                f"SGLang runs a quantized model (--quantization {quantized}): it hashes dequantized weights"
+                f"{self.engine.name} runs a quantized model (--quantization {quantized}): it hashes "
+                "dequantized weights"
                 if quantized
                 else None
             ),
@@ -550,68 +462,68 @@ class Operations:
 
     async def _reload(self, cmd: RefitCommand, discarded: bool, dl: Deadline) -> str | None:
         """A lease given back without new weights: the committed version again. Weights the release kept,
-        or SGLang's CPU backup restored (the resume before this), need nothing more; weights it discarded
-        come from a disk load of the checkpoint SGLang last loaded that version from (its own path for it),
+        or the engine's host copy restored (the resume before this), need nothing more; weights it discarded
+        come from a disk load of the checkpoint the engine last loaded that version from (its own path),
         else of the command's path. The path loaded, if any. A restarted agent re-running the command finds
         the weights resumed and the load still owed in its record (StateStore.reload_owed), and makes it."""
         if not discarded and self.store.reload_owed != cmd.version:
             return None
-        known = self.store.state.sglang.model_path if self.store.path_version == cmd.version else None
+        known = self.store.state.engine.model_path if self.store.path_version == cmd.version else None
         path = known or cmd.path
         if path is None:
+            facts = self.store.facts
+            keep = f"{facts.keep_weights_hint}, " if facts is not None else ""
             raise PermanentFailure(
                 "WeightsNotReloadable",
-                f"the release discarded weights {cmd.version} (SGLang runs without "
-                "--enable-weights-cpu-backup) and no checkpoint of them is known: push weights before "
-                "resuming, launch SGLang with --enable-weights-cpu-backup, or leave weights out of "
-                "spec.release.tags",
+                f"the release discarded weights {cmd.version} ({self.engine.name} keeps no copy of them) and "
+                f"no checkpoint of them is known: push weights before resuming, {keep}or leave weights out "
+                "of spec.release.tags",
             )
         await self._load_from_disk(cmd, path, dl)
         return path
 
     async def _load(self, cmd: RefitCommand, path: str | None, dl: Deadline) -> bool:
-        """The new weights into SGLang, once: a re-run after the agent's restart skips a recorded load.
-        False when SGLang was not given the version with them (a window closed without a final push)."""
+        """The new weights into the engine, once: a re-run after the agent's restart skips a recorded load.
+        False when the engine was not given the version with them (a window closed without a final push)."""
         if self.store.refit_done == cmd.version:
             return True
         if cmd.source != RefitSource.DISK:
             return await self._refit_window(cmd, dl)
-        assert path is not None  # transitions.refit_guards refused a disk refit without one
+        assert path is not None  # transitions.refit_inputs refused a disk refit without one
         await self._load_from_disk(cmd, path, dl)
         return True
 
     async def _load_from_disk(self, cmd: RefitCommand, path: str, dl: Deadline) -> None:
-        """update_weights_from_disk of `path` as `cmd.version`, announced in the record and closed with its
-        outcome."""
-        self.store.announce(Intent("refit", cmd.epoch, version=cmd.version, path=path))
+        """The disk load of `path` as `cmd.version`, announced in the record and closed with its outcome."""
+        named = self.engine.call_name("refit")
+        self.store.announce(Intent("refit", cmd.epoch, version=cmd.version, path=path, named=named))
         try:
-            await self.client.update_weights_from_disk(path, cmd.version, timeout=dl.remaining())
-        except SGLangError:
+            await self.engine.load_from_disk(path, cmd.version, timeout=dl.remaining())
+        except EngineError:
             with self.store.outcome():
-                pass  # SGLang answered: the load failed, and nothing is unknown
+                pass  # the engine answered: the load failed, and nothing is unknown
             raise
         with self.store.outcome():
             self.store.refit_done = cmd.version
             self.store.reload_owed = None
 
     async def _refit_window(self, cmd: RefitCommand, dl: Deadline) -> bool:
-        session = self.client.quirks is not None and self.client.quirks.weight_update_session
-        if session:
-            await self._begin_session(dl)
-        # The trainer's pushes go to SGLang while the window is open: a restarted agent cannot replay them.
-        self.store.announce(Intent("refit_window", cmd.epoch, version=cmd.version))
+        await self.engine.open_weight_update(dl)
+        # The trainer's pushes go to the engine while the window is open: a restarted agent cannot replay
+        # them.
+        named = self.engine.call_name("refit_window")
+        self.store.announce(Intent("refit_window", cmd.epoch, version=cmd.version, named=named))
         failure, versioned = await self._window(cmd, dl)
-        if session:
-            try:
-                await self.client.end_weight_update(timeout=max(1.0, dl.remaining()))
-            except (SGLangError, TimeoutError) as e:
-                failure = failure or CommandFailed(f"end_weight_update failed: {e}")
+        try:
+            await self.engine.close_weight_update(timeout=max(1.0, dl.remaining()))
+        except CommandFailed as e:
+            failure = failure or e
         with self.store.outcome():
             if failure is None:
                 self.store.refit_done = cmd.version
         if failure is not None:
             raise failure
-        await self._idle_barrier(dl, "refit")  # the pushes ran with flush_cache=false: flush now
+        await self.engine.flush_prefix_cache(dl, self.pause_mode)  # the pushes left it: flush once, now
         return versioned
 
     async def _window(self, cmd: RefitCommand, dl: Deadline) -> tuple[CommandFailed | None, bool]:
@@ -630,17 +542,6 @@ class Operations:
             return CommandFailed("the trainer closed the refit window without a final push"), False
         return None, window.final_pushed
 
-    async def _begin_session(self, dl: Deadline) -> None:
-        try:
-            await self.client.begin_weight_update(timeout=dl.remaining())
-        except SGLangError as e:
-            if "already open" not in e.message:
-                raise
-            # A window that failed before its end call left the session open: close it, start clean.
-            log.warning("weight-update session was still open; ending it first")
-            await self.client.end_weight_update(timeout=dl.remaining())
-            await self.client.begin_weight_update(timeout=dl.remaining())
-
     # --- resume ----------------------------------------------------------------------------------
 
     async def grant(self, cmd: GrantCommand) -> Record:
@@ -648,46 +549,20 @@ class Operations:
 
     async def resume(self, cmd: ResumeCommand) -> Record:
         dl = Deadline(cmd.timeout_seconds)
-        await self._resume_tags(self._released(*RESUME_ORDER), dl)
-        # C-RESUME-PROBE: the resumed engine must generate a token before rollout opens. The probe goes out
-        # first and waits in the paused tokenizer (C-PAUSE-GENERATE-WAITS), so it runs as soon as
-        # continue_generation lets it, and the served version is read meanwhile.
-        probe = asyncio.create_task(self.client.generate_probe(timeout=max(1.0, dl.remaining())))
-        try:
-            await self.client.continue_generation(timeout=dl.remaining())
-        except BaseException as e:
-            probe.cancel()
-            if isinstance(e, TimeoutError):
-                raise CommandFailed("continue_generation did not answer before the deadline") from e
-            if isinstance(e, SGLangError):
-                raise CommandFailed(str(e)) from e
-            raise
-        self.pause_mode = None
-        with self.store.change() as s:
-            s.sglang.paused = False
-        expected = self.store.state.sglang.served_version
-        served = await self._served_after_probe(probe, dl)
+        await self._resume_tags(self._released(*self.engine.resume_order), dl)
+        expected = self.store.state.engine.served_version
+        served = (await self.engine.continue_serving(dl, self._serving)).version
         if served != expected:
-            raise CommandFailed(f"SGLang serves weight_version {served!r}, expected {expected!r}")
+            raise CommandFailed(f"{self.engine.name} serves weight_version {served!r}, expected {expected!r}")
         if self.before_serving is not None:
             await self.before_serving()  # the rollout's baseline, before any rollout request can finish
         return _new_rollout
 
-    async def _served_after_probe(self, probe: asyncio.Task[None], dl: Deadline) -> str:
-        """The probe's token and the served weight_version, read concurrently."""
-        reading = asyncio.create_task(self.client.served_version(timeout=max(1.0, dl.remaining())))
-        try:
-            await probe
-        except TimeoutError as e:
-            reading.cancel()
-            raise CommandFailed(f"SGLang generated no token within {dl.seconds:g}s of the resume") from e
-        except SGLangError as e:
-            reading.cancel()
-            raise CommandFailed(f"SGLang cannot generate after the resume: {e}") from e
-        try:
-            return await reading
-        except (SGLangError, TimeoutError) as e:
-            raise CommandFailed(f"cannot read the served weight_version: {e}") from e
+    def _serving(self) -> None:
+        """The engine took the call to serve again: it is no longer paused."""
+        self.pause_mode = None
+        with self.store.change() as s:
+            s.engine.paused = False
 
 
 def freed_target(verify: ReleaseVerify, used_before: dict[int, int]) -> dict[int, int]:

@@ -40,11 +40,12 @@ from rljob.api.agent import (
     Stage,
 )
 
-# /probe/sglang is the SGLang container's liveness probe: SGLang binds 127.0.0.1, which the kubelet
-# can't reach, so the kubelet asks the agent, which asks SGLang's /ping (200 even while paused).
-# /probe/gang is the agent's startupProbe: the kubelet starts the pod's SGLang and trainer only after it
+# /probe/engine is the engine container's liveness probe: the engine binds 127.0.0.1, which the kubelet
+# can't reach, so the kubelet asks the agent, which asks the engine's liveness route (Engine.liveness: any
+# answer, paused included).
+# /probe/gang is the agent's startupProbe: the kubelet starts the pod's engine and trainer only after it
 # passes (a native sidecar's startupProbe, docs/control-plane.md "Gangs that do not fit").
-OPEN_PATHS = frozenset({"/healthz", "/metrics", "/openapi.json", "/probe/sglang", "/probe/gang"})
+OPEN_PATHS = frozenset({"/healthz", "/metrics", "/openapi.json", "/probe/engine", "/probe/gang"})
 MAX_FRAME_BYTES = 2**20  # a command frame is < 1 KiB; a bigger one is not the operator's
 # A channel silent this long is pinged, and closed when no pong comes within half of it again: an
 # operator whose node went away without closing its connections leaves no handler behind.
@@ -79,7 +80,7 @@ def build_operator_app(
     desk: CommandDesk,
     metrics: AgentMetrics,
     token: str,
-    ping_sglang: Callable[[], Awaitable[int]] | None = None,
+    engine_liveness: Callable[[], Awaitable[int]] | None = None,
 ) -> web.Application:
     document = build_document()
     contact = OperatorContact()
@@ -166,10 +167,10 @@ def build_operator_app(
         st = store.state
         return reply(AgentHealth(ok=st.stage != Stage.FAILED, stage=st.stage, boot_id=st.boot_id))
 
-    async def probe_sglang(request: web.Request) -> web.Response:
+    async def probe_engine(request: web.Request) -> web.Response:
         try:
-            code = await ping_sglang() if ping_sglang is not None else 503
-        except Exception:  # any failure to reach SGLang is a failed probe, never a 500
+            code = await engine_liveness() if engine_liveness is not None else 503
+        except Exception:  # any failure to reach the engine is a failed probe, never a 500
             code = 503
         return web.Response(status=200 if code == 200 else 503, text="ok" if code == 200 else "unavailable")
 
@@ -195,7 +196,7 @@ def build_operator_app(
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics_route)
     app.router.add_get("/openapi.json", openapi)
-    app.router.add_get("/probe/sglang", probe_sglang)
+    app.router.add_get("/probe/engine", probe_engine)
     app.router.add_get("/probe/gang", probe_gang)
     return app
 

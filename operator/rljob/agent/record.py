@@ -1,14 +1,13 @@
 """The agent's pod-local record: what a restarted agent process needs to continue where it was.
 
 The agent runs as a native sidecar (an init container with `restartPolicy: Always`), so the kubelet
-restarts its process without ending the pod, and SGLang keeps running beside it. The record lives on a
-pod-scoped emptyDir (`medium: Memory`), so it survives the agent's restarts and dies with the pod, as
-SGLang's state does. It holds the agent's state report, the command in progress, and the *intent* of a
-non-idempotent SGLang call: written (and fsynced) before the call, cleared together with the call's outcome
-after it. An intent found on restart means the call may or may not have run; the agent then looks for
-evidence (freed GPU memory, the served version) and, without any, reports StateUnknown instead of
-guessing: a second release or resume of the same tags kills SGLang (C-MEM-DOUBLE-RELEASE,
-C-MEM-RESUME-UNRELEASED in docs/sglang-conformance.md).
+restarts its process without ending the pod, and the engine keeps running beside it. The record lives on a
+pod-scoped emptyDir (`medium: Memory`), so it survives the agent's restarts and dies with the pod, as the
+engine's state does. It holds the agent's state report, the command in progress, and the *intent* of a
+non-idempotent engine call: written (and fsynced) before the call, cleared together with the call's
+outcome after it. An intent found on restart means the call may or may not have run; the agent then looks
+for evidence (freed GPU memory, the served version) and, without any, reports StateUnknown instead of
+guessing: a second release or resume of the same parts may kill the engine (docs/agent.md).
 
 Each save is atomic: write a temporary file, fsync it, rename it over the record (a reader sees the old
 record or the new one, never half of one). On tmpfs the fsync costs nothing; on a disk-backed emptyDir it
@@ -35,7 +34,7 @@ class RecordError(Exception):
 
 @dataclass(frozen=True)
 class Intent:
-    """A non-idempotent SGLang call the agent is about to make (or is making)."""
+    """A non-idempotent engine call the agent is about to make (or is making)."""
 
     call: str  # release | resume | refit | refit_window
     epoch: int  # the command it belongs to
@@ -44,16 +43,11 @@ class Intent:
     path: str | None = None  # disk refit: the checkpoint
     used_before: dict[int, int] = field(default_factory=dict)  # per GPU, bytes, just before the call
     at: float = 0.0  # unix seconds
+    named: str | None = None  # the call as the engine names it (Engine.call_name)
 
     def describe(self) -> str:
-        what = {
-            "release": "release_memory_occupation",
-            "resume": "resume_memory_occupation",
-            "refit": "update_weights_from_disk",
-            "refit_window": "a tensor/distributed refit window",
-        }.get(self.call, self.call)
         args = ", ".join(self.tags) if self.tags else (self.version or "")
-        return f"{what}({args}) at epoch {self.epoch}"
+        return f"{self.named or self.call}({args}) at epoch {self.epoch}"
 
     def wire(self) -> dict[str, Any]:
         out = asdict(self)
@@ -71,6 +65,7 @@ class Intent:
             path=data.get("path"),
             used_before={int(k): int(v) for k, v in (data.get("used_before") or {}).items()},
             at=float(data.get("at") or 0.0),
+            named=data.get("named"),
         )
 
 

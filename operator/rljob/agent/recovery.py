@@ -1,20 +1,17 @@
 """A restarted agent continues where it was, or says it cannot.
 
-The recorded state (agent/record.py) is checked against what SGLang reports through its own routes:
-`/model_info` (the served weight_version and model_path; C-ROUTE-WV-READ in docs/sglang-conformance.md)
-and the GPU memory probe the agent verifies releases with. SGLang has no route that tells which memory
-tags are released or whether a call is still running (its `/server_info` internal state has neither,
-docs/sglang-conformance.md §1; `/ready` reports paused/not paused from 0.5.20 only, C-HEALTH-READY), so an
-announced call without an outcome is resolved only by positive evidence:
+The recorded state (agent/record.py) is checked against what the engine reports (Engine.served: the
+served version and model path) and the GPU memory probe the agent verifies releases with. An engine need
+not tell which memory parts are released or whether a call is still running (each engine's folder says
+what it has), so an announced call without an outcome is resolved only by positive evidence:
 
 - release: every GPU freed what the release's `verify` asks, against the sample taken before the call
-  (nothing else frees SGLang's memory while it is paused and idle);
+  (nothing else frees the engine's memory while it is paused and idle);
 - resume: every GPU's used memory grew past the noise since the sample taken before the call;
-- disk refit: `/model_info` serves the version the call loads, or names the checkpoint when it is another
-  than the one it named before; a reload of the committed version from the checkpoint SGLang already
+- disk refit: the engine serves the version the call loads, or names the checkpoint when it is another
+  than the one it named before; a reload of the committed version from the checkpoint the engine already
   named (after a lease that brought none) shows neither, so it is never taken as made, and it is not sent
-  again while it may still run (a paused load takes no lock and a second one replaces the tokenizer's one
-  result future the first still waits on: tokenizer_manager.py:2302-2314,2372-2381@0.5.23);
+  again while it may still run (a second load may race the first: Engine.load_from_disk);
 - a tensor/distributed refit window: never (the trainer's pushes cannot be replayed).
 
 Without evidence within the call's own deadline the agent reports StateUnknown (stage Failed, recovery
@@ -30,18 +27,18 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from rljob.agent.engines.base import Engine, EngineUnreachable
 from rljob.agent.gpu_probe import GpuProbe
 from rljob.agent.operations import FREED_NOISE_BYTES, freed_target
 from rljob.agent.record import Intent
-from rljob.agent.sglang_client import SGLangClient, SGLangUnreachable
 from rljob.agent.state import StateStore
 from rljob.api.agent import (
     Action,
     CommandState,
+    EngineInfo,
     RecoveryState,
     RefitCommand,
     ReleaseCommand,
-    SGLangInfo,
     Stage,
 )
 from rljob.api.spec import ReleaseTag
@@ -56,17 +53,17 @@ class Recovery:
     def __init__(
         self,
         store: StateStore,
-        client: SGLangClient,
+        engine: Engine,
         probe: GpuProbe,
         resume_command: Callable[[], None],
     ) -> None:
         self.store = store
-        self.client = client
+        self.engine = engine
         self.probe = probe
         self._resume_command = resume_command  # CommandDesk.resume_recorded of the recorded command
 
-    async def run(self, seen: SGLangInfo) -> None:
-        """`seen`: what SGLang reported at detection (reachable, version, served version, model path)."""
+    async def run(self, seen: EngineInfo) -> None:
+        """`seen`: what the engine reported at detection (reachable, version, served version, model path)."""
         store, st = self.store, self.store.state
         intent = store.intent
         if st.stage == Stage.FAILED:  # failed before the restart: that stays (the pod must be replaced)
@@ -76,16 +73,16 @@ class Recovery:
             return
         if not self._same_server(seen):
             store.unsure(
-                f"SGLang serves weight_version {seen.served_version!r}, the record says "
-                f"{st.sglang.served_version!r}: not the server this agent recorded"
+                f"{self.engine.name} serves weight_version {seen.served_version!r}, the record says "
+                f"{st.engine.served_version!r}: not the server this agent recorded"
             )
             return
-        detail = "recorded state matches SGLang"
+        detail = f"recorded state matches {self.engine.name}"
         if intent is not None:
             try:
                 found = await self._resolve(intent)
-            except SGLangUnreachable as e:
-                store.fail(f"SGLang stopped answering while the agent recovered: {e}")
+            except EngineUnreachable as e:
+                store.fail(f"{self.engine.name} stopped answering while the agent recovered: {e}")
                 return
             if found is None:
                 store.unsure(f"{intent.describe()} was announced and its outcome is unknown")
@@ -93,30 +90,31 @@ class Recovery:
             detail = found
         self._recovered(seen, detail)
 
-    def _recovered(self, seen: SGLangInfo, detail: str) -> None:
-        """The record matches SGLang: Recovered, and the command that was running runs on."""
+    def _recovered(self, seen: EngineInfo, detail: str) -> None:
+        """The record matches the engine: Recovered, and the command that was running runs on."""
         store, st = self.store, self.store.state
-        fresh = st.stage == Stage.STARTING  # died before SGLang was first seen: start as a fresh agent
+        fresh = st.stage == Stage.STARTING  # died before the engine was first seen: start as a fresh agent
         with store.outcome(stage=Stage.READY if fresh else None) as s:  # closes the intent with its outcome
-            s.sglang.reachable = True
-            s.sglang.version = seen.version
-            s.sglang.weight_cache_mode = seen.weight_cache_mode
+            s.engine.reachable = True
+            s.engine.version = seen.version
+            s.engine.kind = seen.kind
+            s.engine.launch_refusal = seen.launch_refusal
             s.recovery.state = RecoveryState.RECOVERED
             s.recovery.detail = detail[:1024]
             if fresh:
-                s.sglang = seen
+                s.engine = seen
         log.info("agent recovered after restart %d: %s", st.recovery.restarts, detail)
         last = st.last_command
         if last is not None and last.state == CommandState.RUNNING and store.command is not None:
             self._resume_command()
 
-    def _same_server(self, seen: SGLangInfo) -> bool:
-        """SGLang serves a version the record knows: the one recorded, or one a refit was loading."""
+    def _same_server(self, seen: EngineInfo) -> bool:
+        """The engine serves a version the record knows: the one recorded, or one a refit was loading."""
         store, intent = self.store, self.store.intent
-        allowed = {store.state.sglang.served_version, store.refit_done}
+        allowed = {store.state.engine.served_version, store.refit_done}
         if intent is not None and intent.call == "refit":
             allowed.add(intent.version)
-        return store.state.sglang.served_version is None or seen.served_version in allowed
+        return store.state.engine.served_version is None or seen.served_version in allowed
 
     async def _resolve(self, intent: Intent) -> str | None:
         """The outcome of an announced call, applied to the state; None when it cannot be known (a
@@ -155,7 +153,7 @@ class Recovery:
         if not await self._loaded(intent, cmd):
             return None
         self.store.refit_done = intent.version
-        return f"{intent.describe()}: made (/model_info shows it)"
+        return f"{intent.describe()}: made ({self.engine.name} serves it)"
 
     def _deadline(self, seconds: float) -> float:
         """The announced call's command deadline, from when the command started (agent clock)."""
@@ -168,9 +166,11 @@ class Recovery:
             try:
                 if await proven():
                     return True
-            except SGLangUnreachable:
+            except EngineUnreachable:
                 raise
-            except Exception as e:  # SGLang's errors, timeouts, the GPU probe's own (NVML has no common base)
+            except (
+                Exception
+            ) as e:  # the engine's errors, timeouts, the GPU probe's own (NVML has no common base)
                 log.warning("recovery evidence: %s: %s", e.__class__.__name__, e)
             if time.monotonic() >= until:
                 return False
@@ -208,19 +208,19 @@ class Recovery:
 
     async def _loaded(self, intent: Intent, cmd: RefitCommand) -> bool:
         st = self.store.state
-        # What /model_info shows once the load ran: the version when it is a new one, the path when SGLang
+        # What the engine serves once the load ran: the version when it is a new one, the path when it
         # named another before it (a successful load sets both). A reload of the version and checkpoint
-        # SGLang already named shows neither: nothing can tell.
-        version_shows = intent.version != st.sglang.served_version
-        path_shows = intent.path is not None and intent.path != st.sglang.model_path
+        # the engine already named shows neither: nothing can tell.
+        version_shows = intent.version != st.engine.served_version
+        path_shows = intent.path is not None and intent.path != st.engine.model_path
         if not (version_shows or path_shows):
             return False
 
         async def loaded() -> bool:
-            info = await self.client.model_info(timeout=5)
-            if version_shows and str(info.get("weight_version")) == intent.version:
+            served = await self.engine.served(timeout=5)
+            if version_shows and served.version == intent.version:
                 return True
-            # 0.5.6 drops weight_version on a paused refit (C-REFIT-WV-PAUSED): the path it loaded shows.
-            return path_shows and info.get("model_path") == intent.path
+            # An engine may drop the label of a paused load (Engine.label_weights): the path it loaded shows.
+            return path_shows and served.model_path == intent.path
 
         return await self._poll(self._deadline(cmd.timeout_seconds), loaded)

@@ -1,22 +1,19 @@
 """The tensor/distributed refit window: opened by the refit command, used by the trainer to push weights
-through the agent (which adds flush_cache=false and puts weight_version on the final push), closed by the
-trainer. Pushes are forwarded one at a time, in arrival order. A distributed window's group init runs in
-the background (C-REFIT-GROUP-BLOCK): SGLang answers it only once the trainer has joined the group."""
+through the agent (which puts the version on the final push), closed by the trainer. Pushes are forwarded
+one at a time, in arrival order. A distributed window's group init runs in the background: the engine
+answers it only once the trainer has joined the group."""
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import json
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rljob.agent import bucket_check
+from rljob.agent.engines.base import Engine, EngineError, EngineUnreachable
 from rljob.agent.errors import Refused, conflict
-from rljob.agent.sglang_client import SGLangClient, SGLangError, SGLangUnreachable
 from rljob.agent.state import StateStore
 from rljob.api.agent import (
     DistributedPush,
@@ -51,20 +48,20 @@ class OpenWindow:
         return max(0.0, self.deadline - asyncio.get_running_loop().time())
 
 
-# torch's default_pg_timeout (30 min), which SGLang's rendezvous uses (C-REFIT-GROUP-BLOCK), plus a
-# margin: the agent must hear SGLang's own answer, not give up first and lose track of the scheduler.
+# torch's default_pg_timeout (30 min), which an engine's side of the rendezvous waits, plus a margin: the
+# agent must hear the engine's own answer, not give up first and lose track of its scheduler.
 GROUP_INIT_TIMEOUT_S = 1800.0 + 60.0
 
 
 class RefitWindows:
     def __init__(
-        self, store: StateStore, client: SGLangClient, group_timeout_s: float = GROUP_INIT_TIMEOUT_S
+        self, store: StateStore, engine: Engine, group_timeout_s: float = GROUP_INIT_TIMEOUT_S
     ) -> None:
         self._store = store
-        self._client = client
+        self._engine = engine
         self._group_timeout_s = group_timeout_s
         self.current: OpenWindow | None = None
-        self.groups: set[str] = set()  # weight-update groups SGLang formed through this agent
+        self.groups: set[str] = set()  # weight-update groups the engine formed through this agent
 
     # --- agent side (the refit command) ----------------------------------------------------------
 
@@ -118,9 +115,7 @@ class RefitWindows:
         if w.final_pushed:
             raise conflict("FinalPushDone", "the final push (carrying the version) was already forwarded")
         if w.group == GroupState.PENDING:
-            raise conflict(
-                "Busy", "init_weights_update_group is still waiting for the trainer to join the group"
-            )
+            raise conflict("Busy", "the weights group is still waiting for the trainer to join it")
         return w
 
     async def _forward(self, w: OpenWindow, last: bool, call: Any) -> PushResult:
@@ -129,15 +124,15 @@ class RefitWindows:
                 raise conflict("RefitWindowFailed", w.error)
             try:
                 message = await call(w.version if last else None, max(0.1, w.remaining()))
-            except SGLangError as e:
+            except EngineError as e:
                 w.error = e.message
-                raise Refused(502, "SGLangRefused", e.message) from e
-            except SGLangUnreachable as e:
+                raise Refused(502, "EngineRefused", e.message) from e
+            except EngineUnreachable as e:
                 w.error = str(e)
-                raise Refused(502, "SGLangUnreachable", str(e)) from e
+                raise Refused(502, "EngineUnreachable", str(e)) from e
             except TimeoutError as e:
-                w.error = "SGLang did not answer the push before the refit deadline"
-                raise Refused(504, "SGLangTimeout", w.error) from e
+                w.error = f"{self._engine.name} did not answer the push before the refit deadline"
+                raise Refused(504, "EngineTimeout", w.error) from e
             w.pushes += 1
             w.final_pushed = last
             return PushResult(pushes=w.pushes, message=message)
@@ -145,21 +140,17 @@ class RefitWindows:
     async def push_tensor(self, push: TensorPush) -> PushResult:
         w = self._usable(RefitSource.TENSOR)
         started = time.perf_counter()
-        payloads = [_decoded(i, text) for i, text in enumerate(push.serialized_named_tensors)]
-        for i, payload in enumerate(payloads):
-            _check_readable(i, payload, push.load_format)
+        size = self._engine.guards.tensor_push(push)
         checked = time.perf_counter()
 
         async def call(version: str | None, timeout: float) -> str:
-            return await self._client.update_weights_from_tensor(
-                push.serialized_named_tensors, push.load_format, version, timeout=timeout
-            )
+            return await self._engine.push_tensors(push, version, timeout)
 
         result = await self._forward(w, push.last, call)
-        # Where a push's time goes on the agent's side: its checks, then SGLang's call (HTTP included).
+        # Where a push's time goes on the agent's side: its checks, then the engine's call (HTTP included).
         done = time.perf_counter()
-        timing: dict[str, Any] = {"push": result.pushes, "last": push.last, "bytes": sum(map(len, payloads))}
-        timing |= {"check_s": round(checked - started, 6), "sglang_s": round(done - checked, 6)}
+        timing: dict[str, Any] = {"push": result.pushes, "last": push.last, "bytes": size}
+        timing |= {"check_s": round(checked - started, 6), "engine_s": round(done - checked, 6)}
         log.info("tensor push timing %s", json.dumps(timing))
         return result
 
@@ -167,51 +158,39 @@ class RefitWindows:
         w = self._usable(RefitSource.DISTRIBUTED)
         if not (len(push.names) == len(push.dtypes) == len(push.shapes)):
             raise Refused(422, "InvalidPush", "names, dtypes and shapes must have the same length")
-        quirks = self._client.quirks
-        if push.group_name not in self.groups and (quirks is None or quirks.unknown_weights_group_is_fatal):
-            formed = sorted(self.groups) or "none"
-            raise conflict(  # C-REFIT-GROUP-UNKNOWN: this SGLang dies on a group it never formed
-                "UnknownWeightsGroup",
-                f"groupName {push.group_name!r} was not formed through this agent (formed: {formed}); "
-                "POST /v1/trainer/refit/group and wait for group: Ready first; nothing was sent",
-            )
+        self._engine.guards.distributed_push(push, self.groups, self._store.facts)
 
         async def call(version: str | None, timeout: float) -> str:
-            return await self._client.update_weights_from_distributed(
-                push.names, push.dtypes, push.shapes, push.group_name, version, timeout=timeout
-            )
+            return await self._engine.push_distributed(push, version, timeout)
 
         return await self._forward(w, push.last, call)
 
     def init_group(self, body: InitWeightsGroup) -> RefitWindow:
-        """Start SGLang's init_weights_update_group in the background and answer at once: the call blocks
-        until every rank has joined the trainer's rendezvous (C-REFIT-GROUP-BLOCK), so the trainer must be
-        free to run its own init_process_group meanwhile. While it is pending, pushes and commands are
-        refused Busy, and the watch's scheduler probe is suspended (a control call is in flight)."""
+        """Start the engine's side of the weights group in the background and answer at once: the call
+        blocks until every rank has joined the trainer's rendezvous, so the trainer must be free to run its
+        own init_process_group meanwhile. While it is pending, pushes and commands are refused Busy."""
         w = self._usable(RefitSource.DISTRIBUTED)
-        facts = self._store.facts
-        if facts is not None and facts.dp_size > 1:  # a distributed window is refused first; kept explicit
-            raise conflict("DataParallelUnsupported", "init_weights_update_group is refused with dp_size > 1")
+        self._engine.guards.weights_group(self._store.facts)
         w.group, w.group_error = GroupState.PENDING, None
         with self._store.change() as s:
             s.trainer.weights_group = GroupState.PENDING
-        w.group_task = asyncio.create_task(self._run_group(w, body), name="init-weights-update-group")
+        w.group_task = asyncio.create_task(self._run_group(w, body), name="join-weights-group")
         return self.view()
 
     async def _run_group(self, w: OpenWindow, body: InitWeightsGroup) -> None:
-        async with w.lock:  # wait_closed waits for this too: no end_weight_update while it blocks
+        async with w.lock:  # wait_closed waits for this too: the window does not close while it blocks
             try:
-                await self._client.init_weights_update_group(body.model_dump(), timeout=self._group_timeout_s)
+                await self._engine.join_weights_group(body, timeout=self._group_timeout_s)
                 w.group = GroupState.READY
                 self.groups.add(body.group_name)
-            except SGLangError as e:
+            except EngineError as e:
                 w.group, w.group_error = GroupState.FAILED, e.message
-            except SGLangUnreachable as e:
+            except EngineUnreachable as e:
                 w.group, w.group_error = GroupState.FAILED, str(e)
             except TimeoutError:
                 w.group = GroupState.FAILED
                 w.group_error = (
-                    f"SGLang did not answer init_weights_update_group in {self._group_timeout_s:g}s"
+                    f"{self._engine.name} did not join the weights group in {self._group_timeout_s:g}s"
                 )
             except asyncio.CancelledError:
                 w.group, w.group_error = GroupState.FAILED, "the agent stopped"
@@ -223,13 +202,13 @@ class RefitWindows:
     def trainer_close(
         self, error: str | None, versioned_by_agent: bool = False, digest: WeightsDigest | None = None
     ) -> RefitWindow:
-        """`versioned_by_agent`: the pushes carried no version (a framework's, agent/engine_api.py); the
-        refit sets it once the window is closed. `digest`: the pushes' (the refit holds SGLang to it)."""
+        """`versioned_by_agent`: the pushes carried no version (a framework's, through its endpoint); the
+        refit sets it once the window is closed. `digest`: the pushes' (the refit holds the engine to it)."""
         w = self.current
         if w is None or w.closed.is_set():
             raise conflict("NoRefitWindow", "no refit window is open")
         why = (
-            "the framework pushed through the SGLang-compatible endpoint, which carries no digest"
+            "the framework pushed through the agent's framework endpoint, which carries no digest"
             if versioned_by_agent
             else "the trainer gave no digest when it closed the refit window (RefitClose.digest)"
         )
@@ -243,31 +222,3 @@ class RefitWindows:
         with self._store.change() as s:
             s.trainer.refit_window_version = None
         return self.view()
-
-
-def _decoded(i: int, text: str) -> bytes:
-    try:  # C-REFIT-TENSOR-B64: fatal on 0.5.6
-        return base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise Refused(
-            422, "InvalidPush", f"serializedNamedTensors[{i}] is not base64 ({e}); nothing was sent"
-        ) from e
-
-
-def _check_readable(i: int, payload: bytes, load_format: str | None) -> None:
-    obj, broken = bucket_check.read(payload)  # once: a bucket's pickle names ~40 entries
-    if broken is not None:  # C-REFIT-TENSOR-PICKLE: fatal on every version
-        raise Refused(
-            422,
-            "InvalidPush",
-            f"serializedNamedTensors[{i}] is not a pickle SGLang can read ({broken}): SGLang would die; "
-            "nothing was sent",
-        )
-    missing = bucket_check.missing_in(obj) if load_format == "flattened_bucket" else None
-    if missing is not None:  # C-REFIT-TENSOR-META: fatal on every version
-        raise Refused(
-            422,
-            "InvalidPush",
-            f"serializedNamedTensors[{i}].{missing} is missing: SGLang reads it and would die; "
-            "nothing was sent",
-        )

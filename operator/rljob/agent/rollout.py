@@ -2,14 +2,15 @@
 defines each signal and its source.
 
 - At the resume that opens rollout (`begin`, just before the stage becomes Serving) the sampler takes a
-  baseline: SGLang's cumulative `/metrics` counters and the start of the GPU probe's busy interval.
+  baseline: the engine's cumulative token counters (Engine.read_counters) and the start of the GPU
+  probe's busy interval.
 - Every `sample_s` while Serving, and once more as a drain starts (`final_sample`, while requests still
-  run): the load route (running and waiting requests, the last prefill batch's cache_hit_rate,
-  gen_throughput), the counters again (their increase since the baseline) and each GPU's busy fraction
-  since the previous sample. Means are weighted by the time each sample stands for.
-- A signal SGLang did not measure stays unset and is listed in `unmeasured` with the reason: without
-  --enable-metrics (/metrics is a 404) the load route's cache_hit_rate and gen_throughput are SGLang's 0.0
-  defaults, never written (C-METRIC-OFF in docs/sglang-conformance.md), so they are not read.
+  run): the engine's load (running and waiting requests, the last prefill batch's cache hit rate, its
+  generation throughput), the counters again (their increase since the baseline) and each GPU's busy
+  fraction since the previous sample. Means are weighted by the time each sample stands for.
+- A signal the engine did not measure stays unset and is listed in `unmeasured` with the reason: an engine
+  that measures no counters (`read_counters` is None) has no rates in its load either (`metrics_off` says
+  why), so they are not read.
 
 Rollout-only changes bump the revision at most every `report_s`, so long-polls are not woken every second
 for numbers nobody waits on."""
@@ -21,22 +22,15 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from rljob.agent.engines.base import Counter, Engine, EngineError, EngineUnreachable, LoadSample
 from rljob.agent.gpu_probe import GpuProbe
-from rljob.agent.sglang_client import SGLangClient, SGLangError, SGLangUnreachable
 from rljob.agent.state import StateStore
 from rljob.api.agent import RolloutReport, Stage
 from rljob.api.status import Signal, Unmeasured, UnmeasuredReason
 
 log = logging.getLogger("rljob.agent")
 
-COUNTERS = {
-    "prompt_tokens": "sglang:prompt_tokens_total",
-    "cached_tokens": "sglang:cached_tokens_total",
-    "generation_tokens": "sglang:generation_tokens_total",
-}
-
-METRICS_DISABLED_MESSAGE = "SGLang runs without --enable-metrics (no /metrics; load route rates stay 0.0)"
-# The signals SGLang measures only with --enable-metrics (C-METRIC-OFF, C-METRIC-PROM).
+# The signals an engine measures only when it measures its counters.
 METRICS_SIGNALS = (Signal.CACHE_HIT_RATE, Signal.GENERATION_TOKENS_PER_SECOND, Signal.TOKEN_COUNTS)
 
 
@@ -45,7 +39,7 @@ class _Window:
     """The sums one rollout's report is computed from."""
 
     started: float  # monotonic time of the baseline
-    counters: dict[str, float] | None  # /metrics at the baseline; None: not read (yet)
+    counters: dict[Counter, float] | None  # the counters at the baseline; None: not read (yet)
     last_load: float = 0.0  # monotonic time of the previous load sample (the baseline at first)
     last_busy: float = 0.0  # monotonic time the probe's current busy interval started
     load_seconds: float = 0.0
@@ -62,13 +56,13 @@ class RolloutSampler:
     def __init__(
         self,
         store: StateStore,
-        client: SGLangClient,
+        engine: Engine,
         sample_s: float,
         report_s: float,
         probe: GpuProbe | None = None,
     ) -> None:
         self._store = store
-        self._client = client
+        self._engine = engine
         self._probe = probe
         self._sample_s = sample_s
         self._report_s = report_s
@@ -76,7 +70,7 @@ class RolloutSampler:
         self._window: _Window | None = None
         self._pending: _Window | None = None  # the baseline `begin` took for the next report
         self._devices: tuple[int, str | None] | None = None  # GPU count and name, read once
-        # Why the last /metrics read gave no counters (a 404: no --enable-metrics); None: it answered
+        # Why the last read gave no counters (the engine measures none, or did not answer); None: it answered
         self._counters_missing: UnmeasuredReason | None = None
 
     async def run(self) -> None:
@@ -86,9 +80,8 @@ class RolloutSampler:
                 await self.sample()
 
     async def begin(self) -> None:
-        """Called by the resume that opens rollout, after SGLang's health check and before the stage
-        becomes Serving: nothing the trainer sends can have finished yet, and /health_generate's own
-        tokens are already counted."""
+        """Called by the resume that opens rollout, after the engine's generation check and before the
+        stage becomes Serving: nothing the trainer sends can have finished yet."""
         window = _Window(started=time.monotonic(), counters=await self._counters())
         await self._utilization()  # starts the probe's busy interval
         window.last_load = window.last_busy = time.monotonic()
@@ -112,8 +105,8 @@ class RolloutSampler:
         window = self._window
         assert window is not None
         try:
-            load = await self._client.load()
-        except (SGLangError, SGLangUnreachable, TimeoutError):
+            load = await self._engine.read_load()
+        except (EngineError, EngineUnreachable, TimeoutError):
             return  # death is the watch's business
         counters = await self._counters()
         busy = await self._utilization()
@@ -123,13 +116,15 @@ class RolloutSampler:
         report.samples += 1
         report.window_seconds = round(now - window.started, 6)
         if self._counters_missing == UnmeasuredReason.METRICS_DISABLED:
-            # C-METRIC-OFF: the load route's two figures are SchedulerStats' 0.0 defaults, never written
+            # an engine that measures no counters measures no rates either (Engine.metrics_off)
             report.cache_hit_rate = report.generation_tokens_per_second = None
         else:
             self._rates(report, window, load)
         self._queue(report, window, load, now)
         self._increase(report, window, counters)
-        report.unmeasured = self._unmeasured(report, self._counters_missing)
+        report.unmeasured = self._unmeasured(
+            report, self._counters_missing, self._engine.name, self._engine.metrics_off
+        )
         if busy is not None:
             window.busy_seconds += busy * (now - window.last_busy)
             window.busy_span += now - window.last_busy
@@ -142,31 +137,35 @@ class RolloutSampler:
     # --- the parts of a sample -----------------------------------------------------------------------
 
     @staticmethod
-    def _rates(report: RolloutReport, window: _Window, load: dict[str, float | None]) -> None:
-        """The load route's last-prefill-batch cache_hit_rate and its gen_throughput (averaged over the busy
-        samples: idle tails say nothing). `utilization` is not read: SGLang never sets it (0.0, or -1 in
-        PD prefill; C-METRIC-UTILIZATION)."""
-        if load["cache_hit_rate"] is not None:
-            report.cache_hit_rate = min(1.0, max(0.0, load["cache_hit_rate"]))
-        tput = load["gen_throughput"]
+    def _rates(report: RolloutReport, window: _Window, load: LoadSample) -> None:
+        """The load's last-prefill-batch cache hit rate and its generation throughput (averaged over the
+        busy samples: idle tails say nothing)."""
+        if load.cache_hit_rate is not None:
+            report.cache_hit_rate = min(1.0, max(0.0, load.cache_hit_rate))
+        tput = load.gen_throughput
         if tput is not None and tput > 0:
             window.tput_sum += tput
             window.tput_busy += 1
             report.generation_tokens_per_second = window.tput_sum / window.tput_busy
 
     @staticmethod
-    def _unmeasured(report: RolloutReport, counters_missing: UnmeasuredReason | None) -> list[Unmeasured]:
-        """The SGLang signals this report leaves unset, and why. A rate the load route gave while /metrics
-        did not answer is still SGLang's measurement; only the counters are then missing."""
+    def _unmeasured(
+        report: RolloutReport,
+        counters_missing: UnmeasuredReason | None,
+        engine: str = "the engine",
+        metrics_off: str = "the engine measures no counters",
+    ) -> list[Unmeasured]:
+        """The engine's signals this report leaves unset, and why. A rate the load gave while the counters
+        did not answer is still the engine's measurement; only the counters are then missing."""
         if counters_missing == UnmeasuredReason.METRICS_DISABLED:
             return [
-                Unmeasured(signal=signal, reason=counters_missing, message=METRICS_DISABLED_MESSAGE)
+                Unmeasured(signal=signal, reason=counters_missing, message=metrics_off)
                 for signal in METRICS_SIGNALS
             ]
         if report.prompt_tokens is not None:
             return []
         if counters_missing == UnmeasuredReason.METRICS_UNANSWERED:
-            message = "SGLang's /metrics did not answer during the rollout"
+            message = f"{engine}'s metrics did not answer during the rollout"
         else:
             message = "no counter baseline: the agent started during this rollout"
         return [
@@ -178,37 +177,36 @@ class RolloutSampler:
         ]
 
     @staticmethod
-    def _queue(report: RolloutReport, window: _Window, load: dict[str, float | None], now: float) -> None:
-        """Running and waiting requests (the load route, summed over DP ranks), each sample weighted by
+    def _queue(report: RolloutReport, window: _Window, load: LoadSample, now: float) -> None:
+        """Running and waiting requests (the engine's load, summed over DP ranks), each sample weighted by
         the time since the previous one."""
         dt, window.last_load = now - window.last_load, now
-        if load["running"] is None or load["waiting"] is None or dt <= 0:
+        if load.running is None or load.waiting is None or dt <= 0:
             return
         window.load_seconds += dt
-        window.running_seconds += load["running"] * dt
-        window.waiting_seconds += load["waiting"] * dt
+        window.running_seconds += load.running * dt
+        window.waiting_seconds += load.waiting * dt
         report.mean_running_requests = round(window.running_seconds / window.load_seconds, 4)
         report.mean_waiting_requests = round(window.waiting_seconds / window.load_seconds, 4)
 
     @staticmethod
-    def _increase(report: RolloutReport, window: _Window, counters: dict[str, float] | None) -> None:
-        """The counters' increase since the baseline. A series absent is 0: SGLang's tokenizer series appear
-        at their first bump (prometheus_client emits a labelled series only once used)."""
+    def _increase(report: RolloutReport, window: _Window, counters: dict[Counter, float] | None) -> None:
+        """The counters' increase since the baseline (a counter absent is 0)."""
         if counters is None:
             return
         if window.counters is None:  # no baseline (the agent restarted mid-rollout): start here
             window.counters = counters
             return
-        for key, series in COUNTERS.items():
-            increase = counters.get(series, 0.0) - window.counters.get(series, 0.0)
-            setattr(report, key, max(0, round(increase)))
+        for counter in Counter:
+            increase = counters.get(counter, 0.0) - window.counters.get(counter, 0.0)
+            setattr(report, counter.value, max(0, round(increase)))
 
-    async def _counters(self) -> dict[str, float] | None:
-        """/metrics, or None when SGLang has none (no --enable-metrics: a 404) or did not answer;
-        `_counters_missing` says which."""
+    async def _counters(self) -> dict[Counter, float] | None:
+        """The engine's counters, or None when it measures none or did not answer; `_counters_missing` says
+        which."""
         try:
-            counters = await self._client.metrics()
-        except (SGLangError, SGLangUnreachable, TimeoutError):
+            counters = await self._engine.read_counters()
+        except (EngineError, EngineUnreachable, TimeoutError):
             self._counters_missing = UnmeasuredReason.METRICS_UNANSWERED
             return None
         self._counters_missing = UnmeasuredReason.METRICS_DISABLED if counters is None else None
@@ -228,7 +226,8 @@ class RolloutSampler:
         return sum(per_gpu) / len(per_gpu)
 
     async def _describe_devices(self, report: RolloutReport) -> None:
-        """GPU count and name (for the decode roofline's bandwidth) and SGLang's TP size, once per agent."""
+        """GPU count and name (for the decode roofline's bandwidth) and the engine's TP size, once per
+        agent."""
         if self._devices is None and self._probe is not None:
             try:
                 gpus = await self._probe.sample()

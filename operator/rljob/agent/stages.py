@@ -27,7 +27,7 @@ BY_ACTION: dict[Action, Move] = {
     Action.REFIT: Move(frozenset({Stage.TRAINED, Stage.READY, Stage.SERVING, Stage.DRAINED}), Stage.REFITTED),
     Action.RESUME: Move(frozenset({Stage.REFITTED, Stage.DRAINED, Stage.READY}), Stage.SERVING),
 }
-SERVER_UP = Move(frozenset({Stage.STARTING}), Stage.READY)  # SGLang answered (watch, recovery)
+SERVER_UP = Move(frozenset({Stage.STARTING}), Stage.READY)  # the engine answered (watch, recovery)
 PUBLISHED = Move(frozenset({Stage.GRANTED}), Stage.TRAINED)  # the trainer returned the lease
 REJOIN_PAUSED = Move(frozenset({Stage.READY, Stage.SERVING}), Stage.DRAINED)  # a refit pauses a live server
 MOVES: tuple[Move, ...] = (*BY_ACTION.values(), SERVER_UP, PUBLISHED, REJOIN_PAUSED)

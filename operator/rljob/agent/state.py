@@ -1,7 +1,7 @@
-"""The agent's state (the AgentState wire model, plus facts read from SGLang at start) and the change
-notification behind the channel and the trainer's long-polls: each commit bumps the revision and wakes
-the waiters.
-With a pod-local record (agent/record.py) every commit is also saved there, and a non-idempotent SGLang
+"""The agent's state (the AgentState wire model, plus the facts the engine reported at start) and the
+change notification behind the channel and the trainer's long-polls: each commit bumps the revision and
+wakes the waiters.
+With a pod-local record (agent/record.py) every commit is also saved there, and a non-idempotent engine
 call is announced (`announce`) before it is made and closed (`outcome`) with its result."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rljob.agent.errors import CommandFailed
@@ -31,76 +30,11 @@ from rljob.api.agent import (
 from rljob.api.spec import DrainMode
 
 if TYPE_CHECKING:
+    from rljob.agent.engines.base import EngineFacts
     from rljob.agent.weights_check import Held
     from rljob.api.agent import WeightsDigest
 
 log = logging.getLogger("rljob.agent")
-
-
-@dataclass(frozen=True)
-class ServerFacts:
-    """Launch facts from /server_info; they cannot change while the server runs."""
-
-    version: str
-    weight_cache_mode: str
-    memory_saver: bool
-    weights_cpu_backup: bool
-    dp_size: int
-    dp_attention: bool = False
-    tp_size: int = 1
-    # Per GPU, the bytes of each memory tag as SGLang reports them (C-MEM-USAGE-REPORT); a tag it does not
-    # report is absent. The headroom gate's split of one release between the resumes that follow it.
-    tag_bytes: tuple[tuple[str, int], ...] = ()
-    quantization: str | None = None  # --quantization: SGLang hashes dequantized weights (C-CHECKER-CHECKSUM)
-
-    @property
-    def weight_cache_active(self) -> bool:
-        return self.weight_cache_mode != "off"
-
-    @classmethod
-    def from_server_info(cls, info: dict[str, Any]) -> ServerFacts:
-        return cls(
-            version=str(info["version"]),
-            weight_cache_mode=str(info.get("weight_cache_mode") or "off"),
-            memory_saver=bool(info.get("enable_memory_saver", False)),
-            weights_cpu_backup=bool(info.get("enable_weights_cpu_backup", False)),
-            # C-DP-SERVER-INFO: dp_size and enable_dp_attention are /server_info keys on every version.
-            dp_size=int(info.get("dp_size") or 1),
-            dp_attention=bool(info.get("enable_dp_attention", False)),
-            tp_size=int(info.get("tp_size") or 1),  # the decode roofline's bytes per GPU (docs/profiling.md)
-            tag_bytes=tuple(sorted(reported_tag_bytes(info).items())),
-            quantization=str(info["quantization"]) if info.get("quantization") else None,
-        )
-
-
-GIB = 1 << 30  # SGLang's memory_usage figures are GB of 2^30 bytes (C-MEM-USAGE-REPORT)
-USAGE_KEYS = {"weights": "weight", "kv_cache": "kvcache", "cuda_graph": "graph"}
-
-
-def reported_tag_bytes(info: dict[str, Any]) -> dict[str, int]:
-    """Per GPU, the bytes of each memory tag from /server_info's `internal_states[*].memory_usage`
-    (C-MEM-USAGE-REPORT: `weight`, `kvcache` and `graph` in GB, `graph` a number up to 0.5.15.post1 and
-    per capture phase from 0.5.20); the largest over the DP ranks. A tag missing or unreadable on any
-    rank is left out: the gate then takes the measured figure alone."""
-    states = info.get("internal_states")
-    if not isinstance(states, list) or not states:
-        return {}
-    usages = [s.get("memory_usage") if isinstance(s, dict) else None for s in states]
-    out: dict[str, int] = {}
-    for tag, key in USAGE_KEYS.items():
-        values = [_gb(u.get(key)) if isinstance(u, dict) else None for u in usages]
-        if all(v is not None for v in values):
-            out[tag] = int(max(v for v in values if v is not None) * GIB)
-    return out
-
-
-def _gb(value: Any) -> float | None:
-    if isinstance(value, dict):
-        parts = [_gb(v) for v in value.values()]
-        return None if any(p is None for p in parts) else sum(p for p in parts if p is not None)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        return None
-    return float(value)
 
 
 class StateStore:
@@ -108,7 +42,7 @@ class StateStore:
         self, on_commit: Callable[[int], None] | None = None, record: AgentRecord | None = None
     ) -> None:
         self.state = AgentState(revision=0, boot_id=uuid.uuid4().hex, stage=Stage.STARTING)
-        self.facts: ServerFacts | None = None
+        self.facts: EngineFacts | None = None
         self.lease_epoch: int | None = None  # epoch of the grant the trainer holds / published under
         self._tick = asyncio.Event()
         self._on_commit = on_commit
@@ -118,8 +52,8 @@ class StateStore:
         self.record = record
         self.boots = 1  # agent processes started in this pod, this one included
         self.command: Command | None = None  # the last accepted command, re-run if it was still running
-        # How the engine was paused: after a retract the waiting queue holds the retracted requests, which
-        # decides the flush form and the per-rank idle proof (C-IDLE-FLUSH-DEFERRED, C-IDLE-RELEASE).
+        # How the engine was paused: after a retract its queue holds the retracted requests, which its idle
+        # proof must tell from work (Engine.prove_idle).
         self.pause_mode: DrainMode | None = None
         self.release_before: dict[int, int] = {}  # per-GPU used bytes before the last release
         # The headroom gate's inputs (agent/headroom.py): per GPU, what the last release freed (verified),
@@ -127,15 +61,16 @@ class StateStore:
         self.release_freed: dict[int, int] = {}
         self.taken_back: dict[int, int] = {}
         self.refit_done: str | None = None  # the running refit's load call returned, loading this version
-        self.path_version: str | None = None  # the version SGLang's model_path holds (None: unknown)
+        self.path_version: str | None = None  # the version the engine's model path holds (None: unknown)
         # A reload of this version resumed weights the release discarded: its disk load is still owed.
         self.reload_owed: str | None = None
         self.intent: Intent | None = None  # a non-idempotent call announced and not closed
         # Not in the record (a restarted agent compares without them and says so): the trainer's last digest,
-        # (version, digest or None with why), and the parameters of the agent's last look at SGLang's weights.
+        # (version, digest or None with why), and the parameters of the agent's last look at the engine's
+        # weights.
         self.trainer_digest: tuple[str, WeightsDigest | None, str] | None = None
         self.weights_held: Held | None = None
-        self.architectures: list[str] = []  # /model_info's (from 0.5.15.post1): the SDK's digest reads them
+        self.architectures: list[str] = []  # the engine's, where it says: the SDK's digest reads them
 
     # --- the record ------------------------------------------------------------------------------
 
@@ -168,7 +103,7 @@ class StateStore:
             log.error("cannot save the agent record %s: %s", self.record.path, e)
 
     def announce(self, intent: Intent) -> None:
-        """Before a non-idempotent SGLang call: the record says it is about to happen. A call that
+        """Before a non-idempotent engine call: the record says it is about to happen. A call that
         cannot be announced is not made (CommandFailed): a restart would not know it happened."""
         self.intent = intent
         if self.record is None:
@@ -260,15 +195,15 @@ class StateStore:
         )
 
     def fail(self, reason: str) -> None:
-        """SGLang died or its state is unknown: the pod must be replaced. Sticky."""
+        """The engine died or its state is unknown: the pod must be replaced. Sticky."""
         if self.state.stage == Stage.FAILED:
             return
         with self.change(stage=Stage.FAILED) as s:
             s.fatal = reason[:1024]
-            s.sglang.reachable = False
+            s.engine.reachable = False
 
     def unsure(self, detail: str) -> None:
-        """A restarted agent cannot tell what SGLang did (an announced call without an outcome and no
+        """A restarted agent cannot tell what the engine did (an announced call without an outcome and no
         evidence either way): Failed with StateUnknown, so that the operator replaces the instance rather
         than the agent guessing. Sticky, like `fail`."""
         if self.state.stage == Stage.FAILED:

@@ -1,5 +1,5 @@
-"""Time a command spends waiting on SGLang and the GPU probe, so the agent's own overhead is measurable
-(CommandStatus.sglang_seconds). A context variable: tasks spawned by the command inherit the counter."""
+"""Time a command spends waiting on the engine and the GPU probe, so the agent's own overhead is measurable
+(CommandStatus.engine_seconds). A context variable: tasks spawned by the command inherit the counter."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""SGLang's presence: detect the version and launch facts at start (stage Starting until /server_info
-answers, then Ready: rollout opens only when the operator resumes), then notice death (stage Failed,
-`fatal` set): a refused connection after it was up, and on versions without a subprocess watchdog (0.5.6)
-a scheduler that stopped answering while the HTTP server and its `/ping` live on (C-DEATH-HARD)."""
+"""The engine's presence: detect its version and launch facts at start (stage Starting until it answers,
+then Ready: rollout opens only when the operator resumes), then notice death (stage Failed, `fatal` set): a
+refused connection after it was up, and, on an engine whose HTTP server may outlive it, what its hang
+check says (Engine.hang_check)."""
 
 from __future__ import annotations
 
@@ -10,120 +10,86 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from rljob.agent.quirks import SGLangQuirks
-from rljob.agent.sglang_client import SGLangClient, SGLangError, SGLangUnreachable
-from rljob.agent.state import ServerFacts, StateStore
+from rljob.agent.engines.base import Engine, EngineError, EngineUnreachable, EngineUnsupported
+from rljob.agent.state import StateStore
 from rljob.agent.weights_check import Verdict, unverified
-from rljob.agent.weights_look import look, timed
-from rljob.api.agent import SGLangInfo, Stage, WeightsCheck
+from rljob.agent.weights_look import timed
+from rljob.api.agent import EngineInfo, Stage, WeightsCheck
 
 log = logging.getLogger("rljob.agent")
 
 
-SCHEDULER_PROBE_MISSES = 2  # consecutive unanswered probes, with no control call in flight, mean death
-# A restarted agent's SGLang was up before: refused connections for this long mean it is gone.
+# A restarted agent's engine was up before: refused connections for this long mean it is gone.
 RESTART_UNREACHABLE_S = 3.0
-LAUNCH_CHECK_TIMEOUT_S = 60.0  # SGLang hashes every parameter on the GPU: milliseconds at 8B
+LAUNCH_CHECK_TIMEOUT_S = 60.0  # the engine hashes every parameter on the GPU: milliseconds at 8B
 
 
-class SGLangWatch:
-    def __init__(
-        self, store: StateStore, client: SGLangClient, interval_s: float = 1.0, probe_timeout_s: float = 5.0
-    ) -> None:
+class EngineWatch:
+    def __init__(self, store: StateStore, engine: Engine, interval_s: float = 1.0) -> None:
         self._store = store
-        self._client = client
+        self._engine = engine
         self._interval = interval_s
-        self._probe_timeout = probe_timeout_s
-        self._probe_misses = 0
-        # A restarted agent (agent/recovery.py): called with what SGLang reports instead of going Ready.
-        self.on_recover: Callable[[SGLangInfo], Awaitable[None]] | None = None
+        # A restarted agent (agent/recovery.py): called with what the engine reports instead of going Ready.
+        self.on_recover: Callable[[EngineInfo], Awaitable[None]] | None = None
 
     async def run(self) -> None:
         if self._failed():  # restored Failed from the record: nothing to watch
             return
         if not await self._detect():
             return
-        quirks = self._client.quirks
-        probe = quirks is not None and not quirks.subprocess_watchdog
+        hang_check = self._engine.needs_hang_check
         while self._store.state.stage != Stage.FAILED:
             await asyncio.sleep(self._interval)
             await self.confirm_death("liveness check")
-            if probe and not self._failed():
-                await self.probe_scheduler()
+            if hang_check and not self._failed():
+                await self.check_hang()
 
     def _failed(self) -> bool:
         return self._store.state.stage == Stage.FAILED  # a method: mypy narrows the attribute otherwise
 
-    async def probe_scheduler(self) -> None:
-        """C-DEATH-HARD: on 0.5.6 a scheduler that died without a Python exception (a torch_memory_saver
-        `exit(1)`, an OOM kill) leaves `/ping` at 200 (C-HEALTH-PING) and every scheduler-bound call hanging.
-        `/get_load` is answered even while paused (C-DP-LOADS-PAUSED), so it is a bounded probe, but only
-        while no control call is in flight: a release, a refit or a group init occupies the scheduler."""
-        if self._client.control_in_flight:
-            return
-        started = self._client.control_started
+    async def check_hang(self) -> None:
         try:
-            if await self._client.scheduler_probe(timeout=self._probe_timeout):
-                self._probe_misses = 0  # any HTTP answer: the scheduler replied
-            return
-        except TimeoutError:
-            if self._client.control_in_flight or self._client.control_started != started:
-                return  # a control call overlapped: the scheduler may just have been busy with it
-        except SGLangUnreachable as e:
+            dead = await self._engine.hang_check()
+        except EngineUnreachable as e:
             await self.confirm_death(f"scheduler probe: {e}")
             return
-        self._probe_misses += 1
-        log.warning(
-            "scheduler probe: /get_load did not answer within %gs (%d/%d)",
-            self._probe_timeout,
-            self._probe_misses,
-            SCHEDULER_PROBE_MISSES,
-        )
-        if self._probe_misses >= SCHEDULER_PROBE_MISSES:
-            self._store.fail(
-                f"scheduler dead: /get_load did not answer within {self._probe_timeout:g}s "
-                f"{SCHEDULER_PROBE_MISSES} times in a row with no control call in flight; SGLang "
-                f"{self._client.quirks.version if self._client.quirks else '?'} has no subprocess watchdog, "
-                "so its HTTP server (and /ping) outlive a dead scheduler"
-            )
+        if dead is not None:
+            self._store.fail(dead)
 
     async def _detect(self) -> bool:
+        name = self._engine.name
         warned = False
         refused_since: float | None = None
         while True:
             try:
-                info = await self._client.server_info(timeout=5)
-                quirks = SGLangQuirks.detect(str(info["version"]))
-                facts = ServerFacts.from_server_info(info)
-                self._client.quirks = quirks
-                model = await self._client.model_info(timeout=5)
-                served = await self._client.served_version(timeout=5)
+                found = await self._engine.discover(timeout=5)
                 break
-            except (SGLangUnreachable, TimeoutError) as e:
-                log.debug("SGLang not up yet: %s", e)
-                if self._store.recovering and isinstance(e, SGLangUnreachable):
+            except EngineUnsupported as e:
+                self._store.fail(str(e))
+                return False
+            except (EngineUnreachable, TimeoutError) as e:
+                log.debug("%s not up yet: %s", name, e)
+                if self._store.recovering and isinstance(e, EngineUnreachable):
                     refused_since = refused_since or time.monotonic()
                     if time.monotonic() - refused_since > RESTART_UNREACHABLE_S:
-                        self._store.fail(f"SGLang stopped answering while the agent restarted: {e}")
+                        self._store.fail(f"{name} stopped answering while the agent restarted: {e}")
                         return False
                 await asyncio.sleep(0.1)
-            except (SGLangError, KeyError, ValueError) as e:
+            except (EngineError, KeyError, ValueError) as e:
                 if not warned:  # up but answering oddly (e.g. 401: wrong API key): say so once
-                    log.warning("SGLang answers but cannot be identified yet: %s", e)
+                    log.warning("%s answers but cannot be identified yet: %s", name, e)
                     warned = True
                 await asyncio.sleep(0.25)
-        if not quirks.supported:
-            self._store.fail(f"SGLang {quirks.version} is older than the oldest supported version 0.5.6")
-            return False
+        facts, served = found.facts, found.served.version
         self._store.facts = facts
-        archs = model.get("architectures")
-        self._store.architectures = [str(a) for a in archs] if isinstance(archs, list) else []
-        seen = SGLangInfo(
+        self._store.architectures = list(found.architectures)
+        seen = EngineInfo(
+            kind=facts.kind,
             reachable=True,
-            version=quirks.version,
-            weight_cache_mode=facts.weight_cache_mode,
+            version=facts.version,
+            launch_refusal=facts.launch_refusal,
             served_version=served,
-            model_path=str(model.get("model_path")),
+            model_path=found.served.model_path,
             paused=False,
         )
         if self._store.recovering and self.on_recover is not None:
@@ -132,28 +98,30 @@ class SGLangWatch:
         self._store.path_version = served  # the launch checkpoint holds the launch version
         seen.weights = await self._launch_weights(served)
         with self._store.change(stage=Stage.READY) as s:  # not Serving: the operator verifies it first
-            s.sglang = seen
-        log.info("SGLang %s is up, serving weight_version %s", quirks.version, served)
+            s.engine = seen
+        log.info("%s %s is up, serving weight_version %s", name, facts.version, served)
         return True
 
-    async def _launch_weights(self, served: str) -> WeightsCheck:
-        """The checksum of the weights SGLang launched with, before Ready (no command can have released
+    async def _launch_weights(self, served: str | None) -> WeightsCheck:
+        """The checksum of the weights the engine launched with, before Ready (no command can have released
         them yet): the first refit's "before", and what the operator holds against the committed version's
         checksum when a pod comes up already labelled with it."""
         started = time.perf_counter()
-        seen = await look(self._client, weights_released=False, timeout=LAUNCH_CHECK_TIMEOUT_S)
+        seen = await self._engine.read_weights(weights_released=False, timeout=LAUNCH_CHECK_TIMEOUT_S)
         if seen.held is None:
             return timed(unverified(str(seen.why), served), seen, started)
         self._store.weights_held = seen.held
-        report = Verdict(not_checked=["the weights SGLang launched with"]).report(seen.held, served)
+        launched = Verdict(not_checked=[f"the weights {self._engine.name} launched with"])
+        report = launched.report(seen.held, served)
         return timed(report, seen, started)
 
     async def confirm_death(self, cause: str) -> None:
         """A hang is not death; a refused or dropped connection is."""
+        name = self._engine.name
         try:
-            await self._client.ping(timeout=5)
-        except SGLangUnreachable as e:
-            log.error("SGLang is gone (%s): %s", cause, e)
-            self._store.fail(f"SGLang stopped answering: {e}")
+            await self._engine.liveness(timeout=5)
+        except EngineUnreachable as e:
+            log.error("%s is gone (%s): %s", name, cause, e)
+            self._store.fail(f"{name} stopped answering: {e}")
         except TimeoutError:
             pass

@@ -1,9 +1,10 @@
-"""What SGLang holds, by content: its `/weights_checker` checksum (C-CHECKER-CHECKSUM) read and held against
+"""What the engine holds, by content: its checksum of every parameter (Engine.read_weights) held against
 what it must equal after a refit (docs/agent.md, "Verified weights"). Pure: operations.py makes the call.
 
-- **Trainer**: the trainer's digest of what it published or pushed (rljob.trainer.digest), parameter by
-  parameter; a parameter it did not push must be what it was before the refit. Only where SGLang holds
-  whole tensors (TP 1, PP 1) and the model is not quantized: the digest hashes whole, unquantized tensors.
+- **Trainer**: the trainer's digest of what it published or pushed (rljob.trainer.engines: the engine's
+  hash), parameter by parameter; a parameter it did not push must be what it was before the refit. Only
+  where the engine holds whole tensors (TP 1, PP 1) and the model is not quantized: the digest hashes
+  whole, unquantized tensors.
 - **Previous**: the weights before the refit. New weights that hash the same moved nothing (unless the
   trainer's digest says they are the same); a reload of the committed version must hash the same.
 - **Committed**: a rejoin or a reload must hold what the job verified when it committed the version.
@@ -16,7 +17,6 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from rljob.api.agent import WeightsCheck, WeightsComparison, WeightsDigest
 
@@ -37,11 +37,12 @@ class GpuHashes:
 
 @dataclass(frozen=True)
 class Held:
-    """What SGLang holds, from one `/weights_checker` reply."""
+    """What the engine holds, from one checksum of its weights."""
 
     gpus: tuple[GpuHashes, ...]
     tp_size: int
     pp_size: int
+    engine: str = "the engine"  # how messages name it
 
     @property
     def layout(self) -> str:
@@ -58,8 +59,8 @@ class Held:
     @property
     def checksum(self) -> str:
         """sha256 over the per-GPU checksums in (pp, tp) order: equal on pods that hold the same weights in
-        the same layout, whatever order SGLang's ranks answered in (the reply's own per_engine_checksum
-        follows the arrival order, C-CHECKER-CHECKSUM)."""
+        the same layout, whatever order the engine's ranks answered in (an engine's own checksum over its
+        GPUs may follow the arrival order)."""
         h = hashlib.sha256()
         for (pp, tp), g in sorted(self.shards().items()):
             h.update(f"{pp}:{tp}:{g.per_gpu}\n".encode())
@@ -89,46 +90,6 @@ class Held:
         return out
 
 
-def _target(info: Any) -> Mapping[str, Any]:
-    """A GPU's place: one `parallelism_info` object up to 0.5.20, a list of one per role (the target model
-    and each draft) from 0.5.21 (managers/io_struct.py:2141-2145@0.5.21)."""
-    if isinstance(info, list):
-        return next((i for i in info if i.get("role") == "target"), info[0])
-    if not isinstance(info, Mapping):
-        raise TypeError("parallelism_info is not an object")
-    return info
-
-
-def read_reply(body: Any) -> Held:
-    """The checker's reply (ValueError when it is not one): `ranks`, one per GPU, each with `checksums`,
-    `per_gpu_checksum` and `parallelism_info` (C-CHECKER-CHECKSUM)."""
-    if not isinstance(body, dict) or not isinstance(body.get("ranks"), list) or not body["ranks"]:
-        raise ValueError(f"no ranks in the /weights_checker reply: {str(body)[:200]}")
-    gpus = []
-    tp_size = pp_size = 1
-    for rank in body["ranks"]:
-        try:
-            info = _target(rank["parallelism_info"])
-            checksums = rank["checksums"]
-            if not isinstance(checksums, dict):
-                raise TypeError("checksums is not an object")
-            gpus.append(
-                GpuHashes(
-                    int(info.get("dp_rank") or 0),
-                    int(info.get("pp_rank") or 0),
-                    int(info.get("tp_rank") or 0),
-                    str(rank["per_gpu_checksum"]),
-                    {str(k): str(v) for k, v in checksums.items()},
-                )
-            )
-            tp_size, pp_size = int(info.get("tp_size") or 1), int(info.get("pp_size") or 1)
-        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
-            raise ValueError(
-                f"a /weights_checker rank is not {{checksums, per_gpu_checksum, parallelism_info}}: {e}"
-            ) from e
-    return Held(tuple(gpus), tp_size, pp_size)
-
-
 @dataclass(frozen=True)
 class Expected:
     """What the weights after a refit must be."""
@@ -144,7 +105,7 @@ class Expected:
     )
     committed_checksum: str | None = None
     committed_layout: str | None = None
-    whole_tensors: str | None = None  # why SGLang's parameters are not whole tensors (quantized), or None
+    whole_tensors: str | None = None  # why the engine's parameters are not whole tensors (quantized), or None
     reload: bool = False  # the committed version again after a lease without weights: what was there before
 
 
@@ -154,7 +115,7 @@ class Verdict:
     checked: list[WeightsComparison] = field(default_factory=list)
     not_checked: list[str] = field(default_factory=list)
 
-    def report(self, held: Held, version: str) -> WeightsCheck:
+    def report(self, held: Held, version: str | None) -> WeightsCheck:
         return WeightsCheck(
             version=version,
             checksum=held.checksum,
@@ -181,13 +142,15 @@ def _replicas(held: Held, v: Verdict) -> None:
         return
     differ = held.replicas_differ()
     if differ:
-        v.failures.append("SGLang's data-parallel replicas hold different weights: " + "; ".join(differ))
+        v.failures.append(
+            f"{held.engine}'s data-parallel replicas hold different weights: " + "; ".join(differ)
+        )
     else:
         v.checked.append(WeightsComparison.REPLICAS)
 
 
 def _trainer(held: Held, want: Expected, v: Verdict) -> bool:
-    """The trainer's digest against SGLang's parameters; True when it ran and held."""
+    """The trainer's digest against the engine's parameters; True when it ran and held."""
     if not want.new_weights:
         return False
     whole = held.whole
@@ -199,7 +162,7 @@ def _trainer(held: Held, want: Expected, v: Verdict) -> bool:
     elif want.whole_tensors is not None:
         why = want.whole_tensors
     elif whole is None:
-        why = f"SGLang holds its parameters sharded ({held.layout}); the digest hashes whole tensors"
+        why = f"{held.engine} holds its parameters sharded ({held.layout}); the digest hashes whole tensors"
     if why is not None:
         v.not_checked.append(f"not compared with the trainer's digest: {why}")
         return False
@@ -210,12 +173,12 @@ def _trainer(held: Held, want: Expected, v: Verdict) -> bool:
     failures = []
     if absent:
         failures.append(
-            f"the trainer published {_names(absent)} but SGLang has no such parameter (its loader skips a "
-            "tensor whose name the model does not have)"
+            f"the trainer published {_names(absent)} but {held.engine} has no such parameter (its loader "
+            "skips a tensor whose name the model does not have)"
         )
     if differ:
-        failures.append(f"SGLang's {_names(differ)} {'is' if len(differ) == 1 else 'are'} not what the "
-                        f"trainer published ({_pair(digest, whole, differ[0])})")  # fmt: skip
+        failures.append(f"{held.engine}'s {_names(differ)} {'is' if len(differ) == 1 else 'are'} not what "
+                        f"the trainer published ({_pair(held, digest, whole, differ[0])})")  # fmt: skip
     before = want.previous_held.whole if want.previous_held is not None else None
     unpushed = sorted(n for n in whole if n not in digest)
     if unpushed and before is not None:
@@ -223,8 +186,8 @@ def _trainer(held: Held, want: Expected, v: Verdict) -> bool:
         if changed:
             failures.append(
                 f"{_names(changed)}, which the trainer did not publish, changed in the refit "
-                f"({_pair(before, whole, changed[0], 'before')}): a release without CPU backup leaves only "
-                "what is loaded again"
+                f"({_pair(held, before, whole, changed[0], 'before')}): a release without CPU backup leaves "
+                "only what is loaded again"
             )
     elif unpushed:
         v.not_checked.append(
@@ -233,7 +196,7 @@ def _trainer(held: Held, want: Expected, v: Verdict) -> bool:
         )
     if failures:
         v.failures.append(
-            f"the weights SGLang holds at {want.version} are not the trainer's: " + "; ".join(failures)
+            f"the weights {held.engine} holds at {want.version} are not the trainer's: " + "; ".join(failures)
         )
         return False
     v.checked.append(WeightsComparison.TRAINER)
@@ -280,7 +243,7 @@ def _previous(held: Held, want: Expected, v: Verdict, trainer_held: bool) -> Non
             f" ({_differing(before, whole)} changed)" if before is not None and whole is not None else ""
         )
         v.failures.append(
-            f"SGLang holds other weights after bringing back {want.version} than it verified at "
+            f"{held.engine} holds other weights after bringing back {want.version} than it verified at "
             f"{want.version} before (checksum {prev.checksum[:16]}, now {held.checksum[:16]}){changed}"
         )
         return
@@ -296,12 +259,13 @@ def _moved(
     trainer_held: bool,
     same: bool | None = None,
 ) -> None:
-    """New weights must differ from what SGLang held before the load, unless the trainer's digest says so."""
+    """New weights must differ from what the engine held before the load, unless the trainer's digest says
+    so."""
     if same is None:
         same = before is not None and before.checksum == held.checksum
     if same and not trainer_held:
         v.failures.append(
-            f"SGLang holds the same weights after the refit to {version} as {when} (checksum "
+            f"{held.engine} holds the same weights after the refit to {version} as {when} (checksum "
             f"{held.checksum[:16]}): the load answered success and moved nothing"
         )
         return
@@ -320,9 +284,9 @@ def _committed(held: Held, want: Expected, v: Verdict) -> None:
         return
     if want.committed_checksum != held.checksum:
         v.failures.append(
-            f"SGLang does not hold the committed weights {want.version}: checksum {held.checksum[:16]}, the "
-            f"job verified {want.committed_checksum[:16]} when it committed them (launch weights, or a load "
-            "that moved nothing?)"
+            f"{held.engine} does not hold the committed weights {want.version}: checksum "
+            f"{held.checksum[:16]}, the job verified {want.committed_checksum[:16]} when it committed them "
+            "(launch weights, or a load that moved nothing?)"
         )
         return
     v.checked.append(WeightsComparison.COMMITTED)
@@ -338,8 +302,10 @@ def _differing(a: Mapping[str, str], b: Mapping[str, str]) -> str:
     return _names(names) if names else "no parameter"
 
 
-def _pair(expected: Mapping[str, str], actual: Mapping[str, str], name: str, label: str = "published") -> str:
-    return f"{name}: {label} {expected.get(name, '-')}, SGLang {actual.get(name, '-')}"
+def _pair(
+    held: Held, expected: Mapping[str, str], actual: Mapping[str, str], name: str, label: str = "published"
+) -> str:
+    return f"{name}: {label} {expected.get(name, '-')}, {held.engine} {actual.get(name, '-')}"
 
 
 def _names(names: list[str]) -> str:

@@ -1,14 +1,12 @@
-"""The agent's look at what SGLang holds: one `/weights_checker` checksum call (C-CHECKER-CHECKSUM), made only
-while the weights are mapped (a hash of released weights reads unmapped memory: C-CHECKER-RELEASED), read
-into agent/weights_check.Held, timed."""
+"""The agent's look at what the engine holds (Engine.read_weights): its checksum of every parameter, or why
+none was taken, with the call's wall time."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 
-from rljob.agent.sglang_client import SGLangClient, SGLangError
-from rljob.agent.weights_check import Held, read_reply
+from rljob.agent.weights_check import Held
 from rljob.api.agent import WeightsCheck
 
 
@@ -17,35 +15,6 @@ class Look:
     held: Held | None  # None: no checksum, `why` says why
     why: str | None
     seconds: float  # the call's wall time
-
-
-def why_not(client: SGLangClient, weights_released: bool) -> str | None:
-    """Why no checksum can be taken now, or None."""
-    quirks = client.quirks
-    if quirks is None:
-        return "SGLang's version is not known yet"
-    if not quirks.weights_checksum:
-        return f"SGLang {quirks.version} has no /weights_checker checksum (it has one from 0.5.15.post1)"
-    if weights_released:
-        return "the weights are released (a checksum would read unmapped memory)"
-    return None
-
-
-async def look(client: SGLangClient, weights_released: bool, timeout: float) -> Look:
-    """One checksum of every parameter SGLang holds; SGLangUnreachable propagates (SGLang is gone)."""
-    why = why_not(client, weights_released)
-    if why is not None:
-        return Look(None, why, 0.0)
-    started = time.perf_counter()
-    try:
-        held = read_reply(await client.weights_checksum(timeout=timeout))
-    except (SGLangError, ValueError) as e:
-        return Look(None, f"/weights_checker gave no checksum: {e}", time.perf_counter() - started)
-    except TimeoutError:
-        return Look(
-            None, f"/weights_checker did not answer within {timeout:g}s", time.perf_counter() - started
-        )
-    return Look(held, None, time.perf_counter() - started)
 
 
 def timed(report: WeightsCheck, look_: Look, started: float) -> WeightsCheck:

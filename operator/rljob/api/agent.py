@@ -6,10 +6,18 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import Field, TypeAdapter
+from pydantic import AliasChoices, Field, TypeAdapter, model_validator
 
 from rljob.api.base import WireModel
-from rljob.api.spec import DrainMode, RefitSource, ReleaseTag, ReleaseVerify, WeightVersion
+from rljob.api.spec import (
+    DEFAULT_ENGINE,
+    DrainMode,
+    EngineKind,
+    RefitSource,
+    ReleaseTag,
+    ReleaseVerify,
+    WeightVersion,
+)
 from rljob.api.status import MAX_UNMEASURED, Unmeasured, WeightsChecksum
 
 AGENT_API_VERSION = "v1"
@@ -19,7 +27,7 @@ CONTAINER_ENV = "RLJOB_CONTAINER"
 TRAINER_CONTAINER_ENV = "RLJOB_TRAINER_CONTAINER"
 
 ParameterHash = Annotated[str, Field(min_length=16, max_length=16, pattern=r"^[0-9a-f]{16}$")]
-"""One parameter's hash as /weights_checker writes it (rljob.trainer.tensor_hash)."""
+"""One parameter's hash as the engine's weights checksum writes it (rljob.trainer.engines: its hash)."""
 MAX_DIGEST_PARAMETERS = 200_000
 
 
@@ -32,27 +40,27 @@ class Action(StrEnum):
 
 
 class Stage(StrEnum):
-    """Where the agent has brought its pod's SGLang server. Linear within an iteration:
+    """Where the agent has brought its pod's inference engine. Linear within an iteration:
     Serving -> Drained -> Released -> Granted -> Trained -> Refitted -> Serving.
     A fresh agent goes Starting -> Ready; only the operator's `resume` (served version verified)
     or `refit` + `resume` opens rollout (Serving): the trainer must never sample from weights the job
     has not committed (e.g. a recreated pod still serving the initial weights)."""
 
-    STARTING = "Starting"  # SGLang not answering yet
-    READY = "Ready"  # SGLang up and version detected; rollout not opened by the operator yet
+    STARTING = "Starting"  # the engine not answering yet
+    READY = "Ready"  # the engine up and its version detected; rollout not opened by the operator yet
     SERVING = "Serving"  # rollout open
     DRAINED = "Drained"  # paused and idle
     RELEASED = "Released"  # memory released and verified on every GPU
     GRANTED = "Granted"  # trainer holds the GPU lease
     TRAINED = "Trained"  # trainer published a version and returned the lease
     REFITTED = "Refitted"  # weights resumed, new version loaded and verified; still paused
-    FAILED = "Failed"  # SGLang died or a fatal error: the pod must be replaced
+    FAILED = "Failed"  # the engine died or a fatal error: the pod must be replaced
 
 
 class GroupState(StrEnum):
-    """The weight-update group a distributed refit window initialises (init_weights_update_group)."""
+    """The weight-update group a distributed refit window forms (the engine joins the trainer's)."""
 
-    PENDING = "Pending"  # SGLang waits in the rendezvous until the trainer (group rank 0) has joined
+    PENDING = "Pending"  # the engine waits in the rendezvous until the trainer (group rank 0) has joined
     READY = "Ready"
     FAILED = "Failed"
 
@@ -95,13 +103,13 @@ class RefitCommand(_CommandBase):
     reload: bool = Field(
         default=False,
         description="The trainers gave the lease back without new weights: bring back the committed "
-        "`version` the release discarded (SGLang's CPU weight backup where it runs with one, else a disk "
-        "load of `path` or of the checkpoint SGLang last loaded that version from); no window opens.",
+        "`version` the release discarded (the engine's host copy where it keeps one, else a disk load of "
+        "`path` or of the checkpoint the engine last loaded that version from); no window opens.",
     )
     committed_checksum: WeightsChecksum | None = Field(
         default=None,
         description="A rejoin or a reload of the committed `version`: the checksum every pod of "
-        "`committedLayout` verified when the job committed it. The refit fails unless SGLang then holds "
+        "`committedLayout` verified when the job committed it. The refit fails unless the engine then holds "
         "the same weights.",
     )
     committed_layout: str | None = Field(default=None, max_length=64, description="Its parallel layout.")
@@ -113,7 +121,7 @@ class ResumeCommand(_CommandBase):
     version: WeightVersion | None = Field(
         default=None,
         description="To a follower: the version its instance's leader verified, which it reports as served "
-        "(a follower has no SGLang API to read it from). A leader reads the version from SGLang.",
+        "(a follower has no engine API to read it from). A leader reads the version from its engine.",
     )
 
 
@@ -143,25 +151,27 @@ class CommandStatus(WireModel):
     )
     started_at: float | None = Field(default=None, description="Agent clock, unix seconds.")
     seconds: float | None = Field(
-        default=None, ge=0, description="Time spent executing, SGLang calls included."
+        default=None, ge=0, description="Time spent executing, engine calls included."
     )
-    sglang_seconds: float | None = Field(
+    engine_seconds: float | None = Field(
         default=None,
         ge=0,
-        description="Part of `seconds` spent waiting on SGLang calls and GPU memory probes.",
+        # The previous release's key, read for one release (agents of the previous image).
+        validation_alias=AliasChoices("engineSeconds", "engine_seconds", "sglangSeconds"),
+        description="Part of `seconds` spent waiting on engine calls and GPU memory probes.",
     )
 
 
 class Refusal(WireModel):
-    """409/400/401 body: why the agent refused instead of forwarding the call to SGLang."""
+    """409/400/401 body: why the agent refused instead of forwarding the call to the engine."""
 
     error: str = Field(max_length=64)
     reason: str = Field(max_length=1024)
     permanent: bool = Field(
         default=False,
-        description="No retry and no new gang can change the answer (the version or a launch flag of SGLang, "
-        "or the spec, forbids the call): the operator fails the job with `error` as its reason, and "
-        "`reason` says what to change.",
+        description="No retry and no new gang can change the answer (the version or a launch flag of the "
+        "engine, or the spec, forbids the call): the operator fails the job with `error` as its reason, "
+        "and `reason` says what to change.",
     )
 
 
@@ -175,21 +185,21 @@ class WeightsComparison(StrEnum):
 
 
 class WeightsCheck(WireModel):
-    """The agent's last look at what SGLang holds (`/weights_checker`, action `checksum`)."""
+    """The agent's last look at what the engine holds (its checksum of every parameter)."""
 
     version: str | None = Field(
         default=None, max_length=64, description="The served version it was taken at."
     )
     checksum: WeightsChecksum | None = Field(
-        default=None, description="None: SGLang gave none (`unverified`)."
+        default=None, description="None: the engine gave none (`unverified`)."
     )
     layout: str | None = Field(
         default=None,
         max_length=64,
-        description="SGLang's parallel layout, e.g. `tp1 pp1`: pods compare "
+        description="The engine's parallel layout, e.g. `tp1 pp1`: pods compare "
         "checksums only within one layout.",
     )
-    parameters: int = Field(default=0, ge=0, description="Parameters SGLang hashed (per GPU, the most).")
+    parameters: int = Field(default=0, ge=0, description="Parameters the engine hashed (per GPU, the most).")
     checked: list[WeightsComparison] = Field(
         default_factory=list, max_length=4, description="The comparisons that ran, each of which held."
     )
@@ -206,25 +216,61 @@ class WeightsCheck(WireModel):
         "weights to these.",
     )
     checker_seconds: float | None = Field(
-        default=None, ge=0, description="The /weights_checker call's wall time."
+        default=None, ge=0, description="The engine's checksum call's wall time."
     )
     seconds: float | None = Field(
         default=None, ge=0, description="The agent's whole check, the call included."
     )
 
 
-class SGLangInfo(WireModel):
+class LaunchRefusalReason(StrEnum):
+    """Why the engine's launch makes the handoff fatal (each is also the job's failure reason)."""
+
+    WEIGHT_CACHE_ACTIVE = "WeightCacheActive"
+
+
+class LaunchRefusal(WireModel):
+    """A launch flag of the engine under which releasing or refitting weights is fatal: the job fails
+    before any memory is touched, with `message` saying what to change."""
+
+    reason: LaunchRefusalReason
+    message: str = Field(max_length=1024)
+
+
+class EngineInfo(WireModel):
+    """The pod's inference engine as its agent sees it."""
+
+    kind: EngineKind = Field(default=DEFAULT_ENGINE, description="Which engine the agent drives.")
     reachable: bool = False
     version: str | None = Field(default=None, max_length=64)
-    weight_cache_mode: str = Field(default="off", max_length=32)
     served_version: str | None = Field(default=None, max_length=64)
     model_path: str | None = Field(default=None, max_length=1024)
     paused: bool = False
     weights: WeightsCheck | None = Field(
         default=None,
-        description="The checksum of the weights SGLang holds, taken at start and after every refit, and "
-        "what it was held against.",
+        description="The checksum of the weights the engine holds, taken at start and after every refit, "
+        "and what it was held against.",
     )
+    launch_refusal: LaunchRefusal | None = Field(
+        default=None,
+        description="A launch flag of the engine under which the handoff is fatal: the job fails at once.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _previous_release(cls, data: object) -> object:
+        """An agent of the previous release reports its engine's weight cache mode instead of a refusal."""
+        if not isinstance(data, dict) or "weightCacheMode" not in data:
+            return data
+        data = dict(data)
+        mode = str(data.pop("weightCacheMode") or "off")
+        if mode != "off" and "launchRefusal" not in data:
+            data["launchRefusal"] = {
+                "reason": LaunchRefusalReason.WEIGHT_CACHE_ACTIVE.value,
+                "message": f"the engine runs with --weight-cache-mode {mode}: weight release and refit are "
+                "fatal under a CUDA-IPC weight cache; restart it with --weight-cache-mode off",
+            }
+        return data
 
 
 class MemoryReport(WireModel):
@@ -326,7 +372,7 @@ class TrainerReport(WireModel):
     last_refusal: str | None = Field(
         default=None,
         max_length=1024,
-        description="Why the agent refused the trainer's last refused call (its SGLang-compatible endpoint "
+        description="Why the agent refused the trainer's last refused call (its framework endpoint "
         "or the SDK's routes); cleared by the trainer's next accepted handoff call (a lease request or "
         "answer, a publish, a push, a load, a resume, a window closed without an error). The operator puts "
         "it in the RLJob's status message and an Event when the trainer ends.",
@@ -336,7 +382,7 @@ class TrainerReport(WireModel):
     )
     weights_group: GroupState | None = Field(
         default=None,
-        description="The window's init_weights_update_group: Pending while SGLang waits for the trainer to "
+        description="The window's weights group: Pending while the engine waits for the trainer to "
         "join (every command is refused Busy meanwhile), then Ready or Failed.",
     )
     error: str | None = Field(
@@ -347,27 +393,26 @@ class TrainerReport(WireModel):
 
 
 class RolloutReport(WireModel):
-    """Sampled from SGLang's load endpoint during rollout."""
+    """Sampled from the engine's load and counters during rollout (docs/profiling.md)."""
 
     samples: int = Field(default=0, ge=0)
     cache_hit_rate: float | None = Field(
         default=None,
         ge=0,
         le=1,
-        description="The last sample of SGLang's cache_hit_rate: the hit ratio of its last prefill batch "
-        "(C-METRIC-CACHE-HIT), not a running ratio. Unset without --enable-metrics, where SGLang reports "
-        "0.0 (C-METRIC-OFF).",
+        description="The last sample of the engine's cache hit rate: the hit ratio of its last prefill "
+        "batch, not a running ratio. Unset where the engine measures no counters (`unmeasured` says why).",
     )
     generation_tokens_per_second: float | None = Field(
         default=None,
         ge=0,
-        description="Mean of SGLang's gen_throughput gauge over the busy samples. Unset without "
-        "--enable-metrics, where SGLang reports 0.0 (C-METRIC-OFF).",
+        description="Mean of the engine's generation throughput over the busy samples. Unset where the "
+        "engine measures no counters (`unmeasured` says why).",
     )
     utilization: float | None = Field(
         default=None,
         ge=0,
-        description="Not reported: SGLang never sets its load utilization (0.0, C-METRIC-UTILIZATION).",
+        description="Not reported: no engine sets its load utilization.",
     )
     # The signals of docs/profiling.md, measured over the rollout window: from the baseline the agent
     # takes as it opens rollout (resume) to its last sample (the drain's first step).
@@ -384,15 +429,15 @@ class RolloutReport(WireModel):
         "ran (NVML utilization.gpu).",
     )
     prompt_tokens: int | None = Field(
-        default=None, ge=0, description="Increase of sglang:prompt_tokens_total over the window."
+        default=None, ge=0, description="Increase of the engine's prompt token counter over the window."
     )
     cached_tokens: int | None = Field(
         default=None,
         ge=0,
-        description="Increase of sglang:cached_tokens_total over the window (every cache_source).",
+        description="Increase of the engine's cached token counter over the window (every cache tier).",
     )
     generation_tokens: int | None = Field(
-        default=None, ge=0, description="Increase of sglang:generation_tokens_total over the window."
+        default=None, ge=0, description="Increase of the engine's generation token counter over the window."
     )
     mean_running_requests: float | None = Field(
         default=None, ge=0, description="Time-weighted mean of running requests over the samples."
@@ -400,27 +445,27 @@ class RolloutReport(WireModel):
     mean_waiting_requests: float | None = Field(
         default=None, ge=0, description="Time-weighted mean of queued (waiting) requests over the samples."
     )
-    tp_size: int | None = Field(default=None, ge=1, description="SGLang's tensor-parallel size.")
+    tp_size: int | None = Field(default=None, ge=1, description="The engine's tensor-parallel size.")
     completed_samples: int = Field(
         default=0, ge=0, description="Samples the trainer reported (POST /v1/trainer/rollout) this rollout."
     )
     unmeasured: list[Unmeasured] = Field(
         default_factory=list,
         max_length=MAX_UNMEASURED,
-        description="The SGLang signals of this report left unset, and why.",
+        description="The engine's signals of this report left unset, and why.",
     )
 
 
-STATE_UNKNOWN = "StateUnknown"  # the prefix of `fatal` when a restarted agent cannot tell SGLang's state
+STATE_UNKNOWN = "StateUnknown"  # the prefix of `fatal` when a restarted agent cannot tell the engine's state
 
 
 class RecoveryState(StrEnum):
     """What the agent knows after its own process restarted inside the pod (a native sidecar restarts
-    without ending the pod). Its record (written before every non-idempotent SGLang call) is checked
-    against what SGLang reports."""
+    without ending the pod). Its record (written before every non-idempotent engine call) is checked
+    against what the engine reports."""
 
     FRESH = "Fresh"  # first start in this pod: nothing to recover
-    RECOVERING = "Recovering"  # restarted; checking the record against SGLang (commands wait: Busy)
+    RECOVERING = "Recovering"  # restarted; checking the record against the engine (commands wait: Busy)
     RECOVERED = "Recovered"  # the recorded state holds; the agent continues where it was
     UNSURE = "Unsure"  # a non-idempotent call's outcome is unknown: stage Failed, fatal StateUnknown
 
@@ -442,8 +487,8 @@ class AgentState(WireModel):
     node_rank: int = Field(
         default=0,
         ge=0,
-        description="The pod's SGLang node rank (RLJOB_NODE_RANK). 0 leads its instance and calls SGLang; "
-        "a follower (> 0) only checks its own GPUs and SGLang's liveness.",
+        description="The pod's node rank in its engine instance (RLJOB_NODE_RANK). 0 leads its instance and "
+        "calls the engine; a follower (> 0) only checks its own GPUs and the engine's liveness.",
     )
     epoch: int = Field(default=0, ge=0, description="Last accepted command epoch.")
     last_command: CommandStatus | None = None
@@ -452,11 +497,15 @@ class AgentState(WireModel):
     gpus: GpuScopeReport | None = Field(
         default=None, description="Which GPUs release verification looks at; None until the probe ran."
     )
-    sglang: SGLangInfo = Field(default_factory=SGLangInfo)
+    engine: EngineInfo = Field(
+        default_factory=EngineInfo,
+        # The previous release's key, read for one release (agents of the previous image, their records).
+        validation_alias=AliasChoices("engine", "sglang"),
+    )
     trainer: TrainerReport = Field(default_factory=TrainerReport)
     rollout: RolloutReport = Field(default_factory=RolloutReport)
     fatal: str | None = Field(
-        default=None, max_length=1024, description="Set when SGLang died or state is lost."
+        default=None, max_length=1024, description="Set when the engine died or state is lost."
     )
     recovery: RecoveryReport = Field(default_factory=RecoveryReport)
     headroom: ResumeHeadroom | None = Field(
@@ -498,15 +547,16 @@ class ChannelFrame(WireModel):
 
 
 class WeightsDigest(WireModel):
-    """The trainer's digest of the weights it published or pushed (rljob.trainer.digest): per SGLang
-    parameter, the hash SGLang's /weights_checker gives for it once loaded; or why the trainer gives none."""
+    """The trainer's digest of the weights it published or pushed (rljob.trainer.engines): per parameter of
+    the engine, the hash the engine's checksum gives for it once loaded; or why the trainer gives none."""
 
     parameters: dict[str, ParameterHash] = Field(default_factory=dict, max_length=MAX_DIGEST_PARAMETERS)
     unavailable: str | None = Field(
         default=None,
         max_length=1024,
         description="Why there is no digest (e.g. an architecture the SDK "
-        "does not know how SGLang fuses): the status says the weights were not verified against the trainer.",
+        "does not know how the engine fuses): the status says the weights were not verified against the "
+        "trainer.",
     )
 
 
@@ -516,7 +566,8 @@ class PublishRequest(WireModel):
     version: WeightVersion
     path: str | None = Field(default=None, max_length=1024)
     digest: WeightsDigest | None = Field(
-        default=None, description="The checkpoint's digest: the refit holds what SGLang loaded against it."
+        default=None,
+        description="The checkpoint's digest: the refit holds what the engine loaded against it.",
     )
 
 
@@ -528,7 +579,7 @@ class RolloutSamples(WireModel):
 
 
 class TensorPush(WireModel):
-    """`POST /v1/trainer/refit/tensor`: one bucket, forwarded to SGLang inside the refit window."""
+    """`POST /v1/trainer/refit/tensor`: one bucket, forwarded to the engine inside the refit window."""
 
     serialized_named_tensors: list[str] = Field(min_length=1, max_length=64)
     load_format: str | None = Field(default=None, max_length=64)
@@ -578,14 +629,14 @@ class RefitWindow(WireModel):
     architectures: list[str] | None = Field(
         default=None,
         max_length=8,
-        description="SGLang's model architectures (`/model_info`, from 0.5.15.post1): how the SDK's digest "
-        "maps the pushed tensors to SGLang's parameters.",
+        description="The engine's model architectures, where it says: how the SDK's digest maps the pushed "
+        "tensors to the engine's parameters.",
     )
 
 
 class InitWeightsGroup(WireModel):
-    """`POST /v1/trainer/refit/group`: forwarded to SGLang's /init_weights_update_group inside a
-    distributed window. The agent answers 202 at once and SGLang's call runs in the background: it
+    """`POST /v1/trainer/refit/group`: the engine joins the trainer's weights group inside a distributed
+    window. The agent answers 202 at once and the engine's call runs in the background: it
     returns only after the trainer (group rank 0, hosting the rendezvous store at master_address:
     master_port) has joined, so the trainer calls its own init_process_group next and then waits for
     `group: Ready` on `GET /v1/trainer/refit?wait=`."""
@@ -603,17 +654,18 @@ class RefitClose(WireModel):
 
     error: str | None = Field(default=None, max_length=1024)
     digest: WeightsDigest | None = Field(
-        default=None, description="The window's pushes' digest: the refit holds what SGLang holds against it."
+        default=None,
+        description="The window's pushes' digest: the refit holds what the engine holds against it.",
     )
 
 
 class PushResult(WireModel):
-    pushes: int = Field(ge=0, description="Pushes forwarded to SGLang in this window so far.")
+    pushes: int = Field(ge=0, description="Pushes forwarded to the engine in this window so far.")
     message: str = Field(default="", max_length=4096)
 
 
 class AgentHealth(WireModel):
-    """`GET /healthz`: the agent process answers (SGLang's health is in AgentState)."""
+    """`GET /healthz`: the agent process answers (the engine's health is in AgentState)."""
 
     ok: bool
     stage: Stage

@@ -148,7 +148,8 @@ def build_crd() -> dict[str, Any]:
     _strip_defaults(status)  # the controller writes status; API-server defaulting would only hide bugs
     schema = {
         "type": "object",
-        "description": "RL post-training job: SGLang rollout and training sharing a gang of GPU pods.",
+        "description": "RL post-training job: rollout on an inference engine and training sharing a gang of "
+        "GPU pods.",
         "required": ["spec"],
         "properties": {
             "apiVersion": {"type": "string"},

@@ -39,8 +39,8 @@ MAX_REPLICAS = 1024
 # What the operator injects into every pod (controller/children.py): a template may not use these names.
 AGENT_CONTAINER = "rljob-agent"
 TOKEN_VOLUME = "rljob-agent-token"
-AGENT_TRAINER_PORT = 8472  # the agent's trainer-facing port on 127.0.0.1, beside SGLang's
-AGENT_ENGINE_PORT = 8473  # the agent's SGLang-compatible endpoint on 127.0.0.1, for a framework
+AGENT_TRAINER_PORT = 8472  # the agent's trainer-facing port on 127.0.0.1, beside the engine's
+AGENT_ENGINE_PORT = 8473  # the agent's engine-compatible endpoint on 127.0.0.1, for a framework
 # Every child is named after the job (controller/children.py): the Service NAME (a DNS-1035 label), the
 # Secret NAME-agent-token labelled rljob.io/job=NAME (a label value, at most 63), and the pods
 # NAME-<index>, whose hostname is the pod name (a DNS-1123 label, at most 63). The longest pod name is
@@ -56,11 +56,26 @@ JOB_NAME_FORMAT_MESSAGE = (
 )
 
 WeightVersion = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")]
-"""A weight version as SGLang serves it (`/model_info` -> weight_version)."""
+"""A weight version as the engine serves it (its label of the weights it holds)."""
+
+
+class EngineKind(StrEnum):
+    """The inference engine a job's rollout runs; the agent drives it through its folder of agent/engines/."""
+
+    SGLANG = "sglang"
+
+    @property
+    def label(self) -> str:
+        """How messages name the engine."""
+        return ENGINE_LABELS[self]
+
+
+ENGINE_LABELS = {EngineKind.SGLANG: "SGLang"}
+DEFAULT_ENGINE = EngineKind.SGLANG
 
 
 class ReleaseTag(StrEnum):
-    """SGLang memory regions (`srt/constants.py`)."""
+    """The engine's memory parts, each released and resumed on its own."""
 
     KV_CACHE = "kv_cache"
     WEIGHTS = "weights"
@@ -68,8 +83,9 @@ class ReleaseTag(StrEnum):
 
 
 class DrainMode(StrEnum):
-    """`pause_generation` modes the agent will use. `in_place` is deliberately absent: it keeps
-    requests holding KV, and a release after it kills SGLang."""
+    """How a drain stops the engine's requests in flight: abort ends them, retract returns them to the
+    engine's queue. A pause that keeps requests holding KV is deliberately absent: a release after it kills
+    the engine."""
 
     ABORT = "abort"
     RETRACT = "retract"
@@ -173,16 +189,16 @@ class Drain(WireModel):
 
 
 class Rollout(WireModel):
-    container: str = Field(default="sglang", pattern=DNS_LABEL, max_length=63)
+    container: str = Field(default=DEFAULT_ENGINE.value, pattern=DNS_LABEL, max_length=63)
     port: int = Field(default=30000, ge=1, le=65535)
     drain: Drain = Field(default_factory=Drain)
     pods_per_instance: int = Field(
         default=1,
         ge=1,
         le=MAX_REPLICAS,
-        description="Pods one SGLang instance spans (its --nnodes). Pod i is node rank i % podsPerInstance "
-        "of instance i // podsPerInstance; only node rank 0 serves SGLang's HTTP API. replicas must be a "
-        "multiple of it.",
+        description="Pods one engine instance spans (its node count). Pod i is node rank i % "
+        "podsPerInstance of instance i // podsPerInstance; only node rank 0 serves the engine's HTTP API. "
+        "replicas must be a multiple of it.",
     )
 
 
@@ -213,7 +229,7 @@ class Release(WireModel):
     @classmethod
     def _unique(cls, tags: list[ReleaseTag]) -> list[ReleaseTag]:
         if len(set(tags)) != len(tags):
-            raise ValueError("tags must be unique: releasing a tag twice kills SGLang")
+            raise ValueError("tags must be unique: releasing a tag twice kills the engine")
         return tags
 
 
@@ -242,7 +258,7 @@ class Refit(WireModel):
 class Weights(WireModel):
     initial_version: WeightVersion = "0"
     initial_path: str | None = Field(
-        default=None, max_length=1024, description="Model path SGLang starts from; used to rejoin."
+        default=None, max_length=1024, description="Model path the engine starts from; used to rejoin."
     )
 
 
@@ -271,7 +287,7 @@ class ProfileHints(WireModel):
         ge=1,
         le=2**50,
         description="Bytes of the model's weights (all GPUs together): each decode step reads modelBytes / "
-        "SGLang's tp_size on every GPU. Unset: no decode roofline.",
+        "the engine's tensor-parallel size on every GPU. Unset: no decode roofline.",
     )
     memory_bandwidth_bytes_per_second: int | None = Field(
         default=None,
@@ -282,7 +298,7 @@ class ProfileHints(WireModel):
 
 
 REPLICAS_MULTIPLE_MESSAGE = (
-    "replicas must be a multiple of rollout.podsPerInstance: every SGLang instance spans that many pods"
+    "replicas must be a multiple of rollout.podsPerInstance: every engine instance spans that many pods"
 )
 TENSOR_ACROSS_PODS_MESSAGE = (
     "refit.source tensor needs rollout.podsPerInstance 1: CUDA IPC handles cannot be opened on another "

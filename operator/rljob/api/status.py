@@ -20,8 +20,8 @@ MAX_MESSAGE = 1024
 MAX_UNMEASURED = 8  # at least one entry per Signal
 
 WeightsChecksum = Annotated[str, Field(min_length=64, max_length=64, pattern=r"^[0-9a-f]{64}$")]
-"""What a pod's SGLang holds: sha256 (hex) over the per-GPU checksums of its /weights_checker, in (pp, tp)
-rank order (agent/weights_check.py)."""
+"""What a pod's engine holds: sha256 (hex) over the per-GPU checksums of its weights, in (pp, tp) rank
+order (agent/weights_check.py)."""
 
 
 class Phase(StrEnum):
@@ -92,10 +92,10 @@ class CommittedWeights(StatusModel):
     weights_checksum: WeightsChecksum | None = Field(
         default=None,
         description="What every pod of `weightsLayout` held at this version, verified after its refit; a "
-        "rejoin or a reload of this version must hold the same. Unset where SGLang gives no checksum.",
+        "rejoin or a reload of this version must hold the same. Unset where the engine gives no checksum.",
     )
     weights_layout: str | None = Field(
-        default=None, max_length=64, description="SGLang's parallel layout, e.g. `tp1 pp1`."
+        default=None, max_length=64, description="The engine's parallel layout, e.g. `tp1 pp1`."
     )
 
 
@@ -106,7 +106,7 @@ class PodStatus(StatusModel):
     stage: str = Field(default="Unknown", max_length=32)
     weight_version: str | None = Field(default=None, max_length=64)
     weights_checksum: WeightsChecksum | None = Field(
-        default=None, description="The checksum of what the pod's SGLang holds at weightVersion."
+        default=None, description="The checksum of what the pod's engine holds at weightVersion."
     )
     weights: str | None = Field(
         default=None,
@@ -138,8 +138,8 @@ class Signal(StrEnum):
 class UnmeasuredReason(StrEnum):
     """Why a signal is absent (docs/profiling.md, "Not measured")."""
 
-    METRICS_DISABLED = "MetricsDisabled"  # SGLang runs without --enable-metrics (C-METRIC-OFF)
-    METRICS_UNANSWERED = "MetricsUnanswered"  # SGLang's /metrics answered no read of the rollout
+    METRICS_DISABLED = "MetricsDisabled"  # the engine measures no counters (a launch flag it lacks)
+    METRICS_UNANSWERED = "MetricsUnanswered"  # the engine's counters answered no read of the rollout
     NOT_REPORTED = "NotReported"  # its source (an agent, the GPU probe, the trainer) reported none
 
 
@@ -185,7 +185,7 @@ class PhaseSpan(StatusModel):
     start_time: str = Field(max_length=64)
     seconds: float | None = Field(default=None, ge=0)
     agent_seconds: float | None = Field(
-        default=None, ge=0, description="Slowest pod's time inside the agent (SGLang calls included)."
+        default=None, ge=0, description="Slowest pod's time inside the agent (engine calls included)."
     )
     freed_bytes: int | None = Field(default=None, ge=0, description="Releasing: sum over pods.")
     trainer_seconds: float | None = Field(
@@ -199,7 +199,8 @@ class PhaseSpan(StatusModel):
         ge=0,
         le=1,
         description="Rollout: prefix-cache hit rate, token-weighted over the gang (the mean of the last "
-        "prefill batches' rates where SGLang's counters did not answer); unset without --enable-metrics.",
+        "prefill batches' rates where the engine's counters did not answer); unset where the engine "
+        "measures no counters.",
     )
     tokens_per_second: float | None = Field(default=None, ge=0, description="Rollout: sum over pods.")
     rollout: RolloutTotals | None = Field(default=None, description="Rollout: what the agents measured.")
@@ -222,7 +223,7 @@ class IterationReport(StatusModel):
     control_overhead_seconds: float = Field(
         default=0.0,
         description="The iteration's Draining, Releasing, Refitting and Resuming only, summed: each phase's "
-        "wall time minus the slowest pod's time inside its agent (SGLang calls included), at least 0. "
+        "wall time minus the slowest pod's time inside its agent (engine calls included), at least 0. "
         "Training and Rollout are left out: Training's control cost is its span's seconds minus "
         "trainerSeconds (status.timeline).",
     )
@@ -231,9 +232,9 @@ class IterationReport(StatusModel):
         default=None,
         ge=0,
         le=1,
-        description="Prefix-cache hit rate over the whole rollout: cached / prompt tokens (SGLang's "
+        description="Prefix-cache hit rate over the whole rollout: cached / prompt tokens (the engine's "
         "counters); the last prefill batches' rate where the counters did not answer; unset (see "
-        "unmeasured) without --enable-metrics.",
+        "unmeasured) where the engine measures no counters.",
     )
     generation_tokens_per_second: float | None = Field(default=None, ge=0, description="Sum over pods.")
     # The signals of docs/profiling.md (lifecycle/signals.py computes them); None where not measured.

@@ -160,7 +160,7 @@ def render(name: str, namespace: str, status: RLJobStatus, spec: dict[str, Any])
         p = status.profile
         hint = {
             "RolloutBound": "rollout dominates: the levers below say which rollout lever",
-            "TrainBound": "training dominates: the trainer, not SGLang, is the lever",
+            "TrainBound": "training dominates: the trainer, not the engine, is the lever",
             "Balanced": "rollout and training are comparable: the levers below rank both",
         }[p.verdict.value]
         out.append(f"  Profile: {p.verdict.value}, rollout {p.rollout_percent}% of rollout+train — {hint}")

@@ -433,7 +433,7 @@ def html_report(name: str, namespace: str, status: RLJobStatus) -> str:
         throughput_svg(reports),
         _legend([("tokens/s (gang)", "#2b8cbe"), ("decode roofline at the measured batch", "#de2d26")]),
         "</div>",
-        '<div class="card"><h2>Requests in SGLang during rollout (mean)</h2>',
+        '<div class="card"><h2>Requests in the engine during rollout (mean)</h2>',
         requests_svg(reports),
         _legend([("running", "#756bb1"), ("waiting (queued)", "#fdae6b")]),
         "</div>",

@@ -102,8 +102,8 @@ class AgentChannels:
     def follow(self, pods: PodCache, spec: RLJobSpec | None, reported: Callable[[str], None]) -> None:
         """One watch per agent of a placed gang (none while the spec is invalid: the job is failing). The
         first watch request is what lets the agent's startupProbe pass (agent/operator_api.py,
-        /probe/gang): no member of a gang the scheduler could not place whole starts SGLang or its
-        trainer."""
+        /probe/gang): no member of a gang the scheduler could not place whole starts its engine or
+        its trainer."""
         if self._watched is not None and self._watched[0] == pods.version and self._watched[1] is spec:
             return
         self._watched = (pods.version, spec)

@@ -30,8 +30,8 @@ LABEL_INDEX = "rljob.io/index"
 LABEL_GANG = "rljob.io/gang"
 TOKEN_DIR = "/var/run/rljob/agent"
 TOKEN_KEY = "token"
-# The agent's record (agent/record.py): a memory-backed emptyDir, alive as long as the pod (as SGLang's
-# state is) and across the agent's restarts; its write before each non-idempotent SGLang call costs nothing.
+# The agent's record (agent/record.py): a memory-backed emptyDir, alive as long as the pod (as the engine's
+# state is) and across the agent's restarts; its write before each non-idempotent engine call costs nothing.
 STATE_VOLUME = "rljob-agent-state"
 STATE_DIR = "/var/run/rljob/state"
 TRAINER_PORT = AGENT_TRAINER_PORT
@@ -173,7 +173,7 @@ def agent_container(spec: RLJobSpec, options: AgentOptions) -> dict[str, Any]:
             f"127.0.0.1:{AGENT_ENGINE_PORT}",
             "--refit-source",
             spec.refit.source.value,
-            "--sglang-url",
+            "--engine-server-url",
             f"http://127.0.0.1:{spec.rollout.port}",
             "--token-file",
             f"{TOKEN_DIR}/{TOKEN_KEY}",
@@ -221,8 +221,8 @@ GANG_PROBE_PERIOD = 2  # seconds
 def gang_startup(spec: RLJobSpec) -> dict[str, Any]:
     """The agent's startupProbe as a native sidecar: it passes once the operator reached the agent, which
     it does only after the scheduler placed the whole gang, and until then the kubelet starts neither
-    SGLang nor the trainer (docs/control-plane.md, "Gangs that do not fit"). It keeps failing for as long as
-    the gang may wait to be placed (phaseTimeoutSeconds.initializing; a day without one): after that the
+    the engine nor the trainer (docs/control-plane.md, "Gangs that do not fit"). It keeps failing for as long
+    as the gang may wait to be placed (phaseTimeoutSeconds.initializing; a day without one): after that the
     operator restarts the gang, and a kubelet that kills the agent first would only restart it."""
     waits = spec.phase_timeout_seconds.initializing or 86400
     return {
@@ -232,11 +232,11 @@ def gang_startup(spec: RLJobSpec) -> dict[str, Any]:
     }
 
 
-def sglang_liveness(spec: RLJobSpec) -> dict[str, Any]:
-    """SGLang binds 127.0.0.1, which a kubelet probe can't reach, so the probe goes through the agent,
-    which asks SGLang's `/ping`. Never `/health`: it blocks while paused, then fails."""
+def engine_liveness(spec: RLJobSpec) -> dict[str, Any]:
+    """The engine binds 127.0.0.1, which a kubelet probe can't reach, so the probe goes through the agent,
+    which asks the engine's liveness route (one that answers while paused: Engine.liveness)."""
     return {
-        "httpGet": {"path": "/probe/sglang", "port": spec.agent.port},
+        "httpGet": {"path": "/probe/engine", "port": spec.agent.port},
         "initialDelaySeconds": 30,
         "periodSeconds": 10,
         "timeoutSeconds": 5,
@@ -257,7 +257,7 @@ def gang_pod(
         _env("RLJOB_JOB_NAME", job),
         _env("RLJOB_POD_INDEX", str(index)),
         _env("RLJOB_REPLICAS", str(spec.replicas)),
-        # Where the pod stands in its SGLang instance, for every container: one SGLang command line for
+        # Where the pod stands in its engine instance, for every container: one engine command line for
         # every pod, e.g. --nnodes $(RLJOB_NODES_PER_INSTANCE) --node-rank $(RLJOB_NODE_RANK)
         # --dist-init-addr $(RLJOB_INSTANCE_LEADER):5000. The agent takes its role from it.
         *_env_list(layout.instance_env(index)),
@@ -273,14 +273,14 @@ def gang_pod(
                     *_env_list(layout.trainer_env(index)),
                     _env("RLJOB_AGENT_URL", f"http://127.0.0.1:{TRAINER_PORT}"),
                     _env("RLJOB_ENGINE_URL", f"http://127.0.0.1:{AGENT_ENGINE_PORT}"),
-                    _env("RLJOB_SGLANG_URL", f"http://127.0.0.1:{spec.rollout.port}"),
+                    _env("RLJOB_ENGINE_SERVER_URL", f"http://127.0.0.1:{spec.rollout.port}"),
                     _env("RLJOB_REFIT_SOURCE", spec.refit.source.value),
                     *([_env("RLJOB_ITERATIONS", str(iterations))] if iterations else []),
                 ],
             )
         elif container["name"] == spec.rollout.container:
             _with_env(container, [*common_env, *own])
-            container["livenessProbe"] = sglang_liveness(spec)
+            container["livenessProbe"] = engine_liveness(spec)
         else:
             _with_env(container, [*common_env, *own])
     agent = agent_container(spec, options)
@@ -295,10 +295,10 @@ def gang_pod(
     rollout = next(c for c in pod_spec["containers"] if c["name"] == spec.rollout.container)
     claims = (rollout.get("resources") or {}).get("claims")
     if claims:
-        # DRA: containers of a pod can share a ResourceClaim, so NVML in the agent sees SGLang's GPUs.
+        # DRA: containers of a pod can share a ResourceClaim, so NVML in the agent sees the engine's GPUs.
         agent["resources"]["claims"] = copy.deepcopy(claims)
     if spec.refit.source == RefitSource.TENSOR:
-        # CUDA IPC: the trainer opens handles into SGLang's allocations, which needs one PID namespace
+        # CUDA IPC: the trainer opens handles into the engine's allocations, which needs one PID namespace
         # (legacy IPC handles cannot be opened from another, NVIDIA/nccl#360) and the same GPUs.
         pod_spec["shareProcessNamespace"] = True
         trainer = next(c for c in pod_spec["containers"] if c["name"] == spec.trainer.container)
@@ -318,7 +318,7 @@ def gang_pod(
             {"name": TOKEN_VOLUME, "secret": {"secretName": token_secret_name(job), "defaultMode": 0o444}},
         ]
     )
-    # A lost member is handled by restarting the gang; a silently restarted SGLang or trainer would rejoin
+    # A lost member is handled by restarting the gang; a silently restarted engine or trainer would rejoin
     # a lock-step iteration with its memory state gone. Only the agent (a native sidecar) restarts: it
     # recovers its state from its record, or reports StateUnknown.
     pod_spec["restartPolicy"] = "Never"

@@ -119,7 +119,7 @@ class Kube:
             f"/api/v1/namespaces/{namespace}/pods",
             # From the watch cache, not a quorum read (which waits for etcd progress). A slightly stale
             # list only delays a decision: a create that raced gets 409, deletes carry the uid (below),
-            # and agent state, not this list, gates every SGLang call.
+            # and agent state, not this list, gates every engine call.
             query={"labelSelector": f"{LABEL_JOB}={job}", "resourceVersion": "0"},
         )
         body = json.loads(answer)

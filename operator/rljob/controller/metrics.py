@@ -23,7 +23,7 @@ FAILURES = Counter(
 )
 CONTROL_OVERHEAD = Histogram(
     "rljob_control_overhead_seconds",
-    "Per iteration: lifecycle wall time not spent inside agents/SGLang.",
+    "Per iteration: lifecycle wall time not spent inside agents and their engines.",
     buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
 )
 ITERATION = Gauge("rljob_iteration", "Current iteration.", ["namespace", "job"])
@@ -76,12 +76,12 @@ GPU_BUSY = Gauge(
 )
 PREFIX_CACHE_HIT = Gauge(
     "rljob_prefix_cache_hit_ratio",
-    "Last iteration: cached / prompt tokens over the whole rollout (SGLang's counters).",
+    "Last iteration: cached / prompt tokens over the whole rollout (the engines' counters).",
     ["namespace", "job"],
 )
 ROLLOUT_REQUESTS = Gauge(
     "rljob_rollout_requests",
-    "Last iteration: mean requests in SGLang during rollout, by state (running, waiting), gang total.",
+    "Last iteration: mean requests in the engines during rollout, by state (running, waiting), gang total.",
     ["namespace", "job", "state"],
 )
 GENERATION_TPS = Gauge(

@@ -16,7 +16,7 @@ def _int_label(labels: dict[str, str], key: str) -> int:
 
 
 def broken_reason(pod: dict[str, Any]) -> str | None:
-    """A container that failed or restarted lost its process state (SGLang memory, trainer step).
+    """A container that failed or restarted lost its process state (the engine's memory, the trainer's step).
 
     Only `containerStatuses` count. The agent as a native sidecar reports in `initContainerStatuses`: the
     kubelet restarts it without ending the pod and it recovers its state from its pod-local record, so

@@ -1,10 +1,10 @@
-"""Where each pod of the gang stands: its SGLang instance, its node rank inside it, and its place in the
+"""Where each pod of the gang stands: its engine instance, its node rank inside it, and its place in the
 one trainer world; and the env that tells its containers. Pure: the names come from children.py.
 
-`replicas` pods form `replicas // pods_per_instance` SGLang instances; pod `i` is node rank
-`i % pods_per_instance` of instance `i // pods_per_instance`. In a multi-node SGLang instance only node
-rank 0 serves HTTP (C-NODE: the other nodes run a dummy server with /ping and /health only), so the
-operator sends SGLang lifecycle commands to the instance's leader.
+`replicas` pods form `replicas // pods_per_instance` engine instances; pod `i` is node rank
+`i % pods_per_instance` of instance `i // pods_per_instance`. In a multi-node engine instance only node
+rank 0 serves the engine's API (agent/follower.py), so the operator sends the engine's lifecycle commands
+to the instance's leader.
 
 The trainer containers of all pods are one torch.distributed world, by the conventions users already
 know: MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK/LOCAL_RANK (torch.distributed's env:// init) when each pod
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 class PodPlace:
     index: int
     instance: int
-    node_rank: int  # inside its SGLang instance; 0 is the leader (runs SGLang's HTTP server)
+    node_rank: int  # inside its engine instance; 0 is the leader (runs the engine's HTTP server)
     leader_index: int
 
     @property
@@ -67,7 +67,7 @@ class Topology:
     # --- env ---------------------------------------------------------------------------------------
 
     def instance_env(self, index: int) -> dict[str, str]:
-        """For every container of the pod (usable in args as $(VAR)): where its SGLang instance is."""
+        """For every container of the pod (usable in args as $(VAR)): where its engine instance is."""
         p = self.place(index)
         return {
             "RLJOB_INSTANCE": str(p.instance),

@@ -20,7 +20,7 @@ from rljob.emulator.radix import PrefixCache
 from rljob.emulator.scheduler import Scheduler, Tokenizer
 from rljob.emulator.tensor_refit import set_ipc_stand_in_dir
 from rljob.emulator.weights import LoadedWeights, launch_weights
-from rljob.trainer.digest import ModelLayout
+from rljob.trainer.engines.sglang.digest import ModelLayout
 
 if TYPE_CHECKING:
     from rljob.emulator.nodes import NodeLink

@@ -1,14 +1,14 @@
 """What the emulated model's parameters hold, as SGLang's `/weights_checker` hashes them (C-CHECKER-CHECKSUM).
 
 SGLang's model has the parameters its architecture defines; the emulator's has those its checkpoints and
-pushes name, mapped as SGLang's loader maps them (for the architectures rljob.trainer.digest knows: qkv_proj
-and gate_up_proj fused from their parts, skipped tensors left out, the vocabulary padded; for any other,
-each tensor is a parameter of its own name). A disk load replaces every parameter with the checkpoint's
-(the emulator's model is its checkpoint); a push writes the parameters it names, a fused one part by part.
-Each parameter keeps its parts' bytes (bytes or numpy arrays read from a file, a slice of the weights
-region with the cuda backend) and is hashed with SGLang's function (rljob.trainer.tensor_hash) when first
-asked for. A release without CPU backup leaves every parameter garbage (C-MEM-RELEASE-ORDER): what the
-resumed region holds with the cuda backend, zeros with the accounting one. A tensor the accounting backend
+pushes name, mapped as SGLang's loader maps them (for the architectures rljob.trainer.engines.sglang.digest
+knows: qkv_proj and gate_up_proj fused from their parts, skipped tensors left out, the vocabulary padded; for
+any other, each tensor is a parameter of its own name). A disk load replaces every parameter with the
+checkpoint's (the emulator's model is its checkpoint); a push writes the parameters it names, a fused one part
+by part. Each parameter keeps its parts' bytes (bytes or numpy arrays read from a file, a slice of the weights
+region with the cuda backend) and is hashed with SGLang's function (rljob.trainer.engines.sglang.tensor_hash)
+when first asked for. A release without CPU backup leaves every parameter garbage (C-MEM-RELEASE-ORDER): what
+the resumed region holds with the cuda backend, zeros with the accounting one. A tensor the accounting backend
 cannot read behind its IPC handle (no bytes shared with it: tensor_refit.py) holds bytes standing for the
 handle's tensor at the refit's version, so equal pushes of one version hold equal weights.
 """
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rljob.trainer.digest import KNOWN_LAYOUTS, ModelLayout, checkpoint_layout, sglang_name
-from rljob.trainer.digest import _vocab_padding_rows as vocab_padding_rows
-from rljob.trainer.tensor_hash import hash_any, hex16
+from rljob.trainer.engines.sglang.digest import KNOWN_LAYOUTS, ModelLayout, checkpoint_layout, sglang_name
+from rljob.trainer.engines.sglang.digest import _vocab_padding_rows as vocab_padding_rows
+from rljob.trainer.engines.sglang.tensor_hash import hash_any, hex16
 
 Part = Any  # bytes, a numpy array, a torch tensor or Unseen: the part's bytes in order
 

@@ -1,12 +1,12 @@
 """The emulator's GPU probe, an agent plugin: `rljob-agent --gpu-probe rljob.emulator.probe:EmulatorProbe`.
 It reads the emulator's per-GPU accounting (`/_emulator/memory`, `/_emulator/processes` and
-`/_emulator/utilization`, not SGLang routes) through the agent's SGLang client, so the agent's product code
-never names the emulator."""
+`/_emulator/utilization`, not SGLang routes) through the agent's engine (Engine.get_json), so the agent's
+product code never names the emulator."""
 
 from __future__ import annotations
 
+from rljob.agent.engines.base import Engine
 from rljob.agent.gpu_probe import GpuMemory, GpuProcessUse
-from rljob.agent.sglang_client import SGLangClient
 
 PROBE = "rljob.emulator.probe:EmulatorProbe"  # what the test world passes as --gpu-probe
 # It stands in for NVML, which answers from the node's driver and has no timeout: an emulator that answers
@@ -17,8 +17,8 @@ TIMEOUT_S = 60.0
 class EmulatorProbe:
     host_pids = False  # the emulated GPUs' processes are this machine's: their pids are the agent's own
 
-    def __init__(self, client: SGLangClient) -> None:
-        self._client = client
+    def __init__(self, engine: Engine) -> None:
+        self._client = engine
         self._last: tuple[float, list[float]] | None = None  # (emulator clock, busy seconds per GPU)
 
     async def sample(self) -> list[GpuMemory]:

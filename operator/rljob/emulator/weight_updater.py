@@ -17,7 +17,7 @@ from rljob.emulator.engine import Engine
 from rljob.emulator.parameters import Loaded, Unseen, checkpoint_of
 from rljob.emulator.tensor_refit import TensorRefit
 from rljob.emulator.weights import LoadedWeights, WeightsLoadError, read_checkpoint
-from rljob.trainer.tensor_hash import hash_bytes, hex16
+from rljob.trainer.engines.sglang.tensor_hash import hash_bytes, hex16
 
 Reply = tuple[int, dict[str, Any]]
 

@@ -79,7 +79,7 @@ def _fail_without_iterations(step: Step, of: str) -> None:
 
 
 def fail_on_permanent_refusal(step: Step, refusal: AgentRefusal) -> None:
-    """An agent refused a command that no retry and no new gang can change (its SGLang's version or launch
+    """An agent refused a command that no retry and no new gang can change (its engine's version or launch
     flags forbid it): the job fails now, with the agent's reason and what to change, and no restart."""
     known = {r.value: r for r in EventReason}
     reason = known.get(refusal.error or "", EventReason.COMMAND_REFUSED)
@@ -167,7 +167,7 @@ def _kept_gang_serves(step: Step, version: str) -> bool:
     if step.finished_trainers():  # a trainer that exited takes no further iteration: a fresh gang does
         return False
     serving = [
-        a for a in step.gang_agents() if a.stage == Stage.SERVING and a.sglang.served_version == version
+        a for a in step.gang_agents() if a.stage == Stage.SERVING and a.engine.served_version == version
     ]
     return len(serving) == spec.replicas
 

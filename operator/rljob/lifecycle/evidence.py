@@ -98,12 +98,12 @@ def lease_returned(agent: AgentState, epoch: int, target: str | None) -> bool:
 
 
 def serves_target(agent: AgentState, epoch: int, target: str | None) -> bool:
-    return _succeeded(agent, epoch) and agent.sglang.served_version == target
+    return _succeeded(agent, epoch) and agent.engine.served_version == target
 
 
 def serving_target(agent: AgentState, epoch: int, target: str | None) -> bool:
     # invariant 4: rollout reopens only on the verified version
-    return _succeeded(agent, epoch) and agent.stage == Stage.SERVING and agent.sglang.served_version == target
+    return _succeeded(agent, epoch) and agent.stage == Stage.SERVING and agent.engine.served_version == target
 
 
 def trainer_requested(agent: AgentState, epoch: int, target: str | None) -> bool:

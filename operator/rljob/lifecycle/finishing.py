@@ -4,7 +4,7 @@ Its pod stays a gang member while the iteration in flight no longer needs its tr
 the GPU, or once it returned the lease (published, or gave it back without new weights) and, for a pushed
 refit, closed its refit window. A trainer that exits 0 while it asked for the GPU, holds the lease or
 leaves its refit window open leaves an iteration that cannot complete: that pod is lost, as with any other
-exit. Any other container that exits 0 (SGLang, the agent) is lost too."""
+exit. Any other container that exits 0 (the engine, the agent) is lost too."""
 
 from __future__ import annotations
 

@@ -99,7 +99,7 @@ def _trainer(i: _Iteration) -> Lever | None:
     return _lever(
         lever=LeverName.TRAINER,
         reason="training takes the larger part: speed up the trainer (its step, micro-batches, GPUs); "
-        "SGLang settings will not shorten the iteration much",
+        "the engine's settings will not shorten the iteration much",
         evidence=f"training {s.training:.2f}s = {_pct(s.training / i.wall)} of the iteration; rollout "
         f"{_pct(i.share)} of rollout+train",
         share=s.training / i.wall,
@@ -129,8 +129,8 @@ def _running_limit(i: _Iteration) -> Lever | None:
         return None
     return _lever(
         lever=LeverName.RUNNING_REQUEST_LIMIT,
-        reason="requests wait in SGLang's queue while the GPUs have room: raise --max-running-requests "
-        "(as far as the KV cache allows)",
+        reason="requests wait in the engine's queue while the GPUs have room: raise its limit of running "
+        "requests (as far as the KV cache allows)",
         evidence=_load(i),
         share=i.rollout * (1 - busy),
     )

@@ -38,7 +38,7 @@ class LockStep:
     """One lock-step phase: every pod gets `command(step, agent, role)` stamped with the phase's epoch; the
     phase is done when every pod's report shows `evidence` for that epoch; then `then(step, agents)` moves
     the job on. With `after_leader`, a follower gets its command only once its instance's leader showed the
-    evidence: the leader's SGLang call is what acts on the follower's ranks.
+    evidence: the leader's engine call is what acts on the follower's ranks.
 
     A lost member, the deadline or a failed command restarts the gang (a permanent failure fails the job),
     unless `best_effort`: the pods go anyway, so a lost member or the deadline ends the phase early and a
@@ -98,7 +98,7 @@ def _refit(step: Step, agent: AgentState, role: Role) -> Command:
 
 def _resume(step: Step, agent: AgentState, role: Role) -> Command:
     timeout = float(step.spec.phase_timeout_seconds.resuming or 300)
-    # A follower has no SGLang API to read the served version from: it reports what its leader verified.
+    # A follower has no engine API to read the served version from: it reports what its leader verified.
     version = step.target_version() if role == Role.FOLLOWER else None
     return ResumeCommand(epoch=step.status.epoch, timeout_seconds=timeout, version=version)
 
@@ -163,7 +163,8 @@ def _back_to_committed(step: Step) -> None:
             step,
             EventReason.LEASES_WITHOUT_WEIGHTS_EXCEEDED,
             f"{in_a_row}, more than spec.maxLeasesWithoutWeights ({bound}): the trainers release and resume "
-            f"SGLang without pushing or loading weights, and the pods serve committed {committed.version}; "
+            f"{step.engine_name()} without pushing or loading weights, and the pods serve committed "
+            f"{committed.version}; "
             "check that the framework refits after its release, or raise spec.maxLeasesWithoutWeights if "
             "it releases without training on purpose",
         )
@@ -183,9 +184,9 @@ def _back_to_committed(step: Step) -> None:
 
 
 def _verify_weights_then_resume(step: Step, agents: list[AgentState]) -> None:
-    """Refitted: every leader's agent verified its own SGLang's weights (a mismatch failed its refit); here
+    """Refitted: every leader's agent verified its own engine's weights (a mismatch failed its refit); here
     the pods of one layout must hold the same weights at the target version, which the commit records.
-    A pod whose SGLang gave no checksum is said in a WeightsNotVerified event (and in status.pods)."""
+    A pod whose engine gave no checksum is said in a WeightsNotVerified event (and in status.pods)."""
     target = step.status.target_weights
     assert target is not None
     named = step.named_leaders()

@@ -27,7 +27,15 @@ from rljob.lifecycle.endings import (
 )
 from rljob.lifecycle.evidence import Evidence
 from rljob.lifecycle.lock_steps import LOCK_STEPS
-from rljob.lifecycle.model import Admission, Awaited, Decision, EventReason, Observation, PodObservation
+from rljob.lifecycle.model import (
+    LAUNCH_REFUSALS,
+    Admission,
+    Awaited,
+    Decision,
+    EventReason,
+    Observation,
+    PodObservation,
+)
 from rljob.lifecycle.step import Step
 
 __all__ = ["HANDLERS", "decide"]
@@ -177,20 +185,20 @@ def _initializing(step: Step) -> None:
     if restart_gang_if_timed_out(step, step.spec.phase_timeout_seconds.initializing):
         return
     agents = [step.agent(p) for p in step.gang().values()]
-    if not _sglang_up(agents) or _launch_refused(step):
+    if not _engines_up(agents) or _launch_refused(step):
         return
     if all(a is not None and a.stage == Stage.READY for a in agents):
         _open_at_committed_weights(step)
 
 
-def _sglang_up(agents: list[AgentState | None]) -> bool:
-    """Every agent reported and reaches its SGLang, past Starting."""
-    return all(a is not None and a.sglang.reachable and a.stage != Stage.STARTING for a in agents)
+def _engines_up(agents: list[AgentState | None]) -> bool:
+    """Every agent reported and reaches its engine, past Starting."""
+    return all(a is not None and a.engine.reachable and a.stage != Stage.STARTING for a in agents)
 
 
 def _launch_refused(step: Step) -> bool:
-    """A pod's agent runs as another node rank than its pod's, or SGLang runs a weight cache: the job
-    failed, before any memory is touched. True when it did."""
+    """A pod's agent runs as another node rank than its pod's, or its engine runs with a launch flag that
+    makes the handoff fatal: the job failed, before any memory is touched. True when it did."""
     for pod in step.gang().values():
         agent = step.agent(pod)
         expected = pod.index % step.spec.rollout.pods_per_instance
@@ -198,19 +206,15 @@ def _launch_refused(step: Step) -> bool:
             fail(
                 step,
                 EventReason.INVALID_SPEC,
-                f"pod {pod.name}'s agent runs as SGLang node rank {agent.node_rank}, but the pod is node "
+                f"pod {pod.name}'s agent runs as {agent.engine.kind.label} node rank {agent.node_rank}, but "
+                "the pod is node "
                 f"rank {expected} of its instance (is RLJOB_NODE_RANK set in the template?)",
             )
             return True
-    # Launch facts are the leaders' (they run SGLang's API); a weight cache is fatal (C-MEM-WEIGHT-CACHE).
-    cached = [a for a in step.leaders() if a is not None and a.sglang.weight_cache_mode not in ("", "off")]
-    if cached:
-        fail(
-            step,
-            EventReason.WEIGHT_CACHE_ACTIVE,
-            f"SGLang runs with --weight-cache-mode {cached[0].sglang.weight_cache_mode}: weight release and "
-            "refit are fatal under a CUDA-IPC weight cache; restart SGLang with --weight-cache-mode off",
-        )
+    # Launch facts are the leaders' (they run the engine's API); the engine says what it refuses.
+    refused = [a.engine.launch_refusal for a in step.leaders() if a is not None and a.engine.launch_refusal]
+    if refused and refused[0] is not None:
+        fail(step, LAUNCH_REFUSALS[refused[0].reason], refused[0].message)
         return True
     return False
 
@@ -224,7 +228,7 @@ def _open_at_committed_weights(step: Step) -> None:
     st.iteration = max(st.iteration, 1)
     st.target_weights = committed
     leaders = [a for a in step.leaders() if a is not None]
-    labelled = all(a.sglang.served_version == committed.version for a in leaders)
+    labelled = all(a.engine.served_version == committed.version for a in leaders)
     wrong = _not_the_committed_weights(step, committed) if labelled else None
     if labelled and wrong is None:
         held = weights.agreed(weights.held_at(step.named_leaders(), committed.version))
@@ -242,12 +246,13 @@ def _open_at_committed_weights(step: Step) -> None:
                 f"{wrong}, and the job has no path to load them from (set spec.weights.initialPath)",
             )
             return
-        served = sorted({str(a.sglang.served_version) for a in leaders})
+        served = sorted({str(a.engine.served_version) for a in leaders})
         fail(
             step,
             EventReason.INITIAL_VERSION_MISMATCH,
             f"pods serve weight version {', '.join(served)} but the job is at {committed.version} and has "
-            "no path to load it from (set spec.weights.initialPath, or launch SGLang with --weight-version)",
+            "no path to load it from (set spec.weights.initialPath, or launch "
+            f"{leaders[0].engine.kind.label} labelled {committed.version})",
         )
         return
     # Rejoin: a fresh gang loads the last committed weights before rollout opens.

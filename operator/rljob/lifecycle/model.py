@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
 
-from rljob.api.agent import Action, AgentState, Command
+from rljob.api.agent import Action, AgentState, Command, LaunchRefusalReason
 from rljob.api.status import RLJobStatus
 from rljob.lifecycle.evidence import Evidence
 
@@ -86,7 +86,7 @@ class EventReason(StrEnum):
     BACKOFF_LIMIT_EXCEEDED = "BackoffLimitExceeded"
     DEADLINE_EXCEEDED = "DeadlineExceeded"
     WEIGHT_CACHE_ACTIVE = "WeightCacheActive"
-    # Permanent refusals of an agent (agent/transitions.py): SGLang's version or launch flags forbid the call.
+    # Permanent refusals of an agent (its engine's guards): the engine's version or launch flags forbid it.
     RETRACT_UNSUPPORTED = "RetractUnsupported"
     MEMORY_SAVER_DISABLED = "MemorySaverDisabled"
     DATA_PARALLEL_ATTENTION_UNSUPPORTED = "DataParallelAttentionUnsupported"
@@ -115,7 +115,13 @@ class EventReason(StrEnum):
     RESUME_WAITING_FOR_MEMORY = "ResumeWaitingForMemory"  # a resume's GPU memory is held by another process
     TRAINER_HOLDS_GPU_MEMORY = "TrainerHoldsGpuMemory"  # a trainer kept GPU memory after returning its lease
     WEIGHTS_MISMATCH = "WeightsMismatch"  # a pod holds other weights than it must (lifecycle/weights.py)
-    WEIGHTS_NOT_VERIFIED = "WeightsNotVerified"  # a pod's SGLang gave no checksum of its weights
+    WEIGHTS_NOT_VERIFIED = "WeightsNotVerified"  # a pod's engine gave no checksum of its weights
+
+
+# The event reason of each launch refusal an engine reports (AgentState.engine.launchRefusal).
+LAUNCH_REFUSALS: Mapping[LaunchRefusalReason, EventReason] = {
+    LaunchRefusalReason.WEIGHT_CACHE_ACTIVE: EventReason.WEIGHT_CACHE_ACTIVE,
+}
 
 
 @dataclass(frozen=True)

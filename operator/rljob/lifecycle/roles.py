@@ -1,4 +1,4 @@
-"""A pod's part in its SGLang instance (spec.rollout.podsPerInstance pods each)."""
+"""A pod's part in its engine instance (spec.rollout.podsPerInstance pods each)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,13 @@ from enum import StrEnum
 
 
 class Role(StrEnum):
-    """Only node rank 0 runs SGLang's HTTP server; the other nodes get release, resume and refit through the
-    TP broadcast from node 0 (C-NODE)."""
+    """Only node rank 0 runs the engine's HTTP server; the other nodes get release, resume and refit from
+    node 0 (agent/follower.py)."""
 
-    LEADER = "leader"  # node rank 0: its agent makes the instance's SGLang calls
-    FOLLOWER = "follower"  # node rank > 0: its agent never calls SGLang's lifecycle routes, checks its GPUs
+    LEADER = "leader"  # node rank 0: its agent makes the instance's engine calls
+    FOLLOWER = (
+        "follower"  # node rank > 0: its agent never calls the engine's lifecycle routes, checks its GPUs
+    )
 
 
 def role_of(index: int, pods_per_instance: int) -> Role:

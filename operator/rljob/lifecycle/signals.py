@@ -51,7 +51,7 @@ SIGNAL_LABELS: dict[Signal, str] = {
 NOT_REPORTED_MESSAGES: dict[Signal, str] = {
     Signal.CACHE_HIT_RATE: "no agent reported one",
     Signal.GENERATION_TOKENS_PER_SECOND: "no agent reported one",
-    Signal.TOKEN_COUNTS: "no counters (SGLang's /metrics, --enable-metrics)",
+    Signal.TOKEN_COUNTS: "no counters (the engine's metrics: --enable-metrics where it needs one)",
     Signal.GPU_BUSY_FRACTION: "no GPU probe reading",
     Signal.SAMPLES: "the trainers report none (handoff.report_rollout)",
 }
@@ -120,8 +120,8 @@ def rollout_totals(agents: Sequence[AgentState]) -> RolloutTotals | None:
 
 
 def prefix_hit_rate(totals: RolloutTotals | None) -> float | None:
-    """Token-weighted over the rollout: cached / prompt tokens (SGLang counts cached tokens as part of
-    the prompt: they are prompt tokens whose KV came from the radix cache)."""
+    """Token-weighted over the rollout: cached / prompt tokens (an engine counts cached tokens as part of
+    the prompt: they are prompt tokens whose KV came from its prefix cache)."""
     if totals is None or not totals.prompt_tokens or totals.cached_tokens is None:
         return None
     return round(min(1.0, totals.cached_tokens / totals.prompt_tokens), 6)

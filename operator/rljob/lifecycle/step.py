@@ -10,7 +10,7 @@ from datetime import datetime, timedelta
 from typing import Protocol
 
 from rljob.api.agent import Action, AgentState, Command, Stage
-from rljob.api.spec import RLJobSpec
+from rljob.api.spec import DEFAULT_ENGINE, RLJobSpec
 from rljob.api.status import MAX_MESSAGE, CommittedWeights, Phase, RLJobStatus
 from rljob.lifecycle import timeline
 from rljob.lifecycle.clock import parse, stamp
@@ -115,13 +115,18 @@ class Step:
         gang = sorted(self.gang().items())
         return [(p.name, self.agent(p)) for _, p in gang if self.role(p) == Role.LEADER]
 
+    def engine_name(self) -> str:
+        """How messages name the gang's engine: as its agents report it (the default before any did)."""
+        kinds = {a.engine.kind for a in self.gang_agents()}
+        return (kinds.pop() if len(kinds) == 1 else DEFAULT_ENGINE).label
+
     def gang_agents(self) -> list[AgentState]:
         """The latest report of every gang member that has one."""
         return [a for a in (self.agent(p) for p in self.gang().values()) if a is not None]
 
     def lost_member(self) -> str | None:
         """Why the gang is broken, or None. A gang member that lost its process state can't rejoin a
-        lock-step iteration: its SGLang memory or trainer state is gone."""
+        lock-step iteration: its engine's memory or trainer state is gone."""
         gang = self.gang()
         for index in range(self.spec.replicas):
             pod = gang.get(index)

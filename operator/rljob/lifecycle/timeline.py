@@ -124,7 +124,7 @@ def gpu_summary(agent: AgentState) -> str | None:
 
 
 def _held(agent: AgentState) -> tuple[str, str, str] | None:
-    w = agent.sglang.weights
+    w = agent.engine.weights
     if w is None or w.checksum is None or w.version is None or w.layout is None:
         return None
     return w.version, w.layout, w.checksum
@@ -145,12 +145,12 @@ def pod_entries(gang: Iterable[tuple[PodObservation, AgentState | None]]) -> lis
             continue
         cmd = agent.last_command
         failed = cmd is not None and cmd.state == CommandState.FAILED
-        w, key = agent.sglang.weights, _held(agent)
+        w, key = agent.engine.weights, _held(agent)
         entries.append(
             PodStatus(
                 name=pod.name,
                 stage=agent.stage.value,
-                weight_version=agent.sglang.served_version,
+                weight_version=agent.engine.served_version,
                 weights_checksum=w.checksum if w is not None else None,
                 weights=describe_weights(w, same[key] - 1 if key is not None else 0),
                 released_tags=list(agent.released_tags),

@@ -1,4 +1,4 @@
-"""Weight-version ordering. SGLang versions are strings; ours must move forward.
+"""Weight-version ordering. An engine's versions are strings; ours must move forward.
 
 Numeric versions (the trainer SDK's default: the optimizer step) compare as numbers; any other string
 is "newer" when it has never been committed before, so a version can never come back."""

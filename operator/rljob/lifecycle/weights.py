@@ -1,6 +1,6 @@
-"""The weights the pods hold, by content: each leader's agent takes SGLang's checksum after every refit and
-holds it against the trainer's digest and the weights before (agent/weights_check.py); here the pods of one
-layout at one version are held against each other and against what the job committed, and each pod's
+"""The weights the pods hold, by content: each leader's agent takes its engine's checksum after every refit
+and holds it against the trainer's digest and the weights before (agent/weights_check.py); here the pods of
+one layout at one version are held against each other and against what the job committed, and each pod's
 verification is put in words for status. Pure."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def held_at(leaders: Iterable[tuple[str, AgentState | None]], version: str | Non
     """The leaders whose agent took a checksum at `version`."""
     out = []
     for pod, agent in leaders:
-        w = agent.sglang.weights if agent is not None else None
+        w = agent.engine.weights if agent is not None else None
         if w is not None and w.checksum is not None and w.version == version and w.layout is not None:
             out.append(Held(pod, w.checksum, w.layout))
     return out
@@ -76,7 +76,7 @@ def differs_from_committed(held: list[Held], committed: CommittedWeights) -> lis
 def unverified(leaders: Iterable[tuple[str, AgentState | None]], version: str | None) -> str | None:
     """Why a leader's weights at `version` were not checked by checksum, naming it; None if all were."""
     for pod, agent in leaders:
-        w = agent.sglang.weights if agent is not None else None
+        w = agent.engine.weights if agent is not None else None
         if w is not None and w.version == version and w.checksum is None:
             return f"pod {pod}: {w.unverified or 'weights not verified'}"
     return None

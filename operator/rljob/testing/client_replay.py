@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from rljob.testing.ipc_stand_in import cuda_reduction
-from rljob.trainer import packing
-from rljob.trainer.packing import Call, Global, Instance
+from rljob.trainer.engines.sglang import packing
+from rljob.trainer.engines.sglang.packing import Call, Global, Instance
 
 LOCAL_SERIALIZED_TENSOR = Global("sglang.srt.model_executor.model_runner", "LocalSerializedTensor")
 STEP_TIMEOUT_S = 60.0

@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.init()
     free_before, total = (int(x) for x in torch.cuda.mem_get_info())
     out: dict[str, Any] = {
-        "served_version_before": st["sglang"].get("servedVersion"),
+        "served_version_before": st["engine"].get("servedVersion"),
         "gpu_total_bytes": total,
         "free_before_request": free_before,
     }

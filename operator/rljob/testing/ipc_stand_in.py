@@ -13,7 +13,7 @@ import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 
-from rljob.trainer.packing import TORCH_SIZE, Call, Global
+from rljob.trainer.engines.sglang.packing import TORCH_SIZE, Call, Global
 
 ITEMSIZE = {"uint8": 1, "int8": 1, "bfloat16": 2, "float16": 2, "float32": 4, "int64": 8}
 UUID = "GPU-00000000-0000-0000-0000-000000000000"

@@ -22,7 +22,7 @@ load: config.json, safetensors, tokenizer.json) and either `cuda_weights(seed)` 
 
     python -m rljob.testing.model_trainer --model-path /weights/base [--model tiny|8b|MODULE:FACTORY]
         [--seed-base 100] [--gate-dir DIR] [the rollout flags of rljob.testing.trainer]
-    env: RLJOB_AGENT_URL, RLJOB_SGLANG_URL, RLJOB_REFIT_SOURCE (disk | tensor), RLJOB_WEIGHTS_DIR,
+    env: RLJOB_AGENT_URL, RLJOB_ENGINE_SERVER_URL, RLJOB_REFIT_SOURCE (disk | tensor), RLJOB_WEIGHTS_DIR,
          RLJOB_ITERATIONS (when --iterations is not given)
 
 Needs torch with CUDA, transformers, tokenizers; imported only when run.
@@ -120,8 +120,8 @@ class ModelTrainer:
         self.args, self.handoff, self.model = args, handoff, model
         self.weights_dir, self.source = weights_dir, source
         self.rollout = sim.Rollout(
-            os.environ.get("RLJOB_SGLANG_URL", "http://127.0.0.1:30000"),
-            os.environ.get("RLJOB_SGLANG_API_KEY"),
+            os.environ.get("RLJOB_ENGINE_SERVER_URL", "http://127.0.0.1:30000"),
+            os.environ.get("RLJOB_ENGINE_API_KEY"),
             args,
         )
         self.gate = RolloutGate(Path(args.gate_dir), args.timeout) if args.gate_dir else None
@@ -130,7 +130,7 @@ class ModelTrainer:
         expected: str | None = None
         for iteration in range(1, iterations + 1):
             state = self.handoff.wait_for_stage("Serving", timeout=self.args.timeout)
-            served = state["sglang"]["servedVersion"]
+            served = state["engine"]["servedVersion"]
             if expected is not None and served != expected:
                 raise sim.StaleServing(f"agent serves {served!r} after this trainer published {expected!r}")
             with self.gate.edges(iteration) if self.gate is not None else contextlib.nullcontext():
@@ -139,7 +139,7 @@ class ModelTrainer:
             self.handoff.report_rollout(samples=stats["completed"])
             expected = sim.next_version(served)
             self.step(iteration, expected, last=iteration == iterations)
-        final = self.handoff.wait_for_stage("Serving", timeout=self.args.timeout)["sglang"]["servedVersion"]
+        final = self.handoff.wait_for_stage("Serving", timeout=self.args.timeout)["engine"]["servedVersion"]
         if final != expected:
             raise sim.StaleServing(f"agent serves {final!r} after this trainer published {expected!r}")
         _log("done", iterations=iterations, served=final)

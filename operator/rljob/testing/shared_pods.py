@@ -78,10 +78,10 @@ class TrainerDriver:
     name: str
     argv: Sequence[str]
     agent_url: str
-    sglang_url: str
+    engine_server_url: str
     weights_dir: Path
     refit_source: str = "disk"
-    sglang_api_key: str | None = None
+    engine_api_key: str | None = None
     on_exit: Callable[[int], None] = lambda _code: None
     steps: dict[str, float] = field(default_factory=dict)
     error: str | None = None
@@ -119,7 +119,7 @@ class TrainerDriver:
 
     def _loop(self) -> int:
         args = sim_trainer.parser().parse_args(list(self.argv))
-        rollout = sim_trainer.Rollout(self.sglang_url, self.sglang_api_key, args)
+        rollout = sim_trainer.Rollout(self.engine_server_url, self.engine_api_key, args)
         sim_trainer.train_loop(
             args,
             Handoff(self.agent_url),
@@ -259,12 +259,12 @@ class SharedPods:
                 name=f"{comp.namespace}/{comp.pod}",
                 argv=argv,
                 agent_url=env.get("RLJOB_AGENT_URL", f"http://{ctx.pod_ip}:8472"),
-                sglang_url=env.get("RLJOB_SGLANG_URL", f"http://{ctx.pod_ip}:30000"),
+                engine_server_url=env.get("RLJOB_ENGINE_SERVER_URL", f"http://{ctx.pod_ip}:30000"),
                 # One directory per pod: trainers of a gang share the claim, and each writes its own file.
                 weights_dir=Path(env.get("RLJOB_WEIGHTS_DIR", str(ctx.scratch / "weights")))
                 / f"pod-{env.get('RLJOB_POD_INDEX', comp.pod)}",
                 refit_source=env.get("RLJOB_REFIT_SOURCE", "disk"),
-                sglang_api_key=env.get("RLJOB_SGLANG_API_KEY"),
+                engine_api_key=env.get("RLJOB_ENGINE_API_KEY"),
                 on_exit=functools.partial(self._trainer_exited, comp),
             )
         else:
@@ -495,7 +495,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument(
         "--agent-liveness-seconds", type=float, default=None,
-        help="check SGLang's liveness at least this far apart in every agent (--sglang-liveness-seconds): "
+        help="check SGLang's liveness at least this far apart in every agent (--engine-liveness-seconds): "
         "hundreds of agents on one core otherwise spend a fifth of it pinging their emulators",
     )  # fmt: skip
     args = parser.parse_args(argv)

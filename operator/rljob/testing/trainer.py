@@ -10,7 +10,8 @@ for tensor/distributed refits push it through the agent's refit window. Exits 2 
 check fails, 4 when an answer has no usable logprobs.
 
     python -m rljob.testing.trainer [--iterations N] [--prompts P] [--samples-per-prompt K] ...
-    env: RLJOB_AGENT_URL, RLJOB_SGLANG_URL, RLJOB_REFIT_SOURCE (disk|tensor|distributed), RLJOB_WEIGHTS_DIR
+    env: RLJOB_AGENT_URL, RLJOB_ENGINE_SERVER_URL, RLJOB_REFIT_SOURCE (disk|tensor|distributed),
+    RLJOB_WEIGHTS_DIR
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ from rljob.testing.collective import join as join_world
 from rljob.testing.emulated_gpu import EmulatedGpuMemory
 from rljob.testing.ipc_stand_in import cuda_reduction, share
 from rljob.testing.rollout_gate import RolloutGate
-from rljob.trainer import Handoff, packing
-from rljob.trainer.digest import ModelLayout, checkpoint_digest, digest_named_tensors
+from rljob.trainer import Handoff
+from rljob.trainer.engines.sglang import packing
+from rljob.trainer.engines.sglang.digest import ModelLayout, checkpoint_digest, digest_named_tensors
 
 
 class StaleServing(Exception):
@@ -307,7 +309,7 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="emulated GPU memory per GPU the training step allocates while it holds the lease (needs the "
-        "SGLang emulator at RLJOB_SGLANG_URL)",
+        "SGLang emulator at RLJOB_ENGINE_SERVER_URL)",
     )
     p.add_argument(
         "--keep-gpu-bytes", type=int, default=0, help="of it, what the trainer still holds after publishing"
@@ -349,7 +351,7 @@ def train_loop(
     iteration = 0
     while not stopping() and (args.iterations == 0 or iteration < args.iterations):
         iteration += 1
-        served = handoff.wait_for_stage("Serving", timeout=args.timeout)["sglang"]["servedVersion"]
+        served = handoff.wait_for_stage("Serving", timeout=args.timeout)["engine"]["servedVersion"]
         if expected is not None and served != expected:
             raise StaleServing(f"agent serves {served!r} after this trainer published {expected!r}")
         with gate.edges(iteration) if gate is not None else contextlib.nullcontext():
@@ -376,7 +378,7 @@ def train_loop(
         expected = version
     if stopping():
         return
-    final = handoff.wait_for_stage("Serving", timeout=args.timeout)["sglang"]["servedVersion"]
+    final = handoff.wait_for_stage("Serving", timeout=args.timeout)["engine"]["servedVersion"]
     if expected is not None and final != expected:
         raise StaleServing(f"agent serves {final!r} after this trainer published {expected!r}")
     log("done", iterations=iteration, served=final)
@@ -389,8 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"RLJOB_REFIT_SOURCE must be disk, tensor or distributed, not {source!r}", file=sys.stderr)
         return 1
     rollout = Rollout(
-        os.environ.get("RLJOB_SGLANG_URL", "http://127.0.0.1:30000"),
-        os.environ.get("RLJOB_SGLANG_API_KEY"),
+        os.environ.get("RLJOB_ENGINE_SERVER_URL", "http://127.0.0.1:30000"),
+        os.environ.get("RLJOB_ENGINE_API_KEY"),
         args,
     )
     weights_dir = Path(os.environ.get("RLJOB_WEIGHTS_DIR", "/tmp/rljob-weights"))

@@ -1,4 +1,4 @@
-"""Trainer SDK: hand the pod's GPU between SGLang rollout and training through the in-pod agent.
+"""Trainer SDK: hand the pod's GPU between the engine's rollout and training through the in-pod agent.
 
 from rljob.trainer import Handoff
 handoff = Handoff()                      # agent URL from RLJOB_AGENT_URL (default 127.0.0.1:8472)

@@ -2,23 +2,23 @@
 
 handoff = Handoff()
 with handoff.train(timeout=3600) as lease:   # asks for the GPU, returns once the agent granted it
-    ...                                      # train: the GPU memory SGLang released is yours
+    ...                                      # train: the GPU memory the engine released is yours
     lease.publish(version, path)             # hands the GPU back with the new weights' version
 
 handoff.report_rollout(samples=256)          # before train(): the samples this rollout generated,
                                              # the job's cost per rollout (status) divides by them
 
 with handoff.refit_window(timeout=600) as window:  # tensor/distributed refit only
-    window.push_tensors([...])                     # forwarded to SGLang by the agent
+    window.push_tensors([...])                     # forwarded to the engine by the agent
 
-Distributed (NCCL) refit: SGLang's side of the weight-update group joins the trainer's rendezvous, so
+Distributed (NCCL) refit: the engine's side of the weight-update group joins the trainer's rendezvous, so
 `init_group` only starts it and returns; the trainer then creates its own process group as rank 0 and
-waits for SGLang to be in it:
+waits for the engine to be in it:
 
 with handoff.refit_window(timeout=600) as window:
-    window.init_group(addr, port, rank_offset=1, world_size=1 + sglang_tp_size)  # returns at once
+    window.init_group(addr, port, rank_offset=1, world_size=1 + engine_tp_size)  # returns at once
     group = init_process_group(backend="nccl", init_method=f"tcp://{addr}:{port}", rank=0, ...)
-    window.wait_group(timeout=600)                 # SGLang joined (raises if its side failed)
+    window.wait_group(timeout=600)                 # the engine joined (raises if its side failed)
     window.push_distributed(names, dtypes, shapes) # then broadcast the tensors over `group`
 """
 
@@ -31,13 +31,11 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rljob.trainer.client import AgentClient, AgentError, AgentUnavailable
-
-if TYPE_CHECKING:
-    from rljob.trainer.digest import Digest, PendingDigest
-    from rljob.trainer.packing import BucketBuffers, BucketPlan, PushReport
+from rljob.trainer.engines import digest as codec_digest
+from rljob.trainer.engines import packing as codec_packing
 
 POLL_S = 25.0  # each long-poll; the agent caps waits at 30 s
 
@@ -55,9 +53,12 @@ class Lease:
     published: str | None = None
     by_local_rank_0: bool = False  # another process of this pod (LOCAL_RANK 0) publishes for the pod
 
-    def publish(self, version: str, path: str | None = None, digest: Digest | None = None) -> None:
-        """`digest`: what SGLang must hold once it loaded `path` (rljob.trainer.digest.checkpoint_digest, or
-        digest_named_tensors of the tensors saved there); the agent holds SGLang's checksum against it after
+    def publish(
+        self, version: str, path: str | None = None, digest: codec_digest.Digest | None = None
+    ) -> None:
+        """`digest`: what the engine must hold once it loaded `path` (rljob.trainer.engines.digest's
+        checkpoint_digest, or digest_named_tensors of the tensors saved there); the agent holds the engine's
+        checksum against it after
         the refit. Without one the weights are not verified against the trainer (the status says so)."""
         if self.published is not None:
             raise LeaseError(f"already published {self.published}: a lease publishes once")
@@ -77,8 +78,8 @@ class Lease:
 class _Held:
     path: str
     body: dict[str, Any]
-    report: PushReport | None = None
-    keepalive: Any = None  # a bucket buffer: referenced until SGLang answered its push
+    report: codec_packing.PushReport | None = None
+    keepalive: Any = None  # a bucket buffer: referenced until the engine answered its push
 
 
 @dataclass
@@ -89,32 +90,34 @@ class RefitSession:
     _client: AgentClient
     version: str
     source: str
-    _buffers: Callable[[], BucketBuffers] | None = field(default=None, repr=False)
+    _buffers: Callable[[], codec_packing.BucketBuffers] | None = field(default=None, repr=False)
     pushes: int = 0
     _held: _Held | None = field(default=None, repr=False)
-    _group_pending: bool = field(default=False, repr=False)  # init_group sent, SGLang not in the group yet
-    architectures: list[str] = field(default_factory=list)  # SGLang's (the window says): the digest's layout
-    digest: Digest | None = field(default=None, repr=False)  # of this window's pushes, sent when it closes
+    _group_pending: bool = field(default=False, repr=False)  # init_group sent, the engine not in it yet
+    architectures: list[str] = field(default_factory=list)  # the engine's (the window says): the digest's
+    digest: codec_digest.Digest | None = field(
+        default=None, repr=False
+    )  # of this window's pushes, sent when it closes
     _unseen: str | None = field(default=None, repr=False)  # why some push is not in the digest
     _by_hand: str | None = field(default=None, repr=False)  # pushes whose tensors the SDK cannot see
     _given: bool = field(default=False, repr=False)  # add_digest was called for them
-    _hashing: list[tuple[PendingDigest, PushReport]] = field(default_factory=list, repr=False)
+    _hashing: list[tuple[codec_digest.PendingDigest, codec_packing.PushReport]] = field(
+        default_factory=list, repr=False
+    )
 
-    def add_digest(self, digest: Digest) -> None:
+    def add_digest(self, digest: codec_digest.Digest) -> None:
         """The digest of tensors pushed by hand (push_tensors, push_distributed), e.g. digest_named_tensors
         of the tensors serialized: sent with the window's close, with push_named_tensors' own."""
         self._given = True
         self._merge(digest)
 
-    def _merge(self, digest: Digest) -> None:
+    def _merge(self, digest: codec_digest.Digest) -> None:
         if self.digest is None:
-            from rljob.trainer.digest import Digest
-
-            self.digest = Digest()
+            self.digest = codec_digest.Digest()
         self.digest.merge(digest)
 
     def push_tensors(self, serialized_named_tensors: list[str], load_format: str | None = None) -> None:
-        """One bucket: one serialized payload per TP rank (SGLang's MultiprocessingSerializer, base64). The
+        """One bucket: one serialized payload per TP rank, in the format the engine reads (base64). The
         SDK cannot see its tensors: give their digest with `add_digest`, or the weights are not verified
         against the trainer."""
         self._by_hand = self._by_hand or "pushes serialized by hand (push_tensors) without add_digest"
@@ -131,33 +134,31 @@ class RefitSession:
         tp_size: int = 1,
         digest: bool = True,
         config: Any = None,
-    ) -> PushReport:
+    ) -> codec_packing.PushReport:
         """Push CUDA tensors, e.g. `model.state_dict().items()`: packed into flat buckets of at most
-        `bucket_bytes` (default 2 GiB; one dtype per bucket), one payload per TP rank in the format
-        SGLang's `update_weights_from_tensor` reads (load_format "flattened_bucket"), sent one bucket at a
+        `bucket_bytes` (default 2 GiB; one dtype per bucket), one payload per TP rank in the format the
+        engine reads (rljob.trainer.engines.packing), sent one bucket at a
         time through the agent, each packed while the previous one is in flight. The buckets are a ring of
         buffers per device (2 with TP=1, else 3) kept by the Handoff and reused by every later refit
         (`Handoff.free_refit_buffers()` gives them back). The tensors may be changed or
         freed once this returns; the last bucket goes out, with the version, when the window closes.
         Needs torch (imported here only). The returned report's `send_seconds` completes at that point.
 
-        With `digest` (default) the tensors are hashed as SGLang's /weights_checker will hash them
-        (rljob.trainer.digest): on a side CUDA stream, started here after the work queued on the current
-        stream, while the buckets are packed and sent; work queued on the current stream after this returns
-        runs after the hash; the window's close waits for it and carries the digest (the agent holds what
-        SGLang holds against it; `report.digest_seconds`, complete then: starting it and waiting for it).
-        `config`: the model's (`model.config`, or its config.json dict) for its architecture and tied
-        embeddings; by default SGLang's architecture as the agent reports it, and embeddings tied when
+        With `digest` (default) the tensors are hashed as the engine's weights checksum will hash them
+        (rljob.trainer.engines.digest): on a side CUDA stream, started here after the work queued on the
+        current stream, while the buckets are packed and sent; work queued on the current stream after this
+        returns runs after the hash; the window's close waits for it and carries the digest (the agent holds
+        what the engine holds against it; `report.digest_seconds`, complete then: starting it and waiting for
+        it). `config`: the model's (`model.config`, or its config.json dict) for its architecture and tied
+        embeddings; by default the engine's architecture as the agent reports it, and embeddings tied when
         embed_tokens and lm_head share their storage."""
-        from rljob.trainer import packing
-
         if self._buffers is None:
             raise LeaseError("this refit session has no bucket buffers (open it with Handoff.refit_window)")
         if self.source != "tensor":
             raise LeaseError(f"the open refit window takes {self.source} pushes, not tensors")
-        size = bucket_bytes or packing.DEFAULT_BUCKET_BYTES
-        named, plans = packing.prepare(named_tensors, size, tp_size)
-        buffers, report = self._buffers(), packing.PushReport()
+        size = bucket_bytes or codec_packing.DEFAULT_BUCKET_BYTES
+        named, plans = codec_packing.prepare(named_tensors, size, tp_size)
+        buffers, report = self._buffers(), codec_packing.PushReport()
         hashing = None
         if digest:
             hashing = self._start_digest(named, config)
@@ -175,16 +176,14 @@ class RefitSession:
     def _push_buckets(
         self,
         named: list[tuple[str, Any]],
-        plans: list[BucketPlan],
-        buffers: BucketBuffers,
+        plans: list[codec_packing.BucketPlan],
+        buffers: codec_packing.BucketBuffers,
         size: int,
         tp_size: int,
-        report: PushReport,
+        report: codec_packing.PushReport,
     ) -> None:
-        from rljob.trainer import packing
-
         # Bucket k is packed and serialized while push k-1 is in flight: the sender thread waits on the
-        # agent and SGLang meanwhile. The ring of buffers makes that safe (packing module docstring).
+        # agent and the engine meanwhile. The ring of buffers makes that safe (packing module docstring).
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rljob-refit-push") as sender:
             for plan in plans:
                 in_flight = None
@@ -192,37 +191,35 @@ class RefitSession:
                     held, self._held = self._held, None
                     in_flight = sender.submit(self._post, held, False)
                 try:
-                    bucket = packing.pack_and_serialize(named, plan, buffers, size, tp_size, report)
+                    bucket = codec_packing.pack_and_serialize(named, plan, buffers, size, tp_size, report)
                 finally:
                     if in_flight is not None:
-                        in_flight.result()  # its error first: SGLang's answer says more than ours
-                body = {"serializedNamedTensors": bucket.payloads, "loadFormat": packing.LOAD_FORMAT}
+                        in_flight.result()  # its error first: the engine's answer says more than ours
+                body = {"serializedNamedTensors": bucket.payloads, "loadFormat": codec_packing.LOAD_FORMAT}
                 self._held = _Held("/v1/trainer/refit/tensor", body, report, bucket.buffer)
 
-    def _start_digest(self, named: list[tuple[str, Any]], config: Any) -> PendingDigest:
-        from rljob.trainer.digest import ModelLayout, start_digest_named_tensors
-
+    def _start_digest(self, named: list[tuple[str, Any]], config: Any) -> codec_digest.PendingDigest:
         if config is not None:
-            layout = ModelLayout.from_config(config)
+            layout = codec_digest.ModelLayout.from_config(config)
         else:
             tensors = dict(named)
             embed, head = tensors.get("model.embed_tokens.weight"), tensors.get("lm_head.weight")
             tied = embed is not None and head is not None and embed.data_ptr() == head.data_ptr()
-            layout = ModelLayout(self.architectures[0] if self.architectures else None, tied)
-        return start_digest_named_tensors(named, layout)
+            layout = codec_digest.ModelLayout(self.architectures[0] if self.architectures else None, tied)
+        return codec_digest.start_digest_named_tensors(named, layout)
 
     def _join_digests(self) -> None:
         """The hashes push_named_tensors started, waited for (one sync per device each) and merged; one
         that failed makes the digest unavailable, saying why (the window still closes)."""
-        from rljob.trainer.digest import Digest
-
         hashing, self._hashing = self._hashing, []
         for pending, report in hashing:
             waited = time.perf_counter()
             try:
                 d = pending.result()
             except Exception as e:
-                d = Digest(unavailable=f"hashing the pushed tensors failed: {e.__class__.__name__}: {e}")
+                d = codec_digest.Digest(
+                    unavailable=f"hashing the pushed tensors failed: {e.__class__.__name__}: {e}"
+                )
             report.digest_seconds += time.perf_counter() - waited
             self._merge(d)
 
@@ -250,9 +247,9 @@ class RefitSession:
         group_name: str = "weight_update_group",
         backend: str = "nccl",
     ) -> None:
-        """Start SGLang's init_weights_update_group and return at once. SGLang's ranks join the rendezvous
-        that the trainer hosts as group rank 0 at master_address:master_port, so its reply comes only
-        after the trainer's own init_process_group; call that next, then `wait_group`."""
+        """Start the engine's join of the weights group and return at once. The engine's ranks join the
+        rendezvous that the trainer hosts as group rank 0 at master_address:master_port, so its reply comes
+        only after the trainer's own init_process_group; call that next, then `wait_group`."""
         self._client.call(
             "POST",
             "/v1/trainer/refit/group",
@@ -268,12 +265,12 @@ class RefitSession:
         self._group_pending = True
 
     def wait_group(self, timeout: float | None = None) -> None:
-        """Block until SGLang's side of the group is up; LeaseError if it failed or the window closed."""
+        """Block until the engine's side of the group is up; LeaseError if it failed or the window closed."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
             if left <= 0:
-                raise TimeoutError(f"SGLang did not join the weight-update group within {timeout}s")
+                raise TimeoutError(f"the engine did not join the weight-update group within {timeout}s")
             window = self._client.call("GET", "/v1/trainer/refit", query={"wait": f"{max(0.1, left):g}"})
             if not window.get("open"):
                 self._group_pending = False
@@ -284,7 +281,9 @@ class RefitSession:
                 return
             if group == "Failed":
                 self._group_pending = False
-                raise LeaseError(f"SGLang could not join the weight-update group: {window.get('groupError')}")
+                raise LeaseError(
+                    f"the engine could not join the weight-update group: {window.get('groupError')}"
+                )
 
     def _hold(self, held: _Held) -> None:
         self._send_held(last=False)
@@ -328,14 +327,12 @@ class Handoff:
 
     def __init__(self, agent_url: str | None = None, local_rank: int | None = None) -> None:
         self.client = AgentClient(agent_url)
-        self._bucket_buffers: BucketBuffers | None = None
+        self._bucket_buffers: codec_packing.BucketBuffers | None = None
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
 
-    def _buffers(self) -> BucketBuffers:
+    def _buffers(self) -> codec_packing.BucketBuffers:
         if self._bucket_buffers is None:
-            from rljob.trainer.packing import BucketBuffers
-
-            self._bucket_buffers = BucketBuffers()
+            self._bucket_buffers = codec_packing.BucketBuffers()
         return self._bucket_buffers
 
     def free_refit_buffers(self) -> int:

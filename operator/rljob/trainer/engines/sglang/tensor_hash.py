@@ -18,7 +18,7 @@ splitmix64's finalizer. An empty tensor hashes to 0. `/weights_checker` writes i
 concatenation, which is how a fused parameter (qkv_proj = q, k, v) is reproduced from its parts.
 
 Three implementations, all exact: numpy (`hash_words`, for bytes on the CPU: checkpoints read from disk);
-the SDK's own Triton kernel for tensors on CUDA where triton imports (rljob/trainer/triton_hash.py: one
+the SDK's own Triton kernel for tensors on CUDA where triton imports (triton_hash.py beside this module: one
 launch per parameter, a fused parameter's parts read in place, one host sync per digest); and torch ops
 on any device where it does not (`hash_tensors_torch`, products split so that no intermediate leaves
 int64; a host sync per 8M words). `hash_tensors` picks between the last two; `start_hashes` starts a
@@ -179,10 +179,10 @@ def hash_tensor(t: Any) -> int:
 
 def hash_tensors(parts: Sequence[Any]) -> int:
     """The hash of the tensors' flattened concatenation (SGLang's `tensor_hash` of a list): by the SDK's
-    Triton kernel when they are on one CUDA device and triton imports (rljob/trainer/triton_hash.py, the
+    Triton kernel when they are on one CUDA device and triton imports (triton_hash.py beside this module, the
     concatenation never written), else by torch ops on their device."""
     if _on_one_cuda_device(parts):
-        from rljob.trainer import triton_hash
+        from rljob.trainer.engines.sglang import triton_hash
 
         if triton_hash.AVAILABLE:
             return triton_hash.hash_parts(parts)
@@ -260,7 +260,7 @@ class PendingHashes:
         on_gpu = [i for i, (parts, _) in enumerate(groups) if _on_one_cuda_device(parts)]
         self._batch: Any = None
         if on_gpu:
-            from rljob.trainer import triton_hash
+            from rljob.trainer.engines.sglang import triton_hash
 
             if triton_hash.AVAILABLE:
                 self._batch = triton_hash.Batch([groups[i] for i in on_gpu])

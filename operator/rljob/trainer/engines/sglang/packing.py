@@ -408,7 +408,7 @@ class PushReport:
     serialize_seconds: float = 0.0  # IPC handles, pickle, base64
     ipc_share_seconds: float = 0.0  # of serialize_seconds: torch's reduction (handle, event, ref count)
     send_seconds: list[float] = field(default_factory=list)  # each push's round trip through the agent
-    digest_seconds: float = 0.0  # starting the digest's hash, waiting for it at the close (trainer/digest.py)
+    digest_seconds: float = 0.0  # starting the digest's hash, waiting for it at the close (digest.py)
 
 
 @dataclass
@@ -460,7 +460,7 @@ def pack_and_serialize(
     flat = buf[: plan.nbytes]
     # The IPC reduction records an event the receiver waits on; synchronizing as well makes the bucket
     # complete whatever the receiver does, and the packing time honest. The copies' stream only: the
-    # digest's hash runs on a side stream meanwhile (trainer/triton_hash.py).
+    # digest's hash runs on a side stream meanwhile (trainer/engines/sglang/triton_hash.py).
     torch.cuda.current_stream(device).synchronize()
     packed_at = time.perf_counter()
     entries = metadata_fragment(

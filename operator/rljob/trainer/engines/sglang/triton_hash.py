@@ -1,4 +1,4 @@
-"""SGLang's tensor hash (the algorithm: rljob/trainer/tensor_hash.py) as the SDK's own Triton kernel, for
+"""SGLang's tensor hash (the algorithm: tensor_hash.py beside it) as the SDK's own Triton kernel, for
 tensors on CUDA: one launch per parameter, one host sync per digest.
 
 A launch hashes one parameter given as up to `MAX_PARTS` parts taken back to back, plus zero bytes after
@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rljob.trainer import tensor_hash as th
+from rljob.trainer.engines.sglang import tensor_hash as th
 
 try:
     import triton  # type: ignore[import-untyped]

@@ -34,7 +34,7 @@ class SGLangQuirks:
         return cls(version, parse_version(version), parse_post(version))
 
     @property
-    def supported(self) -> bool:
+    def is_supported(self) -> bool:
         return self.key >= OLDEST_SUPPORTED
 
     @property
@@ -101,7 +101,7 @@ class SGLangQuirks:
         return self.key >= (0, 5, 11)
 
     @property
-    def weights_checksum(self) -> bool:
+    def checker_checksum(self) -> bool:
         """C-ROUTE-CHECKER / C-CHECKER-CHECKSUM: `/weights_checker` answers action `checksum` (a hash per
         parameter and per GPU) from 0.5.15.post1 (utils/weight_checker.py:81-82,120-157@0.5.15.post1); 0.5.6
         and 0.5.10.post1 know only snapshot, reset_tensors and compare, and answer 400 "Unsupported

@@ -12,7 +12,9 @@ from typing import Any
 
 import aiohttp
 
-from rljob.agent.quirks import SGLangQuirks
+from rljob.agent.engines.base import EngineError, EngineUnreachable
+from rljob.agent.engines.sglang.metrics import parse_metrics
+from rljob.agent.engines.sglang.quirks import SGLangQuirks
 from rljob.agent.timing import add_external
 
 log = logging.getLogger("rljob.agent")
@@ -42,54 +44,6 @@ ADMIN_OPTIONAL_ROUTES = frozenset(
 PASSIVE_OPERATIONS = frozenset(
     {"ping", "model_info", "weight_version", "scheduler_probe", "load", "metrics", "gpu_utilization"}
 )
-
-# What the rollout sampler reads from `/metrics` (C-METRIC-PROM): the tokenizer's cumulative counters,
-# bumped as requests finish, and the schedulers' gauges (one series per DP rank). Sums over label sets:
-# `is_streaming` (≥0.5.20) splits requests, `cache_source` (≥0.5.15) splits cached tokens by tier.
-METRIC_SERIES = (
-    "sglang:prompt_tokens_total",
-    "sglang:generation_tokens_total",
-    "sglang:cached_tokens_total",
-    "sglang:num_running_reqs",
-    "sglang:num_queue_reqs",
-    "sglang:gen_throughput",
-    "sglang:cache_hit_rate",
-)
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text exposition -> {series name: sum over its label sets} for METRIC_SERIES. Labels are
-    skipped as a whole (a value may hold spaces); a line that does not parse is ignored."""
-    sums: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        brace = line.find("{")
-        space = line.find(" ")
-        if brace != -1 and (space == -1 or brace < space):
-            name, rest = line[:brace], line[line.rfind("}") + 1 :]
-        else:
-            name, rest = line[:space], line[space:]
-        if name not in METRIC_SERIES:
-            continue
-        try:
-            value = float(rest.split()[0])
-        except (IndexError, ValueError):
-            continue
-        sums[name] = sums.get(name, 0.0) + value
-    return sums
-
-
-class SGLangUnreachable(Exception):
-    """Connection refused, reset or dropped: SGLang is not up yet, or it died."""
-
-
-class SGLangError(Exception):
-    """SGLang answered with an error status or `success: false`."""
-
-    def __init__(self, operation: str, status: int, message: str) -> None:
-        super().__init__(f"{operation}: HTTP {status}: {message}")
-        self.operation, self.status, self.message = operation, status, message
 
 
 def _summed_loads(loads: list[dict[str, Any]]) -> dict[str, float | None]:
@@ -203,7 +157,7 @@ class SGLangClient:
         except TimeoutError:
             raise  # aiohttp timeouts are also ClientConnectionErrors: a hang is not death
         except (aiohttp.ClientConnectionError, ConnectionError) as e:
-            raise SGLangUnreachable(f"{operation}: {e.__class__.__name__}: {e}") from e
+            raise EngineUnreachable(f"{operation}: {e.__class__.__name__}: {e}") from e
         finally:
             if control:
                 self.control_in_flight -= 1
@@ -219,14 +173,14 @@ class SGLangClient:
     async def _ok(self, operation: str, method: str, path: str, **kw: Any) -> Any:
         status, body, text = await self._call(operation, method, path, **kw)
         if status != 200:
-            raise SGLangError(operation, status, _message(body, text))
+            raise EngineError(operation, status, _message(body, text))
         return body
 
     async def _refit(self, operation: str, path: str, body: dict[str, Any], timeout: float | None) -> str:
         """Refit endpoints answer {success, message}; success:false is a failure even with HTTP 200."""
         reply = await self._ok(operation, "POST", path, body=body, timeout=timeout)
         if not isinstance(reply, dict) or reply.get("success") is not True:
-            raise SGLangError(operation, 200, _message(reply, str(reply)))
+            raise EngineError(operation, 200, _message(reply, str(reply)))
         return str(reply.get("message", ""))
 
     # --- discovery -------------------------------------------------------------------------------
@@ -234,21 +188,29 @@ class SGLangClient:
     async def server_info(self, timeout: float | None = None) -> dict[str, Any]:
         info = await self._ok("server_info", "GET", "/server_info", timeout=timeout)
         if not isinstance(info, dict):
-            raise SGLangError("server_info", 200, "not a JSON object")
+            raise EngineError("server_info", 200, "not a JSON object")
         return info
 
     async def model_info(self, timeout: float | None = None) -> dict[str, Any]:
         info = await self._ok("model_info", "GET", "/model_info", timeout=timeout)
         if not isinstance(info, dict):
-            raise SGLangError("model_info", 200, "not a JSON object")
+            raise EngineError("model_info", 200, "not a JSON object")
         return info
 
     async def served_version(self, timeout: float | None = None) -> str:
         """C-ROUTE-WV-READ: `/model_info` has `weight_version` on every version."""
         body = await self._ok("weight_version", "GET", "/model_info", timeout=timeout)
         if not isinstance(body, dict) or "weight_version" not in body:
-            raise SGLangError("weight_version", 200, "no weight_version in /model_info")
+            raise EngineError("weight_version", 200, "no weight_version in /model_info")
         return str(body["weight_version"])
+
+    async def served(self, timeout: float | None = None) -> tuple[str | None, str | None]:
+        """C-ROUTE-WV-READ: (weight_version, model_path) from one `/model_info`."""
+        body = await self._ok("weight_version", "GET", "/model_info", timeout=timeout)
+        if not isinstance(body, dict):
+            raise EngineError("weight_version", 200, "not a JSON object")
+        version, path = body.get("weight_version"), body.get("model_path")
+        return (str(version) if version is not None else None, str(path) if path is not None else None)
 
     async def update_weight_version(self, version: str, timeout: float | None = None) -> None:
         """C-ROUTE-WV-SET: sets the served version without touching weights or taking a lock.
@@ -258,7 +220,7 @@ class SGLangClient:
             "update_weight_version", "POST", "/update_weight_version", body=body, timeout=timeout
         )
         if not isinstance(reply, dict) or reply.get("success") is not True:
-            raise SGLangError("update_weight_version", 200, _message(reply, str(reply)))
+            raise EngineError("update_weight_version", 200, _message(reply, str(reply)))
 
     async def ping(self, timeout: float = 5.0) -> int:
         """Liveness only: any HTTP answer means the process is alive (/ping stays 200 while paused)."""
@@ -295,7 +257,7 @@ class SGLangClient:
             return True
         if status == 400:
             return False  # not idle yet / another flush in progress / timed out waiting
-        raise SGLangError("flush_cache", status, _message(body, text))
+        raise EngineError("flush_cache", status, _message(body, text))
 
     # --- memory ----------------------------------------------------------------------------------
 
@@ -365,7 +327,7 @@ class SGLangClient:
         return await self._refit("init_weights_update_group", "/init_weights_update_group", body, timeout)
 
     async def weights_checksum(self, timeout: float | None = None) -> dict[str, Any]:
-        """C-ROUTE-CHECKER, C-CHECKER-CHECKSUM (from 0.5.15.post1, `quirks.weights_checksum`): `POST
+        """C-ROUTE-CHECKER, C-CHECKER-CHECKSUM (from 0.5.15.post1, `quirks.checker_checksum`): `POST
         /weights_checker {"action": "checksum"}`, one scheduler call in which every GPU hashes every
         parameter it holds; the reply `{success, message, ranks: [{checksums: {name: hex16},
         per_gpu_checksum, parallelism_info}], per_engine_checksum}`. Never while weights are released: the
@@ -374,7 +336,7 @@ class SGLangClient:
             "weights_checker", "POST", "/weights_checker", body={"action": "checksum"}, timeout=timeout
         )
         if not isinstance(reply, dict) or reply.get("success") is not True:
-            raise SGLangError("weights_checker", 200, _message(reply, str(reply)[:500]))
+            raise EngineError("weights_checker", 200, _message(reply, str(reply)[:500]))
         return reply
 
     # --- health and load -------------------------------------------------------------------------
@@ -390,7 +352,7 @@ class SGLangClient:
         }
         reply = await self._ok("generate_probe", "POST", "/generate", body=body, timeout=timeout)
         if not isinstance(reply, dict) or not reply.get("output_ids"):
-            raise SGLangError("generate_probe", 200, f"no token generated: {str(reply)[:200]}")
+            raise EngineError("generate_probe", 200, f"no token generated: {str(reply)[:200]}")
 
     @property
     def load_route(self) -> str:
@@ -410,7 +372,7 @@ class SGLangClient:
             self._load_route = "/get_load"
             return await self._loads(operation, timeout, core=core)
         if status != 200:
-            raise SGLangError(operation, status, _message(body, text))
+            raise EngineError(operation, status, _message(body, text))
         return route, body
 
     async def rank_loads(self, timeout: float | None = None) -> list[tuple[int, int, int]]:
@@ -419,7 +381,7 @@ class SGLangClient:
         route, body = await self._loads("rank_loads", timeout, core=True)
         items = body.get("loads") if isinstance(body, dict) else body
         if not isinstance(items, list) or not items:
-            raise SGLangError("rank_loads", 200, f"{route} returned no per-rank loads")
+            raise EngineError("rank_loads", 200, f"{route} returned no per-rank loads")
         ranks: list[tuple[int, int, int]] = []
         try:
             for i, x in enumerate(items):
@@ -431,7 +393,7 @@ class SGLangClient:
                     running = int(x["num_reqs"]) - waiting
                 ranks.append((rank, running, waiting))
         except (AttributeError, KeyError, TypeError, ValueError) as e:
-            raise SGLangError("rank_loads", 200, f"{route}: unexpected entry: {e}") from e
+            raise EngineError("rank_loads", 200, f"{route}: unexpected entry: {e}") from e
         return ranks
 
     async def scheduler_probe(self, timeout: float) -> bool:
@@ -475,14 +437,14 @@ class SGLangClient:
         if status == 404:
             return None
         if status != 200:
-            raise SGLangError("metrics", status, text[:500])
+            raise EngineError("metrics", status, text[:500])
         return parse_metrics(text)
 
     # --- for plugins ---------------------------------------------------------------------------
 
     async def get_json(self, operation: str, path: str, timeout: float = 5.0) -> Any:
         """A GET on SGLang's port for a plugin of the agent (e.g. a GPU probe that reads through SGLang);
-        timed and authenticated like every other call, SGLangUnreachable if the port is gone."""
+        timed and authenticated like every other call, EngineUnreachable if the port is gone."""
         return await self._ok(operation, "GET", path, timeout=timeout)
 
     # --- for the engine endpoint ---------------------------------------------------------------
@@ -491,8 +453,8 @@ class SGLangClient:
     async def forward(
         self, method: str, path: str, headers: Mapping[str, str], body: bytes
     ) -> AsyncIterator[aiohttp.ClientResponse]:
-        """A framework's call passed through as it came (agent/engine_api.py, the routes it does not answer
-        itself): the framework's headers (its key, not the agent's), no deadline (a generation streams as
+        """A framework's call passed through as it came (endpoint.py, the routes it does not answer itself):
+        the framework's headers (its key, not the agent's), no deadline (a generation streams as
         long as it takes), not timed (the framework's calls are not the agent's). The response streams;
         transport failures raise aiohttp.ClientError as aiohttp does."""
         assert self._session is not None, "start() first"

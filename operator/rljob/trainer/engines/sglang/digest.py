@@ -1,7 +1,7 @@
 """The trainer's digest of the weights it publishes or pushes: per SGLang parameter, the 16-hex hash
 SGLang's `/weights_checker` (action `checksum`) gives for it once the weights are loaded, computed from the
-trainer's own tensors or checkpoint (rljob/trainer/tensor_hash.py). The agent holds SGLang's answer
-against it after the refit (docs/agent.md, "Verified weights").
+trainer's own tensors or checkpoint (tensor_hash.py). The agent holds SGLang's answer against it after the
+refit (docs/agent.md, "Verified weights").
 
 SGLang hashes its own parameters, not the checkpoint's tensors. For the architectures whose loader was read
 (`KNOWN_LAYOUTS`), the digest maps a checkpoint's names to them the way the loader does
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rljob.trainer import tensor_hash
+from rljob.trainer.engines.sglang import tensor_hash
 
 VOCAB_PADDING = 64  # …/layers/vocab_parallel_embedding.py:45@0.5.15.post1
 STACKED = (  # (SGLang's fused name, its parts in order): stacked_params_mapping, llama.py:629-636

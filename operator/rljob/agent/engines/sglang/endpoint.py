@@ -31,20 +31,22 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from rljob.agent.engines.sglang.client import SGLangClient
+from rljob.agent.engines.sglang.quirks import SGLangQuirks
 from rljob.agent.errors import Refused
-from rljob.agent.lease import LeaseDesk
-from rljob.agent.quirks import SGLangQuirks
-from rljob.agent.refit_window import RefitWindows
-from rljob.agent.sglang_client import SGLangClient
-from rljob.agent.state import StateStore
 from rljob.api.agent import CommandState, PublishRequest, Stage, TensorPush
 from rljob.api.spec import RefitSource
+
+if TYPE_CHECKING:  # the core modules the endpoint is handed, not imported (they import the registry)
+    from rljob.agent.lease import LeaseDesk
+    from rljob.agent.refit_window import RefitWindows
+    from rljob.agent.state import StateStore
 
 
 @dataclass(frozen=True)
@@ -167,7 +169,7 @@ def next_version(served: str | None) -> str:
     return str(int(served) + 1) if served is not None and served.isdigit() else "1"
 
 
-class EngineEndpoint:
+class SGLangEndpoint:
     """One pod's framework session: the version it published in the current lease, if any."""
 
     def __init__(
@@ -258,7 +260,7 @@ class EngineEndpoint:
             self.windows.trainer_close(None, versioned_by_agent=True)
         why = await self._until(
             lambda: (
-                self.store.state.stage == Stage.SERVING and self.store.state.sglang.served_version == version
+                self.store.state.stage == Stage.SERVING and self.store.state.engine.served_version == version
             ),
             lambda: self._command_failed("refit")() or self._command_failed("resume")(),
         )
@@ -312,7 +314,7 @@ class EngineEndpoint:
         st = self.store.state
         if not st.trainer.lease_held:
             raise _update_error("the trainer holds no GPU lease: call /release_memory_occupation first")
-        chosen = version or next_version(st.sglang.served_version)
+        chosen = version or next_version(st.engine.served_version)
         try:
             self.lease.publish(PublishRequest(version=chosen, path=path))
         except (Refused, ValidationError) as e:
@@ -343,7 +345,7 @@ class EngineEndpoint:
     def _served_already(self, version: str) -> str | None:
         """A push for weights the pod already serves: their refit window closed, none will open again."""
         st = self.store.state
-        if st.stage == Stage.SERVING and st.sglang.served_version == version:
+        if st.stage == Stage.SERVING and st.engine.served_version == version:
             return f"weights {version} are refitted and served: this push came after their refit window"
         return None
 
@@ -353,7 +355,7 @@ class EngineEndpoint:
         version = self._publish(body.weight_version, body.model_path, RefitSource.DISK)
         why = await self._until(
             lambda: (
-                self.store.state.sglang.served_version == version
+                self.store.state.engine.served_version == version
                 and self.store.state.stage in (Stage.REFITTED, Stage.SERVING)
             ),
             self._command_failed("refit"),
@@ -406,7 +408,7 @@ class EngineEndpoint:
             return reply
 
 
-def build_engine_app(endpoint: EngineEndpoint) -> web.Application:
+def build_app(endpoint: SGLangEndpoint) -> web.Application:
     @web.middleware
     async def refusals(request: web.Request, handler: Any) -> web.StreamResponse:
         try:
