@@ -3,7 +3,7 @@
 # pack (hack/real-sglang/pack.sh): the control-plane binaries and helm, xz-compressed, and the wheels the
 # operator and `kubectl rljob` import that neither the machine's image nor the SGLang pack has
 # (hack/devloop-wheels.txt). What one call can carry there is limited, the repository's own files included,
-# so they are packed in parts of at most TRANSFER_MIB (64 by default) with that tree, one call each:
+# so they are packed in parts of at most RLJOB_TRANSFER_MIB (64 by default) with that tree, one call each:
 #
 #   here:  bash hack/devloop.sh pack     -> .devloop/a, .devloop/b, ... (each with its `versions`); prints
 #                                           each part's size and the calls that carry them
@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 BIN=${RLJOB_BIN_CACHE:-$HOME/.cache/rljob/bin}
 OUT=.devloop
 SITE=${RLJOB_LOOP_SITE:-/tmp/rljob-site}
-TRANSFER_MIB=${TRANSFER_MIB:-64}
+TRANSFER_MIB=${RLJOB_TRANSFER_MIB:-64}
 MARGIN_MIB=2  # what may be added to the tree between packing and the calls
 NAMES=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl helm)
 
