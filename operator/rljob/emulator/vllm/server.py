@@ -68,6 +68,7 @@ def build_app(cfg: LaunchConfig) -> web.Application:
         routes_dev.add_routes(app)
     routes_debug.add_routes(app)
     app.on_startup.append(_start)
+    app.on_cleanup.append(_stop)
     return app
 
 
@@ -75,6 +76,14 @@ async def _start(app: web.Application) -> None:
     llm = app[LLM_KEY]
     llm.start()
     app[STATE_KEY].watchdog = asyncio.ensure_future(_watchdog(llm))
+
+
+async def _stop(app: web.Application) -> None:
+    """An app stopped inside a process that goes on (several emulated pods in one): nothing keeps running."""
+    watchdog = app[STATE_KEY].watchdog
+    if watchdog is not None:
+        watchdog.cancel()
+    app[LLM_KEY].stop()
 
 
 async def _watchdog(llm: AsyncLLM) -> None:
