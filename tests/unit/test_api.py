@@ -46,7 +46,10 @@ def test_defaults_live_in_the_models() -> None:
             "spec.release.tags: Value error, tags must be unique",
         ),
         ({"release": {"tags": []}}, "spec.release.tags: List should have at least 1 item"),
-        ({"rollout": {"drain": {"mode": "in_place"}}}, "spec.rollout.drain.mode: Input should be 'abort' or"),
+        (
+            {"rollout": {"drain": {"mode": "in_place"}}},
+            "spec.rollout.drain.mode: Input should be 'abort', 'retract' or",
+        ),
         ({"replicas": 0}, "spec.replicas: Input should be greater than or equal to 1"),
         ({"release": {"verify": {"minFreedFraction": 1.5}}}, "spec.release.verify.minFreedFraction"),
         ({"trainer": {"container": "sglang"}}, "must name different containers"),

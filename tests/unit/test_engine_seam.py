@@ -95,7 +95,12 @@ ENGINES = (
 # Mentions outside an engine's folders that the seam keeps on purpose: (file, a regex the line matches, why).
 KEPT = (
     ("api/spec.py", r'^\s+SGLANG = "sglang"$', "the EngineKind value: a CRD and wire value"),
-    ("api/spec.py", r'^ENGINE_LABELS = \{EngineKind\.SGLANG: "SGLang"\}$', "how messages name each engine"),
+    ("api/spec.py", r'^\s+VLLM = "vllm"$', "the EngineKind value: a CRD and wire value"),
+    (
+        "api/spec.py",
+        r'^ENGINE_LABELS = \{EngineKind\.SGLANG: "SGLang", EngineKind\.VLLM: "vLLM"\}$',
+        "how messages name each engine",
+    ),
     ("api/spec.py", r"^DEFAULT_ENGINE = EngineKind\.SGLANG$", "the engine a job runs unless it names one"),
     (
         "api/agent.py",

@@ -63,6 +63,7 @@ class EngineKind(StrEnum):
     """The inference engine a job's rollout runs; the agent drives it through its folder of agent/engines/."""
 
     SGLANG = "sglang"
+    VLLM = "vllm"
 
     @property
     def label(self) -> str:
@@ -70,7 +71,7 @@ class EngineKind(StrEnum):
         return ENGINE_LABELS[self]
 
 
-ENGINE_LABELS = {EngineKind.SGLANG: "SGLang"}
+ENGINE_LABELS = {EngineKind.SGLANG: "SGLang", EngineKind.VLLM: "vLLM"}
 DEFAULT_ENGINE = EngineKind.SGLANG
 
 
@@ -84,11 +85,13 @@ class ReleaseTag(StrEnum):
 
 class DrainMode(StrEnum):
     """How a drain stops the engine's requests in flight: abort ends them, retract returns them to the
-    engine's queue. A pause that keeps requests holding KV is deliberately absent: a release after it kills
-    the engine."""
+    engine's queue, wait lets the running ones finish (the waiting ones stay queued). A pause that keeps
+    requests holding KV is deliberately absent: a release after it kills the engine. An engine that cannot
+    drain in a mode refuses it (its guards)."""
 
     ABORT = "abort"
     RETRACT = "retract"
+    WAIT = "wait"
 
 
 class RefitSource(StrEnum):
