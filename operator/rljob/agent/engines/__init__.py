@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from rljob.agent.engines.base import Engine, EngineGuards
 from rljob.agent.engines.sglang.engine import SGLangEngine
-from rljob.api.spec import EngineKind
+from rljob.api.spec import EngineKind, RefitSource
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,8 @@ class EngineLink:
     call_timeout_s: float  # the bound on a call made outside a command's deadline
     observe: Callable[[str, float], None]  # each call's latency, by operation
     hang_probe_timeout_s: float = 5.0  # where the engine needs a hang check (Engine.hang_check)
+    refit_source: RefitSource | None = None  # the RLJob's, where the operator passed it (launch refusals)
+    keep_released_weights: bool = False  # where a release chooses, keep the weights on the host
 
 
 ENGINES: Mapping[EngineKind, Callable[[EngineLink], Engine]] = {
