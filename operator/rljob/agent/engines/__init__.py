@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from rljob.agent.engines.base import Engine, EngineGuards
 from rljob.agent.engines.sglang.engine import SGLangEngine
+from rljob.agent.engines.vllm.engine import VLLMEngine
 from rljob.api.spec import EngineKind, RefitSource
 
 
@@ -35,8 +36,19 @@ ENGINES: Mapping[EngineKind, Callable[[EngineLink], Engine]] = {
         observe=link.observe,
         hang_probe_timeout_s=link.hang_probe_timeout_s,
     ),
+    EngineKind.VLLM: lambda link: VLLMEngine.build(
+        link.url,
+        api_key=link.api_key,
+        call_timeout_s=link.call_timeout_s,
+        observe=link.observe,
+        refit_source=link.refit_source,
+        keep_weights=link.keep_released_weights,
+    ),
 }
-GUARDS: Mapping[EngineKind, EngineGuards] = {EngineKind.SGLANG: SGLangEngine.guards}
+GUARDS: Mapping[EngineKind, EngineGuards] = {
+    EngineKind.SGLANG: SGLangEngine.guards,
+    EngineKind.VLLM: VLLMEngine.guards,
+}
 
 
 def build_engine(kind: EngineKind, link: EngineLink) -> Engine:
