@@ -138,7 +138,10 @@ def test_every_engine_rule_is_cel_for_its_engine_only() -> None:
             "spec.release.tags: Value error, tags must be unique",
         ),
         ({"release": {"tags": []}}, "spec.release.tags: List should have at least 1 item"),
-        ({"rollout": {"drain": {"mode": "in_place"}}}, "spec.rollout.drain.mode: Input should be 'abort' or"),
+        (
+            {"rollout": {"drain": {"mode": "in_place"}}},
+            "spec.rollout.drain.mode: Input should be 'abort', 'retract' or",
+        ),
         ({"replicas": 0}, "spec.replicas: Input should be greater than or equal to 1"),
         ({"release": {"verify": {"minFreedFraction": 1.5}}}, "spec.release.verify.minFreedFraction"),
         ({"trainer": {"container": "sglang"}}, "must name different containers"),

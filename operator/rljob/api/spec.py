@@ -87,11 +87,13 @@ class ReleaseTag(StrEnum):
 
 class DrainMode(StrEnum):
     """How a drain stops the engine's requests in flight: abort ends them, retract returns them to the
-    engine's queue. A pause that keeps requests holding KV is deliberately absent: a release after it kills
-    the engine."""
+    engine's queue, wait lets the running ones finish (the waiting ones stay queued). A pause that keeps
+    requests holding KV is deliberately absent: a release after it kills the engine. An engine that cannot
+    drain in a mode refuses it (its guards)."""
 
     ABORT = "abort"
     RETRACT = "retract"
+    WAIT = "wait"
 
 
 class RefitSource(StrEnum):

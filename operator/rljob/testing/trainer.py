@@ -40,11 +40,12 @@ from rljob.emulator.tokens import GARBAGE_MARKER
 from rljob.testing.collective import BACKENDS, World, WorldError
 from rljob.testing.collective import join as join_world
 from rljob.testing.emulated_gpu import EmulatedGpuMemory
-from rljob.testing.ipc_stand_in import cuda_reduction, share
+from rljob.testing.ipc_stand_in import cuda_reduction, share, vllm_update
 from rljob.testing.rollout_gate import RolloutGate
 from rljob.trainer import Handoff
 from rljob.trainer.engines.sglang import packing
 from rljob.trainer.engines.sglang.digest import ModelLayout, checkpoint_digest, digest_named_tensors
+from rljob.trainer.engines.vllm import digest as vllm_digest
 
 
 class StaleServing(Exception):
@@ -314,7 +315,15 @@ def push_refit(
                 f"refit window for version {window.version}, but this trainer published {version}"
             )
         names = sorted(tensors)
-        if source == "tensor":
+        if source == "tensor" and window.engine == "vllm":
+            # vLLM's packed IPC update (V-REFIT-IPC): one stand-in buffer per tensor, pushed as updateInfo.
+            shared = os.environ.get(IPC_DIR_ENV)
+            for name in names:
+                window.push_update(vllm_update({name: tensors[name]}, Path(shared) if shared else None))
+            if shared:  # the emulator holds these bytes: what it holds must be their vLLM digest
+                layout = vllm_digest.ModelLayout.from_config(SIM_CONFIG)
+                window.add_digest(vllm_digest.digest_named_tensors([(n, tensors[n]) for n in names], layout))
+        elif source == "tensor":
             shared = os.environ.get(IPC_DIR_ENV)
             for name in names:  # one bucket per tensor; one payload per TP rank (TP=1 here)
                 payload = packing.to_wire(

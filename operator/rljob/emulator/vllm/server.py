@@ -12,6 +12,7 @@ from aiohttp import web
 
 from rljob.emulator import fatal
 from rljob.emulator.memory import AccountingBackend, RegionBackend
+from rljob.emulator.tensor_refit import set_ipc_stand_in_dir
 from rljob.emulator.vllm import routes_debug, routes_dev, routes_rl, routes_serving
 from rljob.emulator.vllm.client import AsyncLLM
 from rljob.emulator.vllm.config import LaunchConfig, parse_config
@@ -47,6 +48,7 @@ def _exit_now() -> None:
 
 
 def build_app(cfg: LaunchConfig) -> web.Application:
+    set_ipc_stand_in_dir(cfg.ipc_stand_in_dir)
     backend = make_backend(cfg)
     llm = AsyncLLM(cfg, backend)
     backend.drive_busy(llm.gpu_busy_seconds)

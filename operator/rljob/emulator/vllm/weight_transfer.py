@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rljob.emulator.tensor_refit import ITEMSIZE, DtypeRef, stand_in
+from rljob.emulator.tensor_refit import ITEMSIZE, DtypeRef, shared_bytes, stand_in
 
 TORCH_TYPE_NAME = {"uint8": "Byte", "bfloat16": "BFloat16", "float16": "Half", "float32": "Float"}
 REBUILD_ARGS = 15  # torch.multiprocessing.reductions.rebuild_cuda_tensor's parameters
@@ -176,6 +176,17 @@ def rebuild(args: Any, open_handle: Callable[[list[Any]], Any] | None) -> Rebuil
         raise TypeError(f"rebuild_cuda_tensor(): dtype must be a torch.dtype, not {type(dtype).__name__}")
     dims = tuple(int(d) for d in shape)
     return Rebuilt(dims, dtype.name, math.prod(dims) * dtype.itemsize)
+
+
+def handle_bytes(args: Any, nbytes: int) -> bytes | None:
+    """The bytes behind a stand-in handle's `nbytes`, where the test world shared them
+    (--ipc-stand-in-dir, rljob.testing.ipc_stand_in.share); None where it did not."""
+    if not isinstance(args, list | tuple) or len(args) != REBUILD_ARGS or not isinstance(args[5], DtypeRef):
+        return None
+    offset = int(args[3]) * args[5].itemsize if isinstance(args[3], int) else 0
+    storage_offset = int(args[9]) if isinstance(args[9], int) else 0
+    storage = int(args[8]) if isinstance(args[8], int) else 0
+    return shared_bytes(args[7], storage_offset, storage, offset, nbytes)
 
 
 def own_handle(handle: Any, uuid: str) -> Any:
