@@ -92,7 +92,7 @@ def diagnosis_lines(levers: Sequence[Lever]) -> list[str]:
 
 
 def engines(status: RLJobStatus) -> str | None:
-    """The engine (and version) the pods report, e.g. `vLLM 0.26.0`; several where they differ."""
+    """The engine (and version) the pods report, e.g. `<label> <version>`; several where they differ."""
     found = sorted({p.engine for p in status.pods if p.engine})
     return ", ".join(found) if found else None
 
