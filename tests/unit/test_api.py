@@ -54,17 +54,20 @@ def test_what_a_job_leaves_to_its_engine_is_the_engines() -> None:
     assert (spec.rollout.container, spec.rollout.port) == ("vllm", 8000)
     assert spec.release.tags == [ReleaseTag.KV_CACHE, ReleaseTag.WEIGHTS]
     assert spec.release.verify.min_freed_fraction == 0.5  # the rest of release keeps its defaults
+    assert spec.weights.initial_version == "default"  # what vLLM labels its launch weights
     set_by_job = parse_spec(
         {
             "engine": "vllm",
             "template": {"spec": {"containers": [{"name": "engine"}, {"name": "trainer"}]}},
             "rollout": {"container": "engine", "port": 9000, "drain": {"mode": "retract"}},
             "release": {"tags": ["kv_cache"]},
+            "weights": {"initial_version": "0"},
         }
     )
     assert (set_by_job.rollout.container, set_by_job.rollout.port) == ("engine", 9000)
     assert set_by_job.rollout.drain.mode == DrainMode.RETRACT
     assert set_by_job.release.tags == [ReleaseTag.KV_CACHE]
+    assert set_by_job.weights.initial_version == "0"
     # Models built in Python: what they were given is kept, the rest is the engine's.
     built = RLJobSpec(
         engine=EngineKind.VLLM,

@@ -9,6 +9,7 @@ from enum import StrEnum
 from typing import Annotated, Any, cast
 
 from pydantic import ConfigDict, Field, JsonValue, field_validator, model_validator
+from pydantic.alias_generators import to_snake
 
 from rljob.api.base import WireModel
 
@@ -129,6 +130,7 @@ class EngineTraits:
 
     port: int  # rollout.port's default: where the engine's HTTP server listens
     release_tags: tuple[ReleaseTag, ...]  # release.tags' default: every part the engine can release
+    initial_version: str  # weights.initialVersion's default: the label the engine's launch weights carry
     drain_modes: frozenset[DrainMode] = frozenset(DrainMode)  # the drains it has
     no_drain: str = ""  # why it has no other
     rules: tuple[EngineRule, ...] = ()
@@ -176,6 +178,7 @@ ENGINE_TRAITS: Mapping[EngineKind, EngineTraits] = {
     EngineKind.SGLANG: EngineTraits(
         port=30000,
         release_tags=tuple(ALL_TAGS),
+        initial_version="0",  # the examples launch it with --weight-version 0
         drain_modes=frozenset({DrainMode.ABORT, DrainMode.RETRACT}),
         no_drain="has no drain that lets running requests finish (its pause keeps them in place, holding "
         "KV cache a release would then free under them)",
@@ -183,12 +186,18 @@ ENGINE_TRAITS: Mapping[EngineKind, EngineTraits] = {
     EngineKind.VLLM: EngineTraits(
         port=8000,
         release_tags=(ReleaseTag.KV_CACHE, ReleaseTag.WEIGHTS),
+        initial_version="default",  # no launch flag sets it: what it (or its agent, before 0.27) labels
         rules=(RELEASE_NO_CUDA_GRAPH, RELEASE_WEIGHTS_WITH_KV, ONE_POD_PER_INSTANCE),
     ),
 }
 # Spec fields whose default is the engine's (ENGINE_TRAITS): the models fill them in, the CRD has no static
 # default for them, and CEL reads them through engine_default().
-ENGINE_DEFAULTED = (("rollout", "container"), ("rollout", "port"), ("release", "tags"))
+ENGINE_DEFAULTED = (
+    ("rollout", "container"),
+    ("rollout", "port"),
+    ("release", "tags"),
+    ("weights", "initialVersion"),
+)
 
 
 def engine_defaults(kind: EngineKind) -> dict[tuple[str, str], Any]:
@@ -198,6 +207,7 @@ def engine_defaults(kind: EngineKind) -> dict[tuple[str, str], Any]:
         ("rollout", "container"): kind.value,  # the container's name: the engine's
         ("rollout", "port"): traits.port,
         ("release", "tags"): [t.value for t in traits.release_tags],
+        ("weights", "initialVersion"): traits.initial_version,
     }
 
 
@@ -392,7 +402,11 @@ class Refit(WireModel):
 
 
 class Weights(WireModel):
-    initial_version: WeightVersion = "0"
+    initial_version: WeightVersion = Field(
+        default=ENGINE_TRAITS[DEFAULT_ENGINE].initial_version,
+        description="The version the engine's launch weights are labelled with. Unset: the engine's "
+        f"({by_engine(('weights', 'initialVersion'))}).",
+    )
     initial_path: str | None = Field(
         default=None, max_length=1024, description="Model path the engine starts from; used to rejoin."
     )
@@ -570,11 +584,11 @@ class RLJobSpec(WireModel):
         for (part, name), value in engine_defaults(kind).items():
             given = data.get(part)
             if isinstance(given, WireModel):  # a model built in Python: what it was given, as a dict
-                given = given.model_dump(exclude_unset=True)
+                given = given.model_dump(by_alias=True, exclude_unset=True)
             if given is None:
                 data[part] = {name: value}
-            elif isinstance(given, dict):
-                data[part] = given if name in given else {**given, name: value}
+            elif isinstance(given, dict) and name not in given and to_snake(name) not in given:
+                data[part] = {**given, name: value}
         return data
 
     @model_validator(mode="after")
