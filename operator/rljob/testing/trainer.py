@@ -402,6 +402,14 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def published_digest(engine: EngineKind, path: Path) -> Any:
+    """The checkpoint's digest as the pod's engine will hash it once loaded (each engine's checksum hashes
+    its own parameters its own way: trainer/engines/<name>/digest.py)."""
+    if engine == EngineKind.VLLM:
+        return vllm_digest.checkpoint_digest(path)
+    return checkpoint_digest(path)
+
+
 def train_loop(
     args: argparse.Namespace,
     handoff: Handoff,
@@ -442,7 +450,7 @@ def train_loop(
             path = write_checkpoint(weights_dir, version, tensors)
             if gpu is not None:  # frees the step's memory, but for what it keeps after its lease
                 gpu.hold_for(args.keep_gpu_bytes, args.keep_seconds)
-            lease.publish(version, str(path), digest=checkpoint_digest(path))
+            lease.publish(version, str(path), digest=published_digest(rollout.engine, path))
             on_step(version, time.perf_counter() - granted)
         log("published", iteration=iteration, version=version, path=str(path), source=source)
         if source != "disk" and rollout.generates:  # refit windows open on the leader's agent only
