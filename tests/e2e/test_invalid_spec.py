@@ -161,8 +161,21 @@ def engine(name: str) -> Edit:
             "trainer.masterPort must differ from agent.port, rollout.port",
         ),
         (named("tgi", engine("tgi")), "spec.engine", 'supported values: "sglang", "vllm"'),
+        (
+            named("wait", lambda spec: spec.update(rollout={"drain": {"mode": "wait"}})),
+            "spec.rollout.drain.mode",
+            "engine sglang has no drain that lets running requests finish",
+        ),
     ],
-    ids=["cuda-graph", "weights-alone", "pods-per-instance", "container", "master-port", "unknown-engine"],
+    ids=[
+        "cuda-graph",
+        "weights-alone",
+        "pods-per-instance",
+        "container",
+        "master-port",
+        "unknown-engine",
+        "wait-on-sglang",
+    ],
 )
 def test_admission_refuses_what_the_engine_cannot_do(
     kubectl: Kubectl,
@@ -181,7 +194,9 @@ def test_what_a_job_leaves_to_its_engine_is_admitted_and_the_engine_is_immutable
     kubectl: Kubectl, kube_api: KubeApi, namespace: str, crd: None
 ) -> None:
     """The same masterPort and tags pass where the job's engine allows them; the engine never changes."""
-    kubectl.apply(on_vllm("vllm", tags("kv_cache")), namespace=namespace)  # KV alone: versions decide
+    vllm = on_vllm("vllm", tags("kv_cache"))  # KV alone: the version decides
+    vllm["spec"]["rollout"] = {"drain": {"mode": "wait"}}  # vLLM's wait pause lets running requests finish
+    kubectl.apply(vllm, namespace=namespace)
     master_port_8000 = named("sglang", lambda spec: spec.update(trainer={"masterPort": 8000}))
     kubectl.apply(master_port_8000, namespace=namespace)
     stored = kube_api.get(rljob_path(namespace, "vllm"))["spec"]

@@ -59,13 +59,13 @@ def test_what_a_job_leaves_to_its_engine_is_the_engines() -> None:
         {
             "engine": "vllm",
             "template": {"spec": {"containers": [{"name": "engine"}, {"name": "trainer"}]}},
-            "rollout": {"container": "engine", "port": 9000, "drain": {"mode": "retract"}},
+            "rollout": {"container": "engine", "port": 9000, "drain": {"mode": "wait"}},
             "release": {"tags": ["kv_cache"]},
             "weights": {"initial_version": "0"},
         }
     )
     assert (set_by_job.rollout.container, set_by_job.rollout.port) == ("engine", 9000)
-    assert set_by_job.rollout.drain.mode == DrainMode.RETRACT
+    assert set_by_job.rollout.drain.mode == DrainMode.WAIT
     assert set_by_job.release.tags == [ReleaseTag.KV_CACHE]
     assert set_by_job.weights.initial_version == "0"
     # Models built in Python: what they were given is kept, the rest is the engine's.
@@ -99,6 +99,10 @@ def test_what_a_job_leaves_to_its_engine_is_the_engines() -> None:
         ({"template": CONTAINERS}, "rollout.container 'vllm' is not a container"),
         ({"rollout": {"port": 8472}}, "rollout.port 8472 is the agent's trainer port"),
         ({"trainer": {"masterPort": 8000}}, "trainer.masterPort must differ"),
+        (
+            {"engine": "sglang", "template": CONTAINERS, "rollout": {"drain": {"mode": "wait"}}},
+            "rollout.drain.mode: engine sglang has no drain that lets running requests finish",
+        ),
     ],
     ids=[
         "every-tag",
@@ -109,6 +113,7 @@ def test_what_a_job_leaves_to_its_engine_is_the_engines() -> None:
         "container",
         "port",
         "master",
+        "wait-on-sglang",
     ],
 )
 def test_what_the_engine_cannot_do_is_refused_naming_the_field(body: dict, expected: str) -> None:
