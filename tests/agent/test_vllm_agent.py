@@ -129,7 +129,7 @@ def test_a_refit_without_a_release_resets_the_prefix_cache(
     """V-REFIT-DISK: vLLM's reload does not reset the prefix cache (sent directly below with a pause that
     keeps it: the hit count grows on the new weights). With no sleep before the reload (a rejoin) the
     agent's drain pauses with clear_cache and the agent resets the cache again after the reload."""
-    emu, agent, c = vllm_pod(start_vllm, start_agent, version)
+    emu, _agent, c = vllm_pod(start_vllm, start_agent, version)
     prompt = " ".join(f"w{i}" for i in range(40))
     text(emu, prompt)
     c.ok("refit", version="1", path=str(write_model(tmp_path / "v1", "3")))  # from Serving: drains first
