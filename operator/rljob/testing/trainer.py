@@ -11,7 +11,8 @@ check fails, 4 when an answer has no usable logprobs.
 
     python -m rljob.testing.trainer [--iterations N] [--prompts P] [--samples-per-prompt K] ...
     env: RLJOB_AGENT_URL, RLJOB_ENGINE_SERVER_URL, RLJOB_REFIT_SOURCE (disk|tensor|distributed),
-    RLJOB_WEIGHTS_DIR
+    RLJOB_WEIGHTS_DIR, RLJOB_ENGINE (vllm: the rollout speaks vLLM's /v1/completions, and a tensor refit
+    window that names vLLM gets its packed updates)
 """
 
 from __future__ import annotations
@@ -228,7 +229,8 @@ class Rollout:
         meta = response["meta_info"]
         if meta.get("finish_reason", {}).get("type") == "abort":
             return  # aborted by a drain: no tokens to judge
-        if meta.get("weight_version") != served:
+        labelled = "weight_version" in meta  # an engine that carries no label (vLLM 0.26) says nothing
+        if labelled and meta.get("weight_version") != served:
             raise StaleServing(
                 f"request {meta.get('id')} served by weight_version {meta.get('weight_version')!r}, "
                 f"but the agent reports {served!r}"
@@ -241,6 +243,51 @@ class Rollout:
                 )
         if GARBAGE_MARKER in response.get("text", ""):
             raise StaleServing(f"request {meta.get('id')} produced garbage: weights resumed without a refit")
+
+
+class VllmRollout(Rollout):
+    """The same rollout against vLLM's `/v1/completions` (RLJOB_ENGINE=vllm): `n` samples of each prompt
+    with their token ids and logprobs, and on vLLM 0.34 the weight version spans of each answer
+    (`return_weight_versions`, V-ROUTE-WV in docs/vllm-conformance.md); each choice is read into the shape
+    the checks and the loss read. vLLM 0.26 carries no version: only garbage is checked there."""
+
+    def _generate(self, prompt: str) -> list[dict[str, Any]]:
+        body = {
+            "prompt": prompt,
+            "n": self.args.samples_per_prompt,
+            "max_tokens": self.args.max_new_tokens,
+            "temperature": 1.0,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "return_weight_versions": True,  # 0.34; 0.26 ignores a field it does not know
+        }
+        req = urllib.request.Request(
+            self.url + "/v1/completions", json.dumps(body).encode(), self.headers, method="POST"
+        )
+        with urllib.request.urlopen(req, timeout=self.args.request_timeout) as resp:
+            out = json.loads(resp.read())
+        return [self._as_sampled(out, c) for c in out["choices"]]
+
+    @staticmethod
+    def _as_sampled(out: dict[str, Any], choice: dict[str, Any]) -> dict[str, Any]:
+        ids = list(choice.get("token_ids") or [])
+        lp = choice.get("logprobs") or {}
+        entries = [
+            [v, t, tok]
+            for v, t, tok in zip(lp.get("token_logprobs") or [], ids, lp.get("tokens") or [], strict=False)
+        ]
+        meta: dict[str, Any] = {
+            "id": f"{out.get('id')}-{choice.get('index')}",
+            "finish_reason": {"type": choice.get("finish_reason")},
+            "output_token_logprobs": entries if lp else None,
+            "prompt_tokens": len(choice.get("prompt_token_ids") or []),
+            "cached_tokens": 0,
+        }
+        spans = choice.get("weight_versions")
+        if spans:
+            meta["weight_versions"] = spans
+            meta["weight_version"] = spans[-1]["version"]
+        return {"text": choice.get("text", ""), "output_ids": ids, "meta_info": meta}
 
 
 def push_refit(
@@ -399,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     if source not in ("disk", "tensor", "distributed"):
         print(f"RLJOB_REFIT_SOURCE must be disk, tensor or distributed, not {source!r}", file=sys.stderr)
         return 1
-    rollout = Rollout(
+    rollouts = {"vllm": VllmRollout}  # by RLJOB_ENGINE; SGLang's by default
+    rollout = rollouts.get(os.environ.get("RLJOB_ENGINE", ""), Rollout)(
         os.environ.get("RLJOB_ENGINE_SERVER_URL", "http://127.0.0.1:30000"),
         os.environ.get("RLJOB_ENGINE_API_KEY"),
         args,
