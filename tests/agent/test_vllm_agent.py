@@ -123,6 +123,33 @@ def test_three_iterations_with_disk_refits(
     assert json.loads(http("GET", emu.url + "/_emulator/calls").text)["repeats"] == []
 
 
+def test_a_refit_without_a_release_resets_the_prefix_cache(
+    version: str, start_vllm: StartVllm, start_agent: StartAgent, tmp_path: Path
+) -> None:
+    """V-REFIT-DISK: vLLM's reload does not reset the prefix cache (sent directly below with a pause that
+    keeps it: the hit count grows on the new weights). With no sleep before the reload (a rejoin) the
+    agent's drain pauses with clear_cache and the agent resets the cache again after the reload."""
+    emu, _agent, c = vllm_pod(start_vllm, start_agent, version)
+    prompt = " ".join(f"w{i}" for i in range(40))
+    text(emu, prompt)
+    c.ok("refit", version="1", path=str(write_model(tmp_path / "v1", "3")))  # from Serving: drains first
+    c.ok("resume")
+    before = hits(emu)
+    text(emu, prompt)
+    assert hits(emu) == before, "the refitted engine hit KV computed by the old weights"
+    emu.ok("POST", "/pause?mode=abort&clear_cache=false")  # the prompt is cached on the weights 1
+    r = emu.call(
+        "POST",
+        "/collective_rpc",
+        {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path / "v1")}},
+    )
+    assert r.status == 200, r.text
+    emu.ok("POST", "/resume")
+    before = hits(emu)
+    text(emu, prompt)
+    assert hits(emu) > before  # reloaded, and served from the old KV
+
+
 def test_three_iterations_with_tensor_refits(
     version: str, start_vllm: StartVllm, start_agent: StartAgent, tmp_path: Path
 ) -> None:

@@ -157,6 +157,7 @@ class Recovery:
         if not await self._loaded(intent, cmd):
             return None
         self.store.refit_done = intent.version
+        self.store.state.engine.unloaded = None  # the load completed: the weights can serve
         return f"{intent.describe()}: made ({self.engine.name} serves it)"
 
     def _deadline(self, seconds: float) -> float:

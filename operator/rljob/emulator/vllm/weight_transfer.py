@@ -207,11 +207,14 @@ def _torch_dtype(name: Any) -> tuple[str, int]:
 def unpack(
     buffer: Rebuilt, names: list[str], shapes: list[Any], dtype_names: list[Any], sizes: list[Any]
 ) -> list[tuple[str, Rebuilt]]:
-    """packed_ipc_consumer: the buffer cut to sum(tensor_sizes), split by `tensor_sizes`, each piece
-    viewed as its dtype and shape (…/distributed/weight_transfer/packed_tensor.py:19-46,377-430@0.26.0)."""
+    """packed_ipc_consumer: the buffer cut to sum(tensor_sizes) of its elements, split by `tensor_sizes`,
+    each piece viewed as its dtype and shape (…/distributed/weight_transfer/packed_tensor.py:19-46,377-430
+    @0.26.0). The sizes are bytes of a uint8 buffer, as vLLM's producer packs it; a buffer of another dtype
+    is cut and split in its own elements, as torch does."""
     dtypes = [_torch_dtype(d) for d in dtype_names]
     sizes_i = [int(s) for s in sizes]
-    content = min(sum(sizes_i), buffer.nbytes)
+    item = ITEMSIZE.get(buffer.dtype, 1)
+    content = min(sum(sizes_i), buffer.nbytes // item)
     if sum(sizes_i) != content:
         raise RuntimeError(
             f"split_with_sizes expects split_sizes to sum exactly to {content} (input tensor's size at "
@@ -219,15 +222,16 @@ def unpack(
         )
     out: list[tuple[str, Rebuilt]] = []
     for name, shape, (dname, itemsize), size in zip(names, shapes, dtypes, sizes_i, strict=False):
-        if size % itemsize:
+        nbytes = size * item
+        if nbytes % itemsize:
             raise RuntimeError(
                 f"self.size(-1) must be divisible by {itemsize} to view Byte as "
                 f"{TORCH_TYPE_NAME.get(dname, dname)} (different element sizes), but got {size}"
             )
         dims = tuple(int(d) for d in shape)
-        if math.prod(dims) != size // itemsize:
-            raise RuntimeError(f"shape '{list(dims)}' is invalid for input of size {size // itemsize}")
-        out.append((str(name), Rebuilt(dims, dname, size)))
+        if math.prod(dims) != nbytes // itemsize:
+            raise RuntimeError(f"shape '{list(dims)}' is invalid for input of size {nbytes // itemsize}")
+        out.append((str(name), Rebuilt(dims, dname, nbytes)))
     return out
 
 

@@ -77,15 +77,19 @@ def next_version(served: str | None) -> str:
 
 
 def skyrl_update(info: Any) -> dict[str, Any]:
-    """SkyRL's `update_weights_ipc` update_info (names, dtype_names, shapes, sizes in elements, handles
-    `{uuid: reduce_tensor(...)}`: cuda_ipc_strategy.py:198-250@a9564572) as vLLM's packed IPC update
-    (tensor_sizes in bytes, handles `{uuid: rebuild args}`: V-REFIT-IPC)."""
+    """SkyRL's `update_weights_ipc` update_info (names, dtype_names, shapes, sizes in elements, one buffer
+    in the model's dtype, handles `{uuid: reduce_tensor(buffer)}`: cuda_ipc_strategy.py:198-250@a9564572)
+    as vLLM's packed IPC update (tensor_sizes in bytes, the same buffer viewed as uint8, handles
+    `{uuid: rebuild args}`: V-REFIT-IPC)."""
     if not isinstance(info, dict):
         raise Refusal(400, "update_weights_ipc: kwargs.update_info is not an object")
     obj, broken = handles.decode(info.get("ipc_handles_pickled"))
-    args = handles.native(obj) if broken is None else None
-    if args is None:
+    native = handles.native(obj) if broken is None else None
+    if native is None:
         raise Refusal(400, f"update_weights_ipc: ipc_handles_pickled is {broken or 'not {gpu_uuid: handle}'}")
+    args = {uuid: handles.byte_view(a) for uuid, a in native.items()}  # SkyRL packs in the model's dtype
+    if any(a is None for a in args.values()):
+        raise Refusal(400, "update_weights_ipc: a packed buffer that is not one contiguous 1-D tensor")
     dtypes, sizes = info.get("dtype_names"), info.get("sizes")
     if not isinstance(dtypes, list) or not isinstance(sizes, list) or len(dtypes) != len(sizes):
         raise Refusal(400, "update_weights_ipc: dtype_names and sizes must be lists of one length")

@@ -196,6 +196,12 @@ def _handles(text: Any, facts: VLLMFacts | None) -> dict[str, tuple[Any, ...]]:
             "updateInfo.ipc_handles_pickled is not one packed buffer's handles {gpu_uuid: "
             "rebuild_cuda_tensor args} (V-REFIT-IPC)"
         )
+    not_bytes = sorted(uuid for uuid, a in args.items() if a[5] != handles.UINT8)
+    if not_bytes:
+        raise _invalid(
+            f"the packed buffer on {', '.join(not_bytes)} is not uint8: vLLM cuts and splits it by the byte "
+            "sizes in tensor_sizes (packed_tensor.py:19-46,423-430@0.26.0)"
+        )
     workers = facts.world_size if facts is not None else 1
     if len(args) < workers:
         raise _invalid(

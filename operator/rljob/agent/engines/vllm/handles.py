@@ -75,6 +75,33 @@ def storage_bytes(args: tuple[Any, ...]) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "uint8": 1, "int8": 1}
+TORCH_SIZE = Global("torch", "Size")
+UINT8 = Global("torch", "uint8")
+
+
+def byte_view(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """The same contiguous 1-D buffer's rebuild args, viewed as uint8 (what vLLM's packed consumer splits
+    by byte sizes, packed_tensor.py:377-430@0.26.0): size and offset in bytes, stride 1. None when the
+    args are not a contiguous 1-D tensor of a known dtype."""
+    dtype, size, stride, offset = args[5], args[1], args[2], args[3]
+    if not isinstance(dtype, Global) or dtype.module != "torch" or dtype.name not in ITEMSIZE:
+        return None
+    if not isinstance(size, Reduced) or size.func != TORCH_SIZE or len(size.args) != 1:
+        return None
+    dims = size.args[0]
+    if not (isinstance(dims, tuple) and len(dims) == 1 and isinstance(dims[0], int)) or stride != (1,):
+        return None
+    if not isinstance(offset, int):
+        return None
+    item = ITEMSIZE[dtype.name]
+    out = list(args)
+    out[1] = Reduced(TORCH_SIZE, ((dims[0] * item,),))
+    out[3] = offset * item
+    out[5] = UINT8
+    return tuple(out)
+
+
 def native(handles: Any) -> dict[str, tuple[Any, ...]] | None:
     """`{uuid: args}` from vLLM's form or from SkyRL's `{uuid: (rebuild_cuda_tensor, args)}`; None when
     `handles` is neither."""
