@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 from agent_procs import ALL_TAGS, PY, Agent, AgentDriver, Emulator, Proc, sha256_file
-from vllm_procs import VLLM_VERSIONS, VllmEmulator
+from vllm_procs import VLLM_VERSIONS, VllmEmulator, write_model
 
 from rljob.testing.trainer import make_tensors, tensor_payload
 
+TRAINER_WEIGHTS_BYTES = 8192
 TRAINER_ARGS = [
     "--prompts",
     "6",
@@ -25,7 +26,7 @@ TRAINER_ARGS = [
     "--max-new-tokens",
     "12",
     "--weights-bytes",
-    "8192",
+    str(TRAINER_WEIGHTS_BYTES),
     "--timeout",
     "60",
 ]
@@ -166,7 +167,8 @@ def test_simulated_trainer_cycles_on_vllm(
     holds verified against the trainer's digest."""
     shared = tmp_path / "ipc"
     flags = ("--weight-transfer-config", '{"backend": "ipc"}', "--ipc-stand-in-dir", str(shared))
-    emu = start_vllm(version, *flags, env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}, tps=300)
+    model = write_model(tmp_path / "launch", "0", TRAINER_WEIGHTS_BYTES)  # the trainer's shapes
+    emu = start_vllm(version, *flags, env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}, tps=300, model=model)
     agent = start_agent(emu, "--engine", "vllm", "--refit-source", source, "--rollout-sample-seconds", "0.05")
     env = {"RLJOB_ENGINE": "vllm", "RLJOB_IPC_STAND_IN_DIR": str(shared)}
     seen = _run_cycle(source, 3, procs, tmp_path, emu, agent, ["kv_cache", "weights"], env)
