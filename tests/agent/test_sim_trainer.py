@@ -11,9 +11,11 @@ from typing import Any
 
 import pytest
 from agent_procs import ALL_TAGS, PY, Agent, AgentDriver, Emulator, Proc, sha256_file
+from vllm_procs import VLLM_VERSIONS, VllmEmulator, write_model
 
 from rljob.testing.trainer import make_tensors, tensor_payload
 
+TRAINER_WEIGHTS_BYTES = 8192
 TRAINER_ARGS = [
     "--prompts",
     "6",
@@ -24,7 +26,7 @@ TRAINER_ARGS = [
     "--max-new-tokens",
     "12",
     "--weights-bytes",
-    "8192",
+    str(TRAINER_WEIGHTS_BYTES),
     "--timeout",
     "60",
 ]
@@ -38,12 +40,14 @@ def start_trainer(
     source: str,
     iterations: int,
     name: str = "trainer",
+    env_extra: dict[str, str] | None = None,
 ) -> Proc:
     env = {
         "RLJOB_AGENT_URL": agent.trainer_url,
         "RLJOB_ENGINE_SERVER_URL": emu.url,
         "RLJOB_REFIT_SOURCE": source,
         "RLJOB_WEIGHTS_DIR": str(tmp / "weights"),
+        **(env_extra or {}),
     }
     p = Proc(
         name,
@@ -55,7 +59,9 @@ def start_trainer(
     return p
 
 
-def conduct(agent: Agent, source: str, iterations: int, seen: list[dict[str, Any]]) -> None:
+def conduct(
+    agent: Agent, source: str, iterations: int, seen: list[dict[str, Any]], tags: list[str] = ALL_TAGS
+) -> None:
     """The operator's part of each iteration, driven by the agent's state."""
     c = AgentDriver(agent)
     c.epoch = agent.state()["epoch"]
@@ -63,7 +69,7 @@ def conduct(agent: Agent, source: str, iterations: int, seen: list[dict[str, Any
         st = agent.wait_state(lambda s: s["trainer"]["requested"], 60, "the trainer to ask for the GPU")
         seen.append(st)
         c.ok("drain")
-        c.ok("release", tags=ALL_TAGS)
+        c.ok("release", tags=tags)
         c.ok("grant")
         st = agent.wait_stage("Trained", 60)
         t = st["trainer"]
@@ -73,20 +79,27 @@ def conduct(agent: Agent, source: str, iterations: int, seen: list[dict[str, Any
 
 
 def _run_cycle(
-    source: str, iterations: int, procs: list[Proc], tmp: Path, emu: Emulator, agent: Agent
+    source: str,
+    iterations: int,
+    procs: list[Proc],
+    tmp: Path,
+    emu: Emulator | VllmEmulator,
+    agent: Agent,
+    tags: list[str] = ALL_TAGS,
+    env: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     seen: list[dict[str, Any]] = []
     errors: list[BaseException] = []
 
     def run() -> None:
         try:
-            conduct(agent, source, iterations, seen)
+            conduct(agent, source, iterations, seen, tags)
         except BaseException as e:  # reported below
             errors.append(e)
 
     conductor = threading.Thread(target=run, daemon=True)
     conductor.start()
-    trainer = start_trainer(procs, tmp, agent, emu, source, iterations)
+    trainer = start_trainer(procs, tmp, agent, emu, source, iterations, env_extra=env)  # type: ignore[arg-type]
     rc = trainer.wait_exit(120)
     conductor.join(30)
     assert not errors, errors[0]
@@ -137,6 +150,36 @@ def test_simulated_trainer_cycles(
     if source != "disk":
         sessions = calls.get("/begin_weight_update", 0), calls.get("/end_weight_update", 0)
         assert sessions == ((3, 3) if version in ("0.5.21", "0.5.23") else (0, 0))
+
+
+@pytest.mark.parametrize("version", VLLM_VERSIONS)
+@pytest.mark.parametrize("source", ["disk", "tensor"])
+def test_simulated_trainer_cycles_on_vllm(
+    source: str,
+    version: str,
+    tmp_path: Path,
+    procs: list[Proc],
+    start_vllm: Callable[..., VllmEmulator],
+    start_agent: Callable[..., Agent],
+) -> None:
+    """The simulated trainer (RLJOB_ENGINE=vllm: its rollout on /v1/completions, its tensor pushes in vLLM's
+    packed form) through three iterations on vLLM: no stale or garbage answer, on 0.34 the weights vLLM
+    holds verified against the trainer's digest."""
+    shared = tmp_path / "ipc"
+    flags = ("--weight-transfer-config", '{"backend": "ipc"}', "--ipc-stand-in-dir", str(shared))
+    model = write_model(tmp_path / "launch", "0", TRAINER_WEIGHTS_BYTES)  # the trainer's shapes
+    emu = start_vllm(version, *flags, env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}, tps=300, model=model)
+    agent = start_agent(emu, "--engine", "vllm", "--refit-source", source, "--rollout-sample-seconds", "0.05")
+    env = {"RLJOB_ENGINE": "vllm", "RLJOB_IPC_STAND_IN_DIR": str(shared)}
+    seen = _run_cycle(source, 3, procs, tmp_path, emu, agent, ["kv_cache", "weights"], env)
+    st = agent.state()
+    assert st["stage"] == "Serving" and st["engine"]["servedVersion"] == "3"
+    if version == "0.34.0":
+        checked = st["engine"]["weights"]["checked"]
+        assert "Trainer" in checked or source == "disk", st["engine"]["weights"]
+    later = [s["rollout"] for s in seen[1:]]
+    assert any(r.get("cacheHitRate", 0) > 0.5 for r in later), later
+    assert all(r["samples"] >= 1 for r in later), later
 
 
 def test_trainer_restart_resumes_from_served_version(

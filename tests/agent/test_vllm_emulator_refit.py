@@ -366,8 +366,10 @@ def test_nccl_init_blocks_the_engine_core(version: str, start_vllm: StartVllm) -
     behind._thread.join(0.5)
     assert not behind.done() and not init.done() and not running.done()
     joined: list[int] = []
-    threading.Thread(target=lambda: joined.extend(rank0.wait(30)), daemon=True).start()
+    waiter = threading.Thread(target=lambda: joined.extend(rank0.wait(30)), daemon=True)
+    waiter.start()
     assert init.wait().body == {"message": "Weight transfer initialized"}
+    waiter.join(30)  # the init may answer before this thread stored what rank 0 saw
     assert joined == [1, 2]
     assert behind.wait().body == {"is_paused": False}
     assert running.wait().body["choices"][0]["finish_reason"] == "abort"

@@ -2,30 +2,36 @@
 (a table), not timed tests; exits 1 when a job did not end as expected or an invariant broke.
 
     make chaos
-    .venv/bin/python tests/chaos/chaos.py [--seed 7] [--operator-kills 50] [--only operator,agent] [--json F]
+    .venv/bin/python tests/chaos/chaos.py [--seed 7] [--operator-kills 50] [--only operator,agent]
+        [--engines sglang,vllm] [--json F]
 
 What runs: a real kube-apiserver + etcd + scheduler + controller-manager (`LocalControlPlane`, cached
 binaries), the fake kubelet running every pod's real agent (a native sidecar: the operator sees a 1.34
-server), SGLang emulator and simulated trainer as their own processes, and the real operator process(es).
-Every lifecycle route is slowed down a little and the rollout generates at 100 tokens/s, so that every
-phase lasts long enough to be hit. Faults, each scenario in its own namespace:
+server), engine emulator (SGLang's for `engine: sglang` jobs, vLLM 0.26.0's for `engine: vllm` jobs) and
+simulated trainer as their own processes, and the real operator process(es). Every lifecycle route is
+slowed down a little and the rollout generates at 100 tokens/s, so that every phase lasts long enough to
+be hit. Every scenario runs jobs of each engine of `--engines`. Faults, each scenario in its own namespace:
 
 - operator: the operator SIGKILLed at `--operator-kills` seeded random moments (a random delay after its
-  first status write since it started), restarted each time, new 5-iteration jobs coming while kills
-  remain; then once more in each phase (Pending ... Resuming) the random moments missed;
-- agent: one pod's agent SIGKILLed in each phase (the kubelet restarts it; it recovers from its record);
-- sglang: one pod's SGLang emulator SIGKILLed in each phase (a lost member: the gang restarts, within
-  backoffLimit), then a job with backoffLimit 1 losing SGLang twice (it must fail, BackoffLimitExceeded);
+  first status write since it started), restarted each time, new 5-iteration jobs (taking turns among the
+  engines) coming while kills remain; then once more in each phase (Pending ... Resuming) the random
+  moments missed;
+- agent: one pod's agent SIGKILLed in each phase of a job per engine (the kubelet restarts it; it recovers
+  from its record);
+- engine: one pod's engine emulator SIGKILLed in each phase of a job per engine (a lost member: the gang
+  restarts, within backoffLimit), then a job with backoffLimit 1 losing its engine twice (it must fail,
+  BackoffLimitExceeded);
 - standby: the chart's two replicas with leader election (tests/e2e/test_standby.py's harness), the
-  active one SIGKILLed mid-iteration; the standby finishes the job;
-- apiserver: kube-apiserver restarted (etcd data kept) at seeded moments mid-iteration.
+  active one SIGKILLed mid-iteration of a job per engine; the standby finishes them;
+- apiserver: kube-apiserver restarted (etcd data kept) at seeded moments mid-iteration of a job per engine.
 
 Measured per scenario, for every job: did it end as expected (Succeeded; Failed with the expected reason),
-weight versions seen by a poller every 0.1 s and in weightHistory never going back, non-idempotent SGLang
+weight versions seen by a poller every 0.1 s and in weightHistory never going back, non-idempotent engine
 calls repeated (each emulator appends its calls to a file in its pod's scratch dir, emulator/call_log.py:
-a release of a released tag, a resume of a resumed one, a refit of a version already loaded), gang
-restarts (status.restarts), SGLang restarts (emulator processes started beyond each job's first gang),
-agent restarts (the sidecars' restartCount).
+SGLang's release of a released tag, resume of a resumed one, refit of a version already loaded; vLLM's
+sleep while asleep, wake of what does not sleep, reload of a path already loaded), gang restarts
+(status.restarts), engine restarts (emulator processes started beyond each job's first gang), agent
+restarts (the sidecars' restartCount).
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ import yaml
 
 from rljob.controller.children import AGENT_CONTAINER
 from rljob.emulator.call_log import CALL_LOG_ENV
+from rljob.lifecycle.versions import is_newer
 from rljob.testing.cluster import LocalControlPlane, ensure_binaries
 from rljob.testing.harness import ROOT, OperatorProcess, get_rljob, rljob_path
 from rljob.testing.install import HelmError, install_chart, uninstall_chart
@@ -68,31 +75,41 @@ from test_standby import chart_replicas, holder  # the standby harness of the e2
 PHASES = ("Initializing", "Rollout", "Draining", "Releasing", "Training", "Refitting", "Resuming")
 LOCK_STEP = PHASES[2:]
 FINISHED = ("Succeeded", "Failed")
-SLOW = " ".join(
-    f"--fault-slow {route}=0.2"
-    for route in (
+# Each engine's lifecycle routes, slowed: its pause, release, resume, disk refit and continue.
+LIFECYCLE_ROUTES = {
+    "sglang": (
         "/pause_generation",
         "/release_memory_occupation",
         "/resume_memory_occupation",
         "/update_weights_from_disk",
         "/continue_generation",
-    )
-)
-CALL_LOG = "sglang-calls.jsonl"  # in the pod's scratch dir (the emulator's working directory)
-EXAMPLE = yaml.safe_load((ROOT / "examples/rljob.yaml").read_text())
+    ),
+    "vllm": ("/pause", "/sleep", "/wake_up", "/collective_rpc", "/resume"),
+}
+CALL_LOG = "engine-calls.jsonl"  # in the pod's scratch dir (the emulator's working directory)
+EXAMPLES = {  # one example per engine, each refitted from disk here
+    "sglang": yaml.safe_load((ROOT / "examples/rljob.yaml").read_text()),
+    "vllm": yaml.safe_load((ROOT / "examples/rljob-vllm.yaml").read_text()),
+}
+ENGINES = tuple(EXAMPLES)
 
 
-def job_manifest(name: str, iterations: int, backoff: int = 3, train_seconds: float = 0.3) -> dict[str, Any]:
-    """examples/rljob.yaml, 2 pods, quick: what a user applies, sized for many short iterations."""
-    manifest = copy.deepcopy(EXAMPLE)
+def job_manifest(
+    name: str, iterations: int, backoff: int = 3, train_seconds: float = 0.3, engine: str = "sglang"
+) -> dict[str, Any]:
+    """The engine's example, 2 pods, refitted from disk, quick: what a user applies, sized for many short
+    iterations."""
+    manifest = copy.deepcopy(EXAMPLES[engine])
     manifest["metadata"] = {"name": name}
     spec = manifest["spec"]
     spec.update(replicas=2, iterations=iterations, backoffLimit=backoff, podsAfterFinished="Keep")
+    spec["refit"] = {"source": "disk"}
     spec["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] = f"{name}-weights"
-    sglang, trainer = spec["template"]["spec"]["containers"]
-    sglang["env"] = [
-        *sglang.get("env", []),
-        {"name": SIM_ARGS_ENV, "value": f"--tokens-per-second 100 {SLOW}"},
+    rollout, trainer = spec["template"]["spec"]["containers"]
+    slow = " ".join(f"--fault-slow {route}=0.2" for route in LIFECYCLE_ROUTES[engine])
+    rollout["env"] = [
+        *rollout.get("env", []),
+        {"name": SIM_ARGS_ENV, "value": f"--tokens-per-second 100 {slow}"},
         {"name": CALL_LOG_ENV, "value": CALL_LOG},
     ]
     trainer["args"] = ["--prompts", "2", "--samples-per-prompt", "2", "--train-seconds", str(train_seconds)]
@@ -113,7 +130,7 @@ class Row:
     repeated_calls: int = 0
     regressions: int = 0
     gang_restarts: int = 0
-    sglang_restarts: int = 0
+    engine_restarts: int = 0
     agent_restarts: int = 0
     seconds: float = 0.0
     note: str = ""
@@ -153,9 +170,10 @@ class VersionWatch:
 
 
 class Chaos:
-    def __init__(self, work: Path, seed: int) -> None:
+    def __init__(self, work: Path, seed: int, engines: tuple[str, ...] = ENGINES) -> None:
         self.work = work
         self.rng = random.Random(seed)
+        self.engines = engines
         self.plane = LocalControlPlane(work / "cluster", ensure_binaries(build=True))
         self.rows: list[Row] = []
 
@@ -245,7 +263,7 @@ class Chaos:
 
     # --- what the jobs did -------------------------------------------------------------------------
 
-    def finish(self, ns: str, row: Row, jobs: dict[str, str | None], touches_sglang: bool = False) -> None:
+    def finish(self, ns: str, row: Row, jobs: dict[str, str | None], touches_engine: bool = False) -> None:
         """`jobs`: name -> the reason it must fail with (None: it must succeed)."""
         row.jobs = len(jobs)
         for job, fail_reason in jobs.items():
@@ -263,8 +281,8 @@ class Chaos:
                 row.problems.append(
                     f"{job}: {st.get('phase')} ({st.get('reason')}: {st.get('message')}), want {want}"
                 )
-            history = [int(w["version"]) for w in st.get("weightHistory", [])]
-            if history != sorted(set(history)):
+            history = [str(w["version"]) for w in st.get("weightHistory", [])]
+            if not all(is_newer(v, history[:i]) for i, v in enumerate(history)):  # a vLLM job's "default"
                 row.regressions += 1
                 row.problems.append(f"{job}: weightHistory {history}")
             for pod in self.pods(ns, job):
@@ -274,11 +292,11 @@ class Chaos:
         repeats = self.repeated_calls(ns)
         row.repeated_calls = len(repeats)
         row.problems += [f"repeated call: {r['route']}({r['args']}): {r['repeat']}" for r in repeats]
-        # Every pod runs one SGLang process (restartPolicy Never): the pods beyond each job's first gang.
+        # Every pod runs one engine process (restartPolicy Never): the pods beyond each job's first gang.
         pods = [d for d in (self.work / "pods" / ns).glob("*-*") if d.is_dir() and d.name != "claims"]
-        row.sglang_restarts = len(pods) - 2 * len(jobs)
-        if not touches_sglang and row.sglang_restarts:
-            row.problems.append(f"{row.sglang_restarts} SGLang restart(s) where no fault touched SGLang")
+        row.engine_restarts = len(pods) - 2 * len(jobs)
+        if not touches_engine and row.engine_restarts:
+            row.problems.append(f"{row.engine_restarts} engine restart(s) where no fault touched an engine")
 
     def repeated_calls(self, ns: str) -> list[dict[str, Any]]:
         """The repeated calls every emulator of the namespace logged, killed and deleted ones included."""
@@ -303,8 +321,8 @@ class Chaos:
             def current(fresh: bool = False) -> str:
                 name = list(jobs)[-1] if jobs else None
                 if fresh or name is None or self.status(ns, name).get("phase") in ("Succeeded", "Failed"):
-                    name = f"op-{len(jobs)}"
-                    self.apply(ns, job_manifest(name, iterations=5))
+                    name, engine = f"op-{len(jobs)}", self.engines[len(jobs) % len(self.engines)]
+                    self.apply(ns, job_manifest(name, iterations=5, engine=engine))
                     jobs[name] = None
                 return name
 
@@ -343,67 +361,77 @@ class Chaos:
     def agent_kills(self) -> None:
         with self.scenario("agent") as (ns, row, _):
             op = self.operator(ns, "agent-kills")
+            jobs: dict[str, str | None] = {}
             try:
-                self.apply(ns, job_manifest("agent", iterations=7))
-                for k, phase in enumerate(PHASES):
-                    self.wait(
-                        ns,
-                        "agent",
-                        lambda s, p=phase, i=k: s.get("phase") == p and s.get("iteration", 0) >= i,
-                        120,
-                        phase,
-                    )
-                    time.sleep(self.rng.uniform(0.0, 0.15))
-                    victim = self.rng.choice([p["metadata"]["name"] for p in self.pods(ns, "agent")])
-                    self.kill_container(ns, victim, AGENT_CONTAINER)
-                    row.faults += 1
-                self.finish(ns, row, {"agent": None})
+                for engine in self.engines:  # one job at a time: each passes Initializing once
+                    job = f"agent-{engine}"
+                    jobs[job] = None
+                    self.apply(ns, job_manifest(job, iterations=7, engine=engine))
+                    for k, phase in enumerate(PHASES):
+                        self.wait(
+                            ns,
+                            job,
+                            lambda s, p=phase, i=k: s.get("phase") == p and s.get("iteration", 0) >= i,
+                            120,
+                            phase,
+                        )
+                        time.sleep(self.rng.uniform(0.0, 0.15))
+                        victim = self.rng.choice([p["metadata"]["name"] for p in self.pods(ns, job)])
+                        self.kill_container(ns, victim, AGENT_CONTAINER)
+                        row.faults += 1
+                self.finish(ns, row, jobs)
                 if row.gang_restarts:
                     row.problems.append(f"{row.gang_restarts} gang restart(s) after agent kills")
                 if row.agent_restarts != row.faults:
                     row.problems.append(f"{row.agent_restarts} agent restarts for {row.faults} kills")
             finally:
                 op.stop()
-            row.note = "one kill in each of " + ", ".join(PHASES)
+            row.note = f"one kill in each of {', '.join(PHASES)}, of a job per engine"
 
-    def sglang_kills(self) -> None:
-        with self.scenario("sglang") as (ns, row, _):
-            op = self.operator(ns, "sglang-kills")
+    def engine_kills(self) -> None:
+        with self.scenario("engine") as (ns, row, _):
+            op = self.operator(ns, "engine-kills")
+            jobs: dict[str, str | None] = {}
             try:
-                self.apply(ns, job_manifest("sglang", iterations=3, backoff=len(PHASES)))
-                for k, phase in enumerate(PHASES):  # after the k-th gang restart, in the next phase
-                    self.wait(
-                        ns,
-                        "sglang",
-                        lambda s, p=phase, n=k: s.get("phase") == p and s.get("restarts", 0) == n,
-                        180,
-                        phase,
-                    )
-                    time.sleep(self.rng.uniform(0.0, 0.15))
-                    victim = self.rng.choice([p["metadata"]["name"] for p in self.pods(ns, "sglang")])
-                    self.kill_container(ns, victim, "sglang")
-                    row.faults += 1
-                # One more job whose backoffLimit runs out: it must fail, and say why.
-                self.apply(ns, job_manifest("limit", iterations=3, backoff=1))
-                for n in range(2):
-                    self.wait(
-                        ns,
-                        "limit",
-                        lambda s, n=n: s.get("phase") == "Rollout" and s.get("restarts", 0) == n,
-                        180,
-                        "Rollout",
-                    )
-                    victim = self.rng.choice([p["metadata"]["name"] for p in self.pods(ns, "limit")])
-                    self.kill_container(ns, victim, "sglang")
-                    row.faults += 1
-                self.finish(ns, row, {"sglang": None, "limit": "BackoffLimitExceeded"}, touches_sglang=True)
-                if row.gang_restarts != row.faults - 1:  # the last kill fails the job instead
-                    row.problems.append(f"{row.gang_restarts} gang restarts for {row.faults} SGLang kills")
+                for engine in self.engines:  # the engine's container is named as the engine (its default)
+                    job = engine
+                    jobs[job] = None
+                    self.apply(ns, job_manifest(job, iterations=3, backoff=len(PHASES), engine=engine))
+                    for k, phase in enumerate(PHASES):  # after the k-th gang restart, in the next phase
+                        self.wait(
+                            ns,
+                            job,
+                            lambda s, p=phase, n=k: s.get("phase") == p and s.get("restarts", 0) == n,
+                            180,
+                            phase,
+                        )
+                        time.sleep(self.rng.uniform(0.0, 0.15))
+                        victim = self.rng.choice([p["metadata"]["name"] for p in self.pods(ns, job)])
+                        self.kill_container(ns, victim, engine)
+                        row.faults += 1
+                    # One more job whose backoffLimit runs out: it must fail, and say why.
+                    limit = f"limit-{engine}"
+                    jobs[limit] = "BackoffLimitExceeded"
+                    self.apply(ns, job_manifest(limit, iterations=3, backoff=1, engine=engine))
+                    for n in range(2):
+                        self.wait(
+                            ns,
+                            limit,
+                            lambda s, n=n: s.get("phase") == "Rollout" and s.get("restarts", 0) == n,
+                            180,
+                            "Rollout",
+                        )
+                        victim = self.rng.choice([p["metadata"]["name"] for p in self.pods(ns, limit)])
+                        self.kill_container(ns, victim, engine)
+                        row.faults += 1
+                self.finish(ns, row, jobs, touches_engine=True)
+                if row.gang_restarts != row.faults - len(self.engines):  # each last kill fails its job
+                    row.problems.append(f"{row.gang_restarts} gang restarts for {row.faults} engine kills")
             finally:
                 op.stop()
             row.note = (
-                f"one kill in each of {len(PHASES)} phases (backoffLimit {len(PHASES)}); "
-                "then a job with backoffLimit 1 killed twice"
+                f"one kill in each of {len(PHASES)} phases (backoffLimit {len(PHASES)}); then a job with "
+                "backoffLimit 1 killed twice; for each engine"
             )
 
     def standby_takeover(self) -> None:
@@ -417,17 +445,20 @@ class Chaos:
                 a.start()
                 self._until(lambda: holder(self.api, release_ns, lease) == "replica-a", 60, "replica-a leads")
                 b.start()
-                self.apply(ns, job_manifest("ha", iterations=4))
+                jobs: dict[str, str | None] = {f"ha-{engine}": None for engine in self.engines}
+                for job, engine in zip(jobs, self.engines, strict=True):
+                    self.apply(ns, job_manifest(job, iterations=4, engine=engine))
                 phase = self.rng.choice(LOCK_STEP)
+                first = next(iter(jobs))  # the others are wherever they are then
                 self.wait(
-                    ns, "ha", lambda s: s.get("phase") == phase and s.get("iteration", 0) >= 2, 120, phase
+                    ns, first, lambda s: s.get("phase") == phase and s.get("iteration", 0) >= 2, 120, phase
                 )
                 a.kill()
                 row.faults += 1
                 killed = time.monotonic()
                 self._until(lambda: holder(self.api, release_ns, lease) == "replica-b", 30, "takeover")
                 takeover = time.monotonic() - killed
-                self.finish(ns, row, {"ha": None})
+                self.finish(ns, row, jobs)
                 if row.gang_restarts:
                     row.problems.append(f"{row.gang_restarts} gang restart(s) after the takeover")
                 row.note = f"active replica killed in {phase}; standby led {takeover:.1f}s later (lease 6 s)"
@@ -445,12 +476,15 @@ class Chaos:
             downtime = []
             phases = []
             try:
-                self.apply(ns, job_manifest("api", iterations=1 + restarts))
+                jobs: dict[str, str | None] = {f"api-{engine}": None for engine in self.engines}
+                for job, engine in zip(jobs, self.engines, strict=True):
+                    self.apply(ns, job_manifest(job, iterations=1 + restarts, engine=engine))
+                first = next(iter(jobs))  # the others are wherever they are then
                 for k in range(restarts):
                     phase = self.rng.choice(LOCK_STEP)
                     self.wait(
                         ns,
-                        "api",
+                        first,
                         lambda s, p=phase, i=k + 1: s.get("phase") == p and s.get("iteration", 0) >= i,
                         180,
                         phase,
@@ -458,7 +492,7 @@ class Chaos:
                     downtime.append(self.plane.restart_apiserver(down_seconds=self.rng.uniform(0.5, 2.0)))
                     phases.append(phase)
                     row.faults += 1
-                self.finish(ns, row, {"api": None})
+                self.finish(ns, row, jobs)
                 if row.gang_restarts:
                     row.problems.append(f"{row.gang_restarts} gang restart(s) after API server restarts")
             finally:
@@ -494,7 +528,7 @@ HEADERS = (
     "REPEATED-CALLS",
     "VERSION-REGRESSIONS",
     "GANG-RESTARTS",
-    "SGLANG-RESTARTS",
+    "ENGINE-RESTARTS",
     "AGENT-RESTARTS",
     "SECONDS",
 )
@@ -510,7 +544,7 @@ def table(rows: list[Row]) -> str:
             str(r.repeated_calls),
             str(r.regressions),
             str(r.gang_restarts),
-            str(r.sglang_restarts),
+            str(r.engine_restarts),
             str(r.agent_restarts),
             f"{r.seconds:.0f}",
         )
@@ -522,7 +556,7 @@ def table(rows: list[Row]) -> str:
     return "\n".join([*lines, "", *notes])
 
 
-SCENARIOS = ("operator", "agent", "sglang", "standby", "apiserver")
+SCENARIOS = ("operator", "agent", "engine", "standby", "apiserver")
 
 
 def main() -> int:
@@ -532,25 +566,37 @@ def main() -> int:
     p.add_argument(
         "--only", default=",".join(SCENARIOS), help=f"comma-separated subset of {','.join(SCENARIOS)}"
     )
+    p.add_argument(
+        "--engines",
+        default=",".join(ENGINES),
+        help=f"comma-separated subset of {','.join(ENGINES)}: the engines whose jobs each scenario runs",
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = p.parse_args()
     only = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = set(only) - set(SCENARIOS)
     if unknown:
         p.error(f"unknown scenario(s): {', '.join(sorted(unknown))}")
+    engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
+    if not engines or set(engines) - set(ENGINES):
+        p.error(f"--engines: a comma-separated subset of {','.join(ENGINES)}")
     began = time.monotonic()
     load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
-    print(f"[seed {args.seed}; {os.cpu_count()} cores; load average before the run {load}]", flush=True)
+    print(
+        f"[seed {args.seed}; engines {', '.join(engines)}; {os.cpu_count()} cores; "
+        f"load average before the run {load}]",
+        flush=True,
+    )
     work = Path(tempfile.mkdtemp(prefix="rljob-chaos-"))
     # The fake kubelet's warnings (an API server that is down, by design here) go to a file, not the table.
     logging.basicConfig(
         filename=work / "chaos.log", level=logging.INFO, format="%(asctime)s %(name)s: %(message)s"
     )
-    with Chaos(work, args.seed) as chaos:
+    with Chaos(work, args.seed, engines) as chaos:
         runs = {
             "operator": lambda: chaos.operator_kills(args.operator_kills),
             "agent": chaos.agent_kills,
-            "sglang": chaos.sglang_kills,
+            "engine": chaos.engine_kills,
             "standby": chaos.standby_takeover,
             "apiserver": chaos.apiserver_restarts,
         }

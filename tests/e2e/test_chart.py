@@ -387,9 +387,17 @@ def test_install_creates_crd_account_and_namespaced_rbac(
 ) -> None:
     rel = namespaced_release
     assert "kubectl get rljob" in rel.output and "kubectl rljob status NAME" in rel.output  # NOTES.txt
+    assert "examples/rljob-vllm.yaml" in rel.output
     crd = kubectl.json("get", "crd", CRD)
     assert crd["spec"]["versions"][0]["name"] == "v1alpha1"
     assert crd["spec"]["versions"][0]["subresources"] == {"status": {}}
+    columns = {c["name"]: c["jsonPath"] for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]}
+    assert columns["Engine"] == ".spec.engine"
+    # The chart's CRD admits a job on either engine, its engine's defaults left to the models.
+    for example in ("rljob.yaml", "rljob-vllm.yaml"):
+        path = str(ROOT / "examples" / example)
+        dry = kubectl("apply", "--dry-run=server", "-f", path, namespace=rel.watched)
+        assert "(server dry run)" in dry.stdout, dry.stdout
     account = kubectl.json("get", "serviceaccount", SA, namespace=rel.namespace)
     assert account["metadata"]["labels"]["app.kubernetes.io/instance"] == rel.name
     deploy = kubectl.json(

@@ -110,6 +110,110 @@ def test_admission_refuses_what_the_children_cannot_carry(
     assert f"{field}: " in stderr and why in stderr, stderr
 
 
+VLLM_EXAMPLE = yaml.safe_load((ROOT / "examples/rljob-vllm.yaml").read_text())
+
+
+def on_vllm(name: str, edit: Edit | None = None) -> dict[str, Any]:
+    """examples/rljob-vllm.yaml renamed (engine: vllm), edited."""
+    manifest = copy.deepcopy(VLLM_EXAMPLE)
+    manifest["metadata"] = {"name": name}
+    if edit is not None:
+        edit(manifest["spec"])
+    return manifest
+
+
+def tags(*names: str) -> Edit:
+    return lambda spec: spec["release"].update(tags=list(names))
+
+
+def engine(name: str) -> Edit:
+    return lambda spec: spec.update(engine=name)
+
+
+@pytest.mark.parametrize(
+    ("manifest", "field", "why"),
+    [
+        (
+            on_vllm("graphs", tags("kv_cache", "weights", "cuda_graph")),
+            "spec.release.tags",
+            "engine vllm cannot release cuda_graph: its CUDA graphs stay on the GPU through a sleep",
+        ),
+        (
+            on_vllm("weights", tags("weights")),
+            "spec.release.tags",
+            "engine vllm releases its weights only together with its KV cache",
+        ),
+        (
+            on_vllm("nodes", lambda spec: spec.update(rollout={"podsPerInstance": 2})),
+            "spec.rollout.podsPerInstance",
+            "engine vllm cannot span an instance over several pods",
+        ),
+        (
+            # The SGLang example on vLLM: the rollout container is vLLM's by default, and there is none.
+            named("sglang-on-vllm", engine("vllm")),
+            "spec.rollout.container",
+            "rollout.container must name a container of template.spec.containers",
+        ),
+        (
+            # vLLM's default port, 8000, is the engine's: the trainer's rendezvous cannot take it.
+            on_vllm("master", lambda spec: spec.update(trainer={"masterPort": 8000})),
+            "spec.trainer.masterPort",
+            "trainer.masterPort must differ from agent.port, rollout.port",
+        ),
+        (named("tgi", engine("tgi")), "spec.engine", 'supported values: "sglang", "vllm"'),
+        (
+            named("wait", lambda spec: spec.update(rollout={"drain": {"mode": "wait"}})),
+            "spec.rollout.drain.mode",
+            "engine sglang has no drain that lets running requests finish",
+        ),
+    ],
+    ids=[
+        "cuda-graph",
+        "weights-alone",
+        "pods-per-instance",
+        "container",
+        "master-port",
+        "unknown-engine",
+        "wait-on-sglang",
+    ],
+)
+def test_admission_refuses_what_the_engine_cannot_do(
+    kubectl: Kubectl,
+    kube_api: KubeApi,
+    namespace: str,
+    crd: None,
+    manifest: dict[str, Any],
+    field: str,
+    why: str,
+) -> None:
+    stderr = refused(kubectl, kube_api, namespace, manifest)
+    assert f"{field}: " in stderr and why in stderr, stderr
+
+
+def test_what_a_job_leaves_to_its_engine_is_admitted_and_the_engine_is_immutable(
+    kubectl: Kubectl, kube_api: KubeApi, namespace: str, crd: None
+) -> None:
+    """The same masterPort and tags pass where the job's engine allows them; the engine never changes."""
+    vllm = on_vllm("vllm", tags("kv_cache"))  # KV alone: the version decides
+    vllm["spec"]["rollout"] = {"drain": {"mode": "wait"}}  # vLLM's wait pause lets running requests finish
+    kubectl.apply(vllm, namespace=namespace)
+    master_port_8000 = named("sglang", lambda spec: spec.update(trainer={"masterPort": 8000}))
+    kubectl.apply(master_port_8000, namespace=namespace)
+    stored = kube_api.get(rljob_path(namespace, "vllm"))["spec"]
+    assert stored["engine"] == "vllm" and stored["release"]["tags"] == ["kv_cache"]
+    assert "container" not in stored["rollout"] and "port" not in stored["rollout"]  # the engine's
+    assert kube_api.get(rljob_path(namespace, "sglang"))["spec"]["engine"] == "sglang"  # the default
+    for name, other in (("vllm", "sglang"), ("sglang", "vllm")):
+        patch = ["patch", "rljob", name, "--type=merge", "-p", f'{{"spec":{{"engine":"{other}"}}}}']
+        result = kubectl(*patch, namespace=namespace, check=False)
+        assert result.returncode != 0 and "spec.engine: " in result.stderr, result.stderr
+        assert "engine is immutable" in result.stderr, result.stderr
+    table = kubectl("get", "rljob", namespace=namespace).stdout
+    assert table.split()[:7] == ["NAME", "PHASE", "ITERATION", "WEIGHTS", "READY", "ENGINE", "AGE"], table
+    engines = {line.split()[0]: line.split()[-2] for line in table.splitlines()[1:]}
+    assert engines == {"sglang": "sglang", "vllm": "vllm"}, table
+
+
 def test_the_longest_allowed_name_runs(rl: RL) -> None:
     """58 characters: the last pod's name (NAME-1) and hostname, the Service and the Secret all fit."""
     name = "a" * 58

@@ -174,6 +174,91 @@ def test_three_iterations_succeed_and_every_pod_serves_the_third_version(rl: RL)
     assert "WeightsCommitted" in described and "PhaseChanged" in described and "Completed" in described
 
 
+VLLM_EXAMPLE = yaml.safe_load((ROOT / "examples/rljob-vllm.yaml").read_text())
+VLLM_PORT = 8000  # engine: vllm's default rollout.port
+REFITS = {"disk": ("/collective_rpc",), "tensor": ("/start_weight_update", "/finish_weight_update")}
+
+
+def vllm_job(name: str, source: str, version: str, calls: Path, iterations: int = 3) -> dict[str, Any]:
+    """examples/rljob-vllm.yaml, 2 pods, refitted from `source`, as vLLM `version` (its image tag), each
+    emulator appending its lifecycle calls to `calls`."""
+    manifest = copy.deepcopy(VLLM_EXAMPLE)
+    manifest["metadata"] = {"name": name}
+    spec = manifest["spec"]
+    spec.update(replicas=2, iterations=iterations, podsAfterFinished="Keep", refit={"source": source})
+    spec["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] = f"{name}-weights"
+    vllm, trainer = spec["template"]["spec"]["containers"]
+    vllm["image"] = f"vllm/vllm-openai:v{version}"
+    vllm["env"] = [
+        *vllm["env"],
+        {"name": SIM_ARGS_ENV, "value": "--tokens-per-second 0"},
+        {"name": CALL_LOG_ENV, "value": str(calls)},
+    ]
+    trainer["args"] = ["--prompts", "4", "--samples-per-prompt", "2", "--train-seconds", "0.5"]
+    return manifest
+
+
+def vllm_emulator(pod: dict[str, Any], path: str) -> Any:
+    with urllib.request.urlopen(f"http://{pod['status']['podIP']}:{VLLM_PORT}{path}", timeout=5) as resp:
+        return json.loads(resp.read())
+
+
+def handoffs(calls: Path) -> dict[str, list[tuple[str, str]]]:
+    """Each vLLM server's lifecycle calls, (route, args) in the order they arrived, by its boot."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    for line in calls.read_text().splitlines():
+        entry = json.loads(line)
+        if "route" in entry:
+            out.setdefault(entry["boot"], []).append((entry["route"], entry["args"]))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("source", "version"),
+    [("disk", "0.26.0"), ("tensor", "0.26.0"), ("disk", "0.34.0"), ("tensor", "0.34.0")],
+    ids=["disk-0.26.0", "tensor-0.26.0", "disk-0.34.0", "tensor-0.34.0"],
+)
+def test_three_iterations_on_vllm_succeed_and_every_pod_serves_the_third_version(
+    rl: RL, tmp_path: Path, source: str, version: str
+) -> None:
+    """engine: vllm, the whole loop: each release a sleep, each resume the weights woken, refitted (a
+    disk reload or an IPC weight transfer), then the KV cache woken, which resumes vLLM; no call repeated,
+    no gang restart, every pod serving the trainers' last weights."""
+    name = f"vllm-{source}-{version.replace('.', '-')}"
+    calls = tmp_path / "vllm-calls.jsonl"
+    rl.apply(vllm_job(name, source, version, calls))
+    obj = rl.wait(name, "Succeeded", timeout=150)
+    status = obj["status"]
+    # The launch weights are vLLM's "default" (the engine's initialVersion), then the trainers' 1, 2, 3.
+    assert versions(obj) == ["default", "1", "2", "3"], status.get("message")
+    assert status["weightVersion"] == "3"
+    assert status["iteration"] == 3 and status["restarts"] == 0
+    assert {p["engine"] for p in status["pods"]} == {f"vLLM {version}"}
+    assert status["lastIteration"]["generationTokens"] > 0  # vLLM's counters, as its agents read them
+    for pod in rl.pods(name):
+        served = vllm_emulator(pod, "/_emulator/weights")
+        assert served["source"] == source and not served["serves_garbage"], served
+        if source == "disk":
+            assert "weights-v3" in served["path"], served
+        if version == "0.34.0":  # vLLM carries the label from 0.27 on: the agent set it
+            assert vllm_emulator(pod, "/weight_info") == {"weight_version": "3"}
+    table = rl.kubectl("get", "rljob", name, namespace=rl.namespace).stdout
+    assert table.split()[5] == "ENGINE" and table.splitlines()[1].split()[5] == "vllm", table
+    repeats = [json.loads(line) for line in calls.read_text().splitlines() if '"repeat": "' in line]
+    assert repeats == [], repeats
+    servers = handoffs(calls)
+    assert len(servers) == 2, servers  # one server per pod, never restarted
+    for sequence in servers.values():
+        routes = [route for route, _ in sequence]
+        assert routes.count("/sleep") == 3 and routes.count("/wake_up") == 6, sequence
+        for i, (route, args) in enumerate(sequence):
+            if (route, args) == ("/wake_up", "kv_cache"):  # nothing forwarded between the two wakes
+                since = sequence[:i][::-1]
+                woke = since.index(("/wake_up", "weights"))
+                refit = [r for r, _ in since[:woke]]
+                assert any(r in REFITS[source] for r in refit), sequence
+
+
 @pytest.mark.parametrize(
     "phase", ["Initializing", "Rollout", "Draining", "Releasing", "Training", "Refitting", "Resuming"]
 )

@@ -12,11 +12,17 @@ from rljob.api import InvalidObject, parse_job, parse_spec
 from rljob.api.crd import CRD_FILE, build_crd, render
 from rljob.api.spec import (
     AGENT_CONTAINER,
+    ENGINE_DEFAULTED,
+    ENGINE_TRAITS,
     JOB_NAME_MAX_LENGTH,
     MAX_REPLICAS,
     TOKEN_VOLUME,
+    DrainMode,
+    EngineKind,
+    Release,
     ReleaseTag,
     RLJobSpec,
+    Rollout,
 )
 from rljob.api.status import RLJobStatus
 from rljob.lifecycle.versions import is_newer
@@ -27,6 +33,8 @@ CONTAINERS = {"spec": {"containers": [{"name": "sglang", "image": "lmsys/sglang"
 
 def test_defaults_live_in_the_models() -> None:
     spec = parse_spec({"template": CONTAINERS})
+    assert spec.engine == EngineKind.SGLANG
+    assert (spec.rollout.container, spec.rollout.port) == ("sglang", 30000)
     assert spec.replicas == 1
     assert spec.release.tags == [ReleaseTag.KV_CACHE, ReleaseTag.WEIGHTS, ReleaseTag.CUDA_GRAPH]
     assert spec.rollout.drain.mode.value == "abort"
@@ -35,6 +43,98 @@ def test_defaults_live_in_the_models() -> None:
     assert spec.backoff_limit == 3
     # Unknown container fields pass through untouched (the operator re-emits the user's template).
     assert spec.template.spec.containers[0].model_dump(by_alias=True)["image"] == "lmsys/sglang"
+
+
+VLLM_CONTAINERS = {"spec": {"containers": [{"name": "vllm"}, {"name": "trainer"}]}}
+
+
+def test_what_a_job_leaves_to_its_engine_is_the_engines() -> None:
+    """rollout.container, rollout.port and release.tags default per engine; what the job sets stays."""
+    spec = parse_spec({"engine": "vllm", "template": VLLM_CONTAINERS})
+    assert (spec.rollout.container, spec.rollout.port) == ("vllm", 8000)
+    assert spec.release.tags == [ReleaseTag.KV_CACHE, ReleaseTag.WEIGHTS]
+    assert spec.release.verify.min_freed_fraction == 0.5  # the rest of release keeps its defaults
+    assert spec.weights.initial_version == "default"  # what vLLM labels its launch weights
+    set_by_job = parse_spec(
+        {
+            "engine": "vllm",
+            "template": {"spec": {"containers": [{"name": "engine"}, {"name": "trainer"}]}},
+            "rollout": {"container": "engine", "port": 9000, "drain": {"mode": "wait"}},
+            "release": {"tags": ["kv_cache"]},
+            "weights": {"initial_version": "0"},
+        }
+    )
+    assert (set_by_job.rollout.container, set_by_job.rollout.port) == ("engine", 9000)
+    assert set_by_job.rollout.drain.mode == DrainMode.WAIT
+    assert set_by_job.release.tags == [ReleaseTag.KV_CACHE]
+    assert set_by_job.weights.initial_version == "0"
+    # Models built in Python: what they were given is kept, the rest is the engine's.
+    built = RLJobSpec(
+        engine=EngineKind.VLLM,
+        template=VLLM_CONTAINERS,  # type: ignore[arg-type]
+        rollout=Rollout(port=9001),
+        release=Release(),
+    )
+    assert (built.rollout.container, built.rollout.port, built.release.tags) == (
+        "vllm",
+        9001,
+        [ReleaseTag.KV_CACHE, ReleaseTag.WEIGHTS],
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (
+            {"release": {"tags": ["kv_cache", "weights", "cuda_graph"]}},
+            "release.tags: engine vllm cannot release",
+        ),
+        ({"release": {"tags": ["cuda_graph"]}}, "release.tags: engine vllm cannot release cuda_graph"),
+        ({"release": {"tags": ["weights"]}}, "release.tags: engine vllm releases its weights only together"),
+        (
+            {"replicas": 2, "rollout": {"podsPerInstance": 2}},
+            "rollout.podsPerInstance: engine vllm cannot span an instance over several pods",
+        ),
+        ({"engine": "tgi"}, "spec.engine: Input should be 'sglang' or 'vllm'"),
+        ({"template": CONTAINERS}, "rollout.container 'vllm' is not a container"),
+        ({"rollout": {"port": 8472}}, "rollout.port 8472 is the agent's trainer port"),
+        ({"trainer": {"masterPort": 8000}}, "trainer.masterPort must differ"),
+        (
+            {"engine": "sglang", "template": CONTAINERS, "rollout": {"drain": {"mode": "wait"}}},
+            "rollout.drain.mode: engine sglang has no drain that lets running requests finish",
+        ),
+    ],
+    ids=[
+        "every-tag",
+        "cuda-graph",
+        "weights-alone",
+        "pods-per-instance",
+        "unknown",
+        "container",
+        "port",
+        "master",
+        "wait-on-sglang",
+    ],
+)
+def test_what_the_engine_cannot_do_is_refused_naming_the_field(body: dict, expected: str) -> None:
+    with pytest.raises(InvalidObject) as err:
+        parse_spec({"engine": "vllm", "template": VLLM_CONTAINERS, **body})
+    assert expected in str(err.value)
+
+
+def test_every_engine_rule_is_cel_for_its_engine_only() -> None:
+    """Each engine's rules reach the API server, each guarded by its engine and naming its field."""
+    schema = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    rules = {(r["fieldPath"], r["message"]): r["rule"] for r in schema["x-kubernetes-validations"]}
+    for kind, traits in ENGINE_TRAITS.items():
+        for field, rule, message, _ in traits.all_rules(kind):
+            assert rules[(field, message)] == f"self.engine != '{kind.value}' || ({rule})"
+    assert schema["properties"]["engine"]["x-kubernetes-validations"] == [
+        {"rule": "self == oldSelf", "message": "engine is immutable"}
+    ]
+    for part, name in ENGINE_DEFAULTED:  # no static default where the engine's applies
+        assert "default" not in schema["properties"][part]["properties"][name]
+        assert name not in schema["properties"][part].get("default", {})
 
 
 @pytest.mark.parametrize(
@@ -46,7 +146,10 @@ def test_defaults_live_in_the_models() -> None:
             "spec.release.tags: Value error, tags must be unique",
         ),
         ({"release": {"tags": []}}, "spec.release.tags: List should have at least 1 item"),
-        ({"rollout": {"drain": {"mode": "in_place"}}}, "spec.rollout.drain.mode: Input should be 'abort' or"),
+        (
+            {"rollout": {"drain": {"mode": "in_place"}}},
+            "spec.rollout.drain.mode: Input should be 'abort', 'retract' or",
+        ),
         ({"replicas": 0}, "spec.replicas: Input should be greater than or equal to 1"),
         ({"release": {"verify": {"minFreedFraction": 1.5}}}, "spec.release.verify.minFreedFraction"),
         ({"trainer": {"container": "sglang"}}, "must name different containers"),
@@ -164,7 +267,8 @@ def test_crd_refuses_what_the_models_refuse_at_admission() -> None:
             f"self.all(x, x.name != '{reserved}')"
         ]
     spec_rules = [r["rule"] for r in schema["properties"]["spec"]["x-kubernetes-validations"]]
-    assert "self.rollout.port != 8472" in spec_rules
+    port = "(has(self.rollout.port) ? self.rollout.port : (self.engine == 'vllm' ? 8000 : 30000))"
+    assert f"{port} != 8472" in spec_rules
 
 
 def test_crd_on_disk_matches_the_models() -> None:
@@ -178,11 +282,12 @@ def test_crd_is_small_structural_and_has_the_columns() -> None:
     crd = build_crd()
     version = crd["spec"]["versions"][0]
     assert version["subresources"] == {"status": {}}
-    assert [c["name"] for c in version["additionalPrinterColumns"]][:5] == [
+    assert [c["name"] for c in version["additionalPrinterColumns"]][:6] == [
         "Phase",
         "Iteration",
         "Weights",
         "Ready",
+        "Engine",
         "Age",
     ]
     schema = version["schema"]["openAPIV3Schema"]
@@ -206,7 +311,10 @@ def test_crd_is_small_structural_and_has_the_columns() -> None:
     walk(schema["properties"]["spec"], "spec")
     walk(schema["properties"]["status"], "status")
     rules = [r["rule"] for r in schema["properties"]["spec"]["x-kubernetes-validations"]]
-    assert "self.rollout.container != self.trainer.container" in rules
+    container = (
+        "(has(self.rollout.container) ? self.rollout.container : (self.engine == 'vllm' ? 'vllm' : 'sglang'))"
+    )
+    assert f"{container} != self.trainer.container" in rules
     metadata = schema["properties"]["spec"]["properties"]["template"]["properties"]["metadata"]["properties"]
     assert metadata["labels"]["additionalProperties"]["pattern"]  # a label value's syntax, at admission
     assert metadata["annotations"]["additionalProperties"]["type"] == "string"
@@ -217,11 +325,15 @@ def test_crd_is_small_structural_and_has_the_columns() -> None:
 
 
 def test_crd_defaults_match_model_defaults() -> None:
+    """The same defaults, but for what the engine decides (the models fill those in per engine)."""
     schema = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     model = RLJobSpec.model_validate({"template": CONTAINERS}).wire()
+    for part, name in ENGINE_DEFAULTED:
+        del model[part][name]
     assert schema["properties"]["release"]["default"] == model["release"]
     assert schema["properties"]["rollout"]["default"] == model["rollout"]
     assert schema["properties"]["backoffLimit"]["default"] == model["backoffLimit"]
+    assert schema["properties"]["engine"]["default"] == model["engine"] == "sglang"
 
 
 def test_status_round_trips_and_finds_conditions_by_type() -> None:

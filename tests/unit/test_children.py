@@ -56,6 +56,7 @@ def test_gang_pod_injects_agent_token_env_and_probe() -> None:
     engine = agent["args"].index("--engine-listen")  # the SGLang-compatible endpoint: loopback only
     assert agent["args"][engine + 1] == "127.0.0.1:8473"
     assert agent["args"][agent["args"].index("--refit-source") + 1] == "disk"
+    assert agent["args"][agent["args"].index("--engine") + 1] == "sglang"  # spec.engine's default
     # SGLang liveness goes through the agent to /ping (never /health, which fails while paused).
     probe = containers["sglang"]["livenessProbe"]["httpGet"]
     assert probe == {"path": "/probe/engine", "port": 8471}
@@ -63,12 +64,30 @@ def test_gang_pod_injects_agent_token_env_and_probe() -> None:
     assert trainer_env["RLJOB_AGENT_URL"] == "http://127.0.0.1:8472"
     assert trainer_env["RLJOB_ENGINE_URL"] == "http://127.0.0.1:8473"
     assert trainer_env["RLJOB_REFIT_SOURCE"] == "disk"
+    assert trainer_env["RLJOB_ENGINE"] == "sglang"
     assert trainer_env["RLJOB_WEIGHTS_DIR"] == "/weights"  # the user's own env is kept
     assert pod["spec"]["restartPolicy"] == "Never"
     assert pod["spec"]["automountServiceAccountToken"] is False  # the agent has no Kubernetes credentials
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     assert volumes["rljob-agent-token"]["secret"]["secretName"] == "demo-agent-token"
     assert "weights" in volumes
+
+
+def test_a_vllm_pod_tells_the_agent_and_the_trainer_its_engine_and_where_it_listens() -> None:
+    doc = yaml.safe_load((ROOT / "examples/rljob-vllm.yaml").read_text())
+    pod = gang_pod("demo", "u", parse_spec(doc["spec"]), 0, 0, AgentOptions(), 3)
+    containers = {c["name"]: c for c in pod["spec"]["containers"]}
+    assert list(containers) == ["vllm", "trainer", AGENT_CONTAINER]
+    args = containers[AGENT_CONTAINER]["args"]
+    assert args[args.index("--engine") + 1] == "vllm"
+    assert args[args.index("--engine-server-url") + 1] == "http://127.0.0.1:8000"  # vLLM's default port
+    assert args[args.index("--refit-source") + 1] == "tensor"
+    trainer_env = {e["name"]: e.get("value") for e in containers["trainer"]["env"]}
+    assert trainer_env["RLJOB_ENGINE"] == "vllm"
+    assert trainer_env["RLJOB_ENGINE_SERVER_URL"] == "http://127.0.0.1:8000"
+    # Its liveness through the agent, whose engine asks vLLM's own liveness route.
+    assert containers["vllm"]["livenessProbe"]["httpGet"] == {"path": "/probe/engine", "port": 8471}
+    assert pod["spec"]["shareProcessNamespace"] is True  # CUDA IPC from the trainer into vLLM
 
 
 def test_a_native_sidecar_agent_holds_back_the_pod_until_the_operator_watches_it() -> None:

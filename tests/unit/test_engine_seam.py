@@ -36,6 +36,8 @@ PRODUCT = (
 )
 ROUTE = re.compile(r"^/[a-z][a-z0-9_]*(/[a-z0-9_]+)*$")
 REGISTRIES = ("agent/engines/__init__.py", "trainer/engines/__init__.py")
+# Paths another server of the product's world serves too: a string naming one is not an engine's.
+OTHER_SERVERS = {"/version": "the Kubernetes API server's version (controller/main.py)"}
 
 
 @dataclass(frozen=True)
@@ -90,12 +92,30 @@ ENGINES = (
         ),
         "docs/sglang-conformance.md",
     ),
+    EngineSeam(
+        "vllm",
+        (
+            "agent/engines/vllm/",
+            "trainer/engines/vllm/",
+        ),
+        "docs/vllm-conformance.md",
+    ),
 )
 
 # Mentions outside an engine's folders that the seam keeps on purpose: (file, a regex the line matches, why).
 KEPT = (
     ("api/spec.py", r'^\s+SGLANG = "sglang"$', "the EngineKind value: a CRD and wire value"),
-    ("api/spec.py", r'^ENGINE_LABELS = \{EngineKind\.SGLANG: "SGLang"\}$', "how messages name each engine"),
+    ("api/spec.py", r'^\s+VLLM = "vllm"$', "the EngineKind value: a CRD and wire value"),
+    (
+        "api/spec.py",
+        r'^ENGINE_LABELS = \{EngineKind\.SGLANG: "SGLang", EngineKind\.VLLM: "vLLM"\}$',
+        "how messages name each engine",
+    ),
+    (
+        "api/spec.py",
+        r"^\s+EngineKind\.(SGLANG|VLLM): EngineTraits\($",
+        "what a job may ask of each engine: its defaults and admission rules (the CRD's)",
+    ),
     ("api/spec.py", r"^DEFAULT_ENGINE = EngineKind\.SGLANG$", "the engine a job runs unless it names one"),
     (
         "api/agent.py",
@@ -143,7 +163,7 @@ class Known:
 
 
 def known() -> list[Known]:
-    served = agent_routes()
+    served = agent_routes() | OTHER_SERVERS.keys()
     return [Known(e.name, e.routes() - served, e.rows(), e.quirks(), e.folders) for e in ENGINES]
 
 
@@ -159,12 +179,17 @@ def scan(rel: str, source: str, engines: Iterable[Known]) -> list[Mention]:
     """Each mention of an engine in `source` (the file `rel`, relative to operator/rljob) outside that
     engine's folders: a string equal to one of its routes (or the route with a query or a sub-path), one of
     its conformance row IDs anywhere, an identifier naming one of its quirks, its name in any identifier,
-    string, docstring or comment."""
+    string, docstring or comment. In another engine's folder a route or a quirk that engine has too is its
+    own (two engines may both serve `/server_info`)."""
     found: list[Mention] = []
     lines = source.splitlines()
+    engines = list(engines)
+    home = next((o for o in engines if any(rel.startswith(f) for f in o.owns)), None)
     for e in engines:
         if rel in REGISTRIES or any(rel.startswith(f) for f in e.owns):
             continue
+        routes = e.routes - home.routes if home is not None else e.routes
+        quirks = e.quirks - home.quirks if home is not None else e.quirks
         word = re.compile(re.escape(e.name), re.I)
         row_ids = (
             re.compile(r"\b(" + "|".join(map(re.escape, sorted(e.rows, reverse=True))) + r")\b")
@@ -180,9 +205,9 @@ def scan(rel: str, source: str, engines: Iterable[Known]) -> list[Mention]:
                     value = ast.literal_eval(text)
                 except (ValueError, SyntaxError):
                     value = None
-                if isinstance(value, str) and _is_route(value, e.routes):
+                if isinstance(value, str) and _is_route(value, routes):
                     found.append(Mention(rel, n, e.name, "route", value))
-            if tok.type == tokenize.NAME and text in e.quirks:
+            if tok.type == tokenize.NAME and text in quirks:
                 found.append(Mention(rel, n, e.name, "quirk", text))
             if tok.type in (tokenize.STRING, tokenize.COMMENT, tokenize.NAME) or tok.type == getattr(
                 tokenize, "FSTRING_MIDDLE", -1
@@ -241,14 +266,30 @@ def test_no_engine_leaks_outside_its_folders() -> None:
     )
 
 
+EXPECTED = {  # a few of each engine's routes, rows and quirks the check must find
+    "sglang": (
+        {"/flush_cache", "/release_memory_occupation", "/update_weights_from_disk"},
+        {"C-MEM-DOUBLE-RELEASE", "C-DEATH-HARD", "C-ROUTE-FLUSH"},
+        {"flush_takes_timeout", "subprocess_watchdog"},
+    ),
+    "vllm": (
+        {"/sleep", "/wake_up", "/reset_prefix_cache", "/collective_rpc", "/update_weights"},
+        {"V-MEM-WAKE-ORDER", "V-KILL-REFIT-FAILED", "V-ROUTE-FLUSH"},
+        {"carries_weight_version", "packed_in_init_info"},
+    ),
+}
+
+
 def test_the_check_knows_each_engine() -> None:
     """The check reads the engine's routes, rows and quirks from its folders and its conformance document:
     an empty set would make it pass vacuously."""
+    assert {e.name for e in known()} == set(EXPECTED)
     for e in known():
-        assert {"/flush_cache", "/release_memory_occupation", "/update_weights_from_disk"} <= e.routes, e.name
+        routes, rows, quirks = EXPECTED[e.name]
+        assert routes <= e.routes, e.name
         assert "/metrics" not in e.routes  # the agent's own route too: not counted as the engine's
-        assert {"C-MEM-DOUBLE-RELEASE", "C-DEATH-HARD", "C-ROUTE-FLUSH"} <= e.rows, e.name
-        assert {"flush_takes_timeout", "subprocess_watchdog"} <= e.quirks, e.name
+        assert rows <= e.rows, e.name
+        assert quirks <= e.quirks, e.name
 
 
 # --- the check can fail -----------------------------------------------------------------------------------
@@ -281,6 +322,21 @@ def test_the_name_is_found_in_code_strings_and_comments() -> None:
 def test_the_same_text_inside_the_engine_folder_is_its_own() -> None:
     for rel in ("agent/engines/sglang/engine.py", "trainer/engines/sglang/packing.py", *REGISTRIES):
         assert scan(rel, LEAKY + "# SGLang\n", known()) == [], rel
+
+
+def test_one_engine_in_the_others_folder_is_found() -> None:
+    """vLLM's folder may serve a route SGLang serves too (both have `/server_info`), but SGLang's own
+    route, row or name there is a leak, and so is vLLM's in SGLang's folder."""
+    assert sorted((m.what, m.text) for m in scan("agent/engines/vllm/engine.py", LEAKY, known())) == [
+        ("quirk", "flush_takes_timeout"),
+        ("route", "/flush_cache?timeout=1"),
+        ("row", "C-MEM-DOUBLE-RELEASE"),
+    ]
+    shared = 'x = "/server_info"\n'
+    assert scan("agent/engines/vllm/client.py", shared, known()) == []
+    vllm_in_sglang = 'await c.call("/wake_up")  # V-MEM-WAKE-ORDER, vLLM\n'
+    found = scan("agent/engines/sglang/engine.py", vllm_in_sglang, known())
+    assert {(m.engine, m.what) for m in found} == {("vllm", "route"), ("vllm", "row"), ("vllm", "name")}
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from rljob.api.agent import AgentState, RolloutReport, Stage
 from rljob.api.spec import ProfileHints
 from rljob.api.status import LeverName, Phase, RLJobStatus, Signal, Unmeasured, UnmeasuredReason
 from rljob.cli.kubectl_plugin import render
+from rljob.cli.profile_report import html_report, terminal_chart
 from rljob.lifecycle.clock import parse
 from rljob.lifecycle.profile import record_iteration
 from rljob.lifecycle.timeline import close_span, open_span, record_rollout_sample
@@ -42,6 +43,18 @@ def test_status_shows_timeline_pods_versions_and_verdict() -> None:
     training = [line.split() for line in text.splitlines() if line.split()[:2] == ["2", "Training"]]
     header = next(line.split() for line in text.splitlines() if line.startswith("ITER"))
     assert training and training[0][header.index("TRAINER")] == "17.25s", training
+
+
+def test_status_and_profile_name_the_engine_the_pods_report() -> None:
+    world = World(make_spec(iterations=1))
+    world.bring_up()
+    world.run_iteration("1")
+    assert "Engine:     SGLang (pods report SGLang 0.5.23)" in render("job", "ns", world.status, {})
+    pods = [p.model_copy(update={"engine": "vLLM 0.26.0"}) for p in world.status.pods]
+    on_vllm = world.status.model_copy(update={"pods": pods})
+    assert "Engine:     vLLM (pods report vLLM 0.26.0)" in render("job", "ns", on_vllm, {"engine": "vllm"})
+    assert "Per-iteration profile (1 iterations on vLLM 0.26.0)" in terminal_chart(on_vllm)
+    assert "engine vLLM 0.26.0" in html_report("job", "ns", on_vllm)
 
 
 def _at(stamp: str) -> datetime:

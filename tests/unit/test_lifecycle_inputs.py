@@ -51,6 +51,20 @@ def test_a_spec_the_models_refuse_fails_a_new_job_once() -> None:
     assert again.status.conditions == first.status.conditions
 
 
+def test_agents_that_drive_another_engine_than_the_jobs_fail_it_before_any_memory_is_touched() -> None:
+    """The agents report their engine (here the default); a job on another engine fails at start."""
+    world = World(
+        make_spec(engine="vllm", template={"spec": {"containers": [{"name": "vllm"}, {"name": "trainer"}]}})
+    )
+    world.step()
+    world.start_pods()
+    world.step()
+    world.step()
+    assert world.status.phase == Phase.FAILED and world.status.reason == EventReason.INVALID_SPEC
+    assert "job-0's agent drives SGLang, but the job's spec.engine is vllm" in str(world.status.message)
+    assert all(not a.release_calls for a in world.agents.values())
+
+
 def test_a_refused_spec_mid_run_fails_the_job_and_deletes_its_pods() -> None:
     world = World(make_spec())
     world.bring_up()

@@ -223,3 +223,40 @@ def test_call_log_counts_repeats_of_non_idempotent_calls() -> None:
     counted = {(c["route"], c["args"]): c["count"] for c in report["calls"]}
     assert counted[("/release_memory_occupation", "kv_cache")] == 2
     assert counted[("/pause_generation", "")] == 2
+
+
+def _query(**kw: str) -> bytes:
+    """What the vLLM emulator logs for a call without a body: its query parameters, each a list."""
+    return json.dumps({k: [v] for k, v in kw.items()}).encode()
+
+
+def test_call_log_counts_repeats_of_vllms_non_idempotent_calls() -> None:
+    log = CallLog()
+    log.record("/pause", _query(mode="abort"))
+    log.record("/pause", _query(mode="abort"))  # idempotent: never a repeat
+    log.record("/sleep", _query(level="2"))
+    log.record("/wake_up", _query(tags="weights"))
+    log.record("/collective_rpc", _body(method="reload_weights", kwargs={"weights_path": "/w/1"}))
+    log.record("/wake_up", _query(tags="kv_cache"))
+    log.record("/sleep", _query(level="0"))  # a pause: nothing sleeps
+    log.record("/start_weight_update", b"")
+    log.record("/update_weights", _body(update_info={"names": ["a"]}))
+    log.record("/finish_weight_update", _body(weight_version="2"))
+    assert log.repeats == []
+    log.record("/sleep", _query(level="1"))
+    log.record("/sleep", _query(level="1"))  # no wake in between: vLLM skips it
+    log.record("/wake_up", b"")  # every tag asleep
+    log.record("/wake_up", b"")  # nothing asleep
+    log.record("/wake_up", _query(tags="weights"))
+    log.record("/collective_rpc", _body(method="reload_weights", kwargs={"weights_path": "/w/1"}))
+    log.record("/finish_weight_update", _body(weight_version="2"))
+    whys = [(r["route"], r["why"]) for r in log.repeats]
+    assert whys == [
+        ("/sleep", "kv_cache, weights slept again with no wake in between"),
+        ("/wake_up", "every tag woken while not asleep"),
+        ("/wake_up", "weights woken while not asleep"),
+        ("/collective_rpc", "/w/1 loaded again"),
+        ("/finish_weight_update", "weight_version 2 loaded again"),
+    ]
+    counted = {(c["route"], c["args"]): c["count"] for c in log.report()["calls"]}
+    assert counted[("/sleep", "level=1")] == 2 and counted[("/pause", "")] == 2

@@ -23,6 +23,7 @@ from rljob.agent.transitions import (
     no_inputs,
     refit_inputs,
     release_bookkeeping,
+    resume_bookkeeping,
     stage_allows,
 )
 from rljob.api.agent import (
@@ -87,7 +88,7 @@ ACTIONS: dict[Action, ActionRow[Any]] = {
     ),
     Action.RESUME: ActionRow[ResumeCommand](
         BY_ACTION[Action.RESUME],
-        no_bookkeeping,
+        resume_bookkeeping,
         lambda g: g.resume,
         no_inputs,
         Operations.resume,

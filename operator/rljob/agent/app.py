@@ -46,6 +46,8 @@ class Agent:
             call_timeout_s=cfg.call_timeout_s,
             observe=self.metrics.observe_engine,
             hang_probe_timeout_s=cfg.scheduler_probe_timeout_s,
+            refit_source=cfg.refit_source,
+            keep_released_weights=cfg.keep_released_weights,
         )
         self.engine = build_engine(cfg.engine, link)
         self.windows = RefitWindows(self.store, self.engine, cfg.group_init_timeout_s)

@@ -32,6 +32,7 @@ class AgentConfig:
     engine_listen: tuple[str, int] | None = None  # the engine's framework endpoint (its folder's)
     refit_source: RefitSource | None = None  # the RLJob's spec.refit.source (the endpoint checks pushes)
     engine: EngineKind = DEFAULT_ENGINE  # which engine the pod runs (agent/engines/)
+    keep_released_weights: bool = False  # where the engine chooses per release, keep weights on the host
 
 
 def parse_hostport(value: str) -> tuple[str, int]:
@@ -80,6 +81,14 @@ def _parser() -> argparse.ArgumentParser:
         choices=[k.value for k in EngineKind],
         default=_env("RLJOB_ENGINE", DEFAULT_ENGINE.value),
         help=f"the inference engine in the pod (env RLJOB_ENGINE; default {DEFAULT_ENGINE.value})",
+    )
+    p.add_argument(
+        "--keep-released-weights",
+        action="store_true",
+        default=_env("RLJOB_KEEP_RELEASED_WEIGHTS", "") == "1",
+        help="where the engine chooses per release whether released weights survive, keep them (a host "
+        "copy, at its cost: docs/agent.md): a lease given back without weights then needs no reload "
+        "(env RLJOB_KEEP_RELEASED_WEIGHTS=1)",
     )
     p.add_argument(
         "--engine-server-url",
@@ -214,4 +223,5 @@ def parse_config(argv: list[str] | None = None) -> AgentConfig:
         engine_listen=args.engine_listen or None,
         refit_source=RefitSource(args.refit_source) if args.refit_source else None,
         engine=EngineKind(args.engine),
+        keep_released_weights=args.keep_released_weights,
     )

@@ -340,7 +340,14 @@ class Operations:
             self.store.reload_owed = cmd.version
         # Multi-stage resume: every part but the last now (weights among them), the last only at resume;
         # the engine stays paused.
-        await self._resume_tags(self._released(*self.engine.resume_order[:-1]), dl)
+        resumed = self._released(*self.engine.resume_order[:-1])
+        await self._resume_tags(resumed, dl)
+        if discarded and ReleaseTag.WEIGHTS in resumed:
+            with self.store.change() as s:  # until a load completes, a resume is refused (transitions.py)
+                s.engine.unloaded = (
+                    f"the weights came back from a release that discarded them ({self.engine.name} kept no "
+                    "copy): their contents are undefined until a load completes"
+                )
         # What the resumed (discarded) weights hold before the load: new weights that hash the same moved
         # nothing. Weights the release kept are the previous version's: their checksum is known. A disk
         # load with a usable digest needs no look: garbage left in place fails the digest.
@@ -361,7 +368,7 @@ class Operations:
                 carried = await self._load(cmd, path, dl)
             # The label where the load did not carry it (or the engine dropped it), verified below.
             await self.engine.label_weights(cmd.version, timeout=max(1.0, dl.remaining()), carried=carried)
-            served = (await self.engine.served(timeout=max(1.0, dl.remaining()))).version
+            served = await self._served_label(cmd.version, dl)
         except EngineError as e:
             raise CommandFailed(str(e)) from e
         except TimeoutError as e:
@@ -384,6 +391,14 @@ class Operations:
                 self.store.path_version = served if loaded is not None else None
 
         return record
+
+    async def _served_label(self, version: str, dl: Deadline) -> str | None:
+        """The label the engine serves its weights under; an engine that carries none is labelled by the
+        agent (EngineFacts.reports_version): its weights are held to their checksum, where it takes one."""
+        facts = self.store.facts
+        if facts is not None and not facts.reports_version:
+            return version
+        return (await self.engine.served(timeout=max(1.0, dl.remaining()))).version
 
     async def _check_weights(
         self, cmd: RefitCommand, new_weights: bool, before: Look | None, dl: Deadline
@@ -490,22 +505,29 @@ class Operations:
         if cmd.source != RefitSource.DISK:
             return await self._refit_window(cmd, dl)
         assert path is not None  # transitions.refit_inputs refused a disk refit without one
-        await self._load_from_disk(cmd, path, dl)
-        return True
+        return await self._load_from_disk(cmd, path, dl)
 
-    async def _load_from_disk(self, cmd: RefitCommand, path: str, dl: Deadline) -> None:
-        """The disk load of `path` as `cmd.version`, announced in the record and closed with its outcome."""
+    async def _load_from_disk(self, cmd: RefitCommand, path: str, dl: Deadline) -> bool:
+        """The disk load of `path` as `cmd.version`, announced in the record and closed with its outcome;
+        whether the load carried the version label (Engine.load_from_disk)."""
         named = self.engine.call_name("refit")
         self.store.announce(Intent("refit", cmd.epoch, version=cmd.version, path=path, named=named))
         try:
-            await self.engine.load_from_disk(path, cmd.version, timeout=dl.remaining())
-        except EngineError:
-            with self.store.outcome():
-                pass  # the engine answered: the load failed, and nothing is unknown
+            carried = await self.engine.load_from_disk(path, cmd.version, timeout=dl.remaining())
+        except EngineError as e:
+            with self.store.outcome() as s:  # the engine answered: the load failed, and nothing is unknown
+                self._load_failed(s, f"{named}({path}) failed: {e.message}")
             raise
-        with self.store.outcome():
+        with self.store.outcome() as s:
             self.store.refit_done = cmd.version
             self.store.reload_owed = None
+            s.engine.unloaded = None
+        return carried
+
+    def _load_failed(self, s: AgentState, why: str) -> None:
+        """A load that failed: an engine it leaves unable to serve is not resumed until a load completes."""
+        if self.engine.failed_load_poisons:
+            s.engine.unloaded = f"{why}: {self.engine.name} cannot serve until a load completes"[:1024]
 
     async def _refit_window(self, cmd: RefitCommand, dl: Deadline) -> bool:
         await self.engine.open_weight_update(dl)
@@ -518,9 +540,12 @@ class Operations:
             await self.engine.close_weight_update(timeout=max(1.0, dl.remaining()))
         except CommandFailed as e:
             failure = failure or e
-        with self.store.outcome():
+        with self.store.outcome() as s:
             if failure is None:
                 self.store.refit_done = cmd.version
+                s.engine.unloaded = None
+            else:
+                self._load_failed(s, f"the {named} for {cmd.version} failed ({failure})")
         if failure is not None:
             raise failure
         await self.engine.flush_prefix_cache(dl, self.pause_mode)  # the pushes left it: flush once, now
@@ -549,9 +574,15 @@ class Operations:
 
     async def resume(self, cmd: ResumeCommand) -> Record:
         dl = Deadline(cmd.timeout_seconds)
+        unloaded = self.store.state.engine.unloaded
+        if unloaded is not None:  # refused by transitions.resume_bookkeeping: kept for a re-run
+            raise CommandFailed(f"not resuming: {unloaded}")
         await self._resume_tags(self._released(*self.engine.resume_order), dl)
         expected = self.store.state.engine.served_version
         served = (await self.engine.continue_serving(dl, self._serving)).version
+        facts = self.store.facts
+        if facts is not None and not facts.reports_version:
+            served = expected  # the agent's label: the probe's token showed the engine serves
         if served != expected:
             raise CommandFailed(f"{self.engine.name} serves weight_version {served!r}, expected {expected!r}")
         if self.before_serving is not None:

@@ -98,6 +98,7 @@ class Recovery:
             s.engine.reachable = True
             s.engine.version = seen.version
             s.engine.kind = seen.kind
+            s.engine.served_version_source = seen.served_version_source
             s.engine.launch_refusal = seen.launch_refusal
             s.recovery.state = RecoveryState.RECOVERED
             s.recovery.detail = detail[:1024]
@@ -109,8 +110,11 @@ class Recovery:
             self._resume_command()
 
     def _same_server(self, seen: EngineInfo) -> bool:
-        """The engine serves a version the record knows: the one recorded, or one a refit was loading."""
+        """The engine serves a version the record knows: the one recorded, or one a refit was loading. An
+        engine that carries no label (EngineFacts.reports_version) cannot say: the GPU evidence decides."""
         store, intent = self.store, self.store.intent
+        if store.facts is not None and not store.facts.reports_version:
+            return True
         allowed = {store.state.engine.served_version, store.refit_done}
         if intent is not None and intent.call == "refit":
             allowed.add(intent.version)
@@ -153,6 +157,7 @@ class Recovery:
         if not await self._loaded(intent, cmd):
             return None
         self.store.refit_done = intent.version
+        self.store.state.engine.unloaded = None  # the load completed: the weights can serve
         return f"{intent.describe()}: made ({self.engine.name} serves it)"
 
     def _deadline(self, seconds: float) -> float:
@@ -211,7 +216,9 @@ class Recovery:
         # What the engine serves once the load ran: the version when it is a new one, the path when it
         # named another before it (a successful load sets both). A reload of the version and checkpoint
         # the engine already named shows neither: nothing can tell.
-        version_shows = intent.version != st.engine.served_version
+        facts = self.store.facts
+        reports = facts is None or facts.reports_version  # a label the engine does not carry shows nothing
+        version_shows = reports and intent.version != st.engine.served_version
         path_shows = intent.path is not None and intent.path != st.engine.model_path
         if not (version_shows or path_shows):
             return False

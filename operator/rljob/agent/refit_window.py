@@ -102,6 +102,7 @@ class RefitWindows:
             group=w.group,
             group_error=w.group_error,
             architectures=self._store.architectures[:8] or None,
+            engine=self._engine.kind,
         )
 
     def _usable(self, source: RefitSource | None) -> OpenWindow:
@@ -140,7 +141,7 @@ class RefitWindows:
     async def push_tensor(self, push: TensorPush) -> PushResult:
         w = self._usable(RefitSource.TENSOR)
         started = time.perf_counter()
-        size = self._engine.guards.tensor_push(push)
+        size = self._engine.guards.tensor_push(push, self._store.facts)
         checked = time.perf_counter()
 
         async def call(version: str | None, timeout: float) -> str:

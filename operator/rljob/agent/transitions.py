@@ -72,6 +72,13 @@ def grant_bookkeeping(cmd: GrantCommand, state: AgentState) -> None:
         raise conflict("NotVerified", "freed GPU memory was not verified on every GPU")
 
 
+def resume_bookkeeping(cmd: Command, state: AgentState) -> None:
+    if state.engine.unloaded is not None:
+        # Serving now would run on weights the engine cannot use (garbage, or layers a failed load left
+        # unbuilt): a refit that completes a load comes first.
+        raise conflict("WeightsNotLoaded", f"{state.engine.unloaded}; refit before resuming")
+
+
 def no_bookkeeping(cmd: Command, state: AgentState) -> None:
     """An action whose legality is its stage alone."""
 

@@ -14,7 +14,7 @@ from rljob.agent.engines.base import Engine, EngineError, EngineUnreachable, Eng
 from rljob.agent.state import StateStore
 from rljob.agent.weights_check import Verdict, unverified
 from rljob.agent.weights_look import timed
-from rljob.api.agent import EngineInfo, Stage, WeightsCheck
+from rljob.api.agent import EngineInfo, Stage, VersionSource, WeightsCheck
 
 log = logging.getLogger("rljob.agent")
 
@@ -81,6 +81,8 @@ class EngineWatch:
                     warned = True
                 await asyncio.sleep(0.25)
         facts, served = found.facts, found.served.version
+        if not facts.reports_version and self._store.recovering:
+            served = self._store.state.engine.served_version  # the agent's label is in its record
         self._store.facts = facts
         self._store.architectures = list(found.architectures)
         seen = EngineInfo(
@@ -89,6 +91,7 @@ class EngineWatch:
             version=facts.version,
             launch_refusal=facts.launch_refusal,
             served_version=served,
+            served_version_source=VersionSource.ENGINE if facts.reports_version else VersionSource.AGENT,
             model_path=found.served.model_path,
             paused=False,
         )

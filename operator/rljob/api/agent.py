@@ -4,7 +4,7 @@ trainer-facing messages. The agent's OpenAPI document is generated from these mo
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, Field, TypeAdapter, model_validator
 
@@ -26,8 +26,11 @@ AGENT_API_VERSION = "v1"
 CONTAINER_ENV = "RLJOB_CONTAINER"
 TRAINER_CONTAINER_ENV = "RLJOB_TRAINER_CONTAINER"
 
-ParameterHash = Annotated[str, Field(min_length=16, max_length=16, pattern=r"^[0-9a-f]{16}$")]
-"""One parameter's hash as the engine's weights checksum writes it (rljob.trainer.engines: its hash)."""
+ParameterHash = Annotated[
+    str, Field(min_length=16, max_length=64, pattern=r"^[0-9a-f]{16}(?:[0-9a-f]{48})?$")
+]
+"""One parameter's hash as the engine's weights checksum writes it (rljob.trainer.engines: its hash): 16 hex
+digits of a 64-bit hash, or 64 of a sha256."""
 MAX_DIGEST_PARAMETERS = 200_000
 
 
@@ -227,6 +230,17 @@ class LaunchRefusalReason(StrEnum):
     """Why the engine's launch makes the handoff fatal (each is also the job's failure reason)."""
 
     WEIGHT_CACHE_ACTIVE = "WeightCacheActive"
+    RELEASE_FREES_NOTHING = "ReleaseFreesNothing"  # launched without the allocator a release frees through
+    LIFECYCLE_ROUTES_DISABLED = "LifecycleRoutesDisabled"  # the engine serves no lifecycle route at all
+    TENSOR_TRANSFER_UNCONFIGURED = "TensorTransferUnconfigured"  # a tensor refit the launch cannot take
+    INSECURE_ENGINE_EXPOSED = "InsecureEngineExposed"  # it unpickles pushes and listens beyond loopback
+
+
+class VersionSource(StrEnum):
+    """Who labels the weights the engine serves."""
+
+    ENGINE = "Engine"  # the engine carries the label and reports it
+    AGENT = "Agent"  # the engine carries none: the agent labels what it loaded
 
 
 class LaunchRefusal(WireModel):
@@ -244,8 +258,20 @@ class EngineInfo(WireModel):
     reachable: bool = False
     version: str | None = Field(default=None, max_length=64)
     served_version: str | None = Field(default=None, max_length=64)
+    served_version_source: VersionSource = Field(
+        default=VersionSource.ENGINE,
+        description="Agent: the engine carries no weight version, so servedVersion is the agent's label of "
+        "the weights it loaded; that the engine serves after each refit is shown by a generated token, and "
+        "what it holds by `weights` where the engine can checksum them.",
+    )
     model_path: str | None = Field(default=None, max_length=1024)
     paused: bool = False
+    unloaded: str | None = Field(
+        default=None,
+        max_length=1024,
+        description="Why the engine's weights cannot serve until a load completes (a load failed, or the "
+        "weights came back from a release without their contents): a resume is refused meanwhile.",
+    )
     weights: WeightsCheck | None = Field(
         default=None,
         description="The checksum of the weights the engine holds, taken at start and after every refit, "
@@ -579,13 +605,26 @@ class RolloutSamples(WireModel):
 
 
 class TensorPush(WireModel):
-    """`POST /v1/trainer/refit/tensor`: one bucket, forwarded to the engine inside the refit window."""
+    """`POST /v1/trainer/refit/tensor`: one bucket, forwarded to the engine inside the refit window, in the
+    engine's form (the refit window's `engine` says which): `serializedNamedTensors` (one payload per TP
+    rank) or `updateInfo` (one object: names, dtypes, shapes and IPC handles of a packed buffer)."""
 
-    serialized_named_tensors: list[str] = Field(min_length=1, max_length=64)
+    serialized_named_tensors: list[str] = Field(default_factory=list, max_length=64)
     load_format: str | None = Field(default=None, max_length=64)
+    update_info: dict[str, Any] | None = Field(
+        default=None,
+        description="The engine's weight-transfer update for this bucket, where it takes one object instead "
+        "of serialized tensors.",
+    )
     last: bool = Field(
         default=False, description="The final push of the window: it carries the weight_version."
     )
+
+    @model_validator(mode="after")
+    def _one_form(self) -> TensorPush:
+        if bool(self.serialized_named_tensors) == (self.update_info is not None):
+            raise ValueError("give serializedNamedTensors (at least one) or updateInfo, not both")
+        return self
 
 
 class DistributedPush(WireModel):
@@ -631,6 +670,11 @@ class RefitWindow(WireModel):
         max_length=8,
         description="The engine's model architectures, where it says: how the SDK's digest maps the pushed "
         "tensors to the engine's parameters.",
+    )
+    engine: EngineKind | None = Field(
+        default=None,
+        description="The engine the pushes go to: which form the SDK packs them in and whose checksum its "
+        "digest reproduces.",
     )
 
 

@@ -14,7 +14,7 @@ import yaml
 from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue
 from pydantic_core import core_schema, to_jsonable_python
 
-from rljob.api.spec import NAME_RULES, RLJobSpec
+from rljob.api.spec import ENGINE_DEFAULTED, NAME_RULES, RLJobSpec
 from rljob.api.status import RLJobStatus
 
 GROUP = "rljob.io"
@@ -32,6 +32,7 @@ PRINTER_COLUMNS = [
     {"name": "Iteration", "type": "integer", "jsonPath": ".status.iteration"},
     {"name": "Weights", "type": "string", "jsonPath": ".status.weightVersion"},
     {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
+    {"name": "Engine", "type": "string", "jsonPath": ".spec.engine"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     {"name": "Rollout%", "type": "integer", "jsonPath": ".status.profile.rolloutPercent", "priority": 1},
     {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts", "priority": 1},
@@ -143,6 +144,7 @@ def openapi_schema(model: type[Any]) -> dict[str, Any]:
 def build_crd() -> dict[str, Any]:
     spec = openapi_schema(RLJobSpec)
     spec.pop("default", None)
+    _engine_defaulted(spec)
     status = openapi_schema(RLJobStatus)
     status.pop("default", None)
     _strip_defaults(status)  # the controller writes status; API-server defaulting would only hide bugs
@@ -189,6 +191,14 @@ def build_crd() -> dict[str, Any]:
             ],
         },
     }
+
+
+def _engine_defaulted(spec: dict[str, Any]) -> None:
+    """No static default where the engine's applies (the models fill it in; CEL reads it per engine)."""
+    for part, name in ENGINE_DEFAULTED:
+        schema = spec["properties"][part]
+        schema["properties"][name].pop("default", None)
+        schema.get("default", {}).pop(name, None)
 
 
 def _strip_defaults(node: Any) -> None:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Any, cast
 
 from pydantic import ConfigDict, Field, JsonValue, field_validator, model_validator
+from pydantic.alias_generators import to_snake
 
 from rljob.api.base import WireModel
 
@@ -63,6 +66,7 @@ class EngineKind(StrEnum):
     """The inference engine a job's rollout runs; the agent drives it through its folder of agent/engines/."""
 
     SGLANG = "sglang"
+    VLLM = "vllm"
 
     @property
     def label(self) -> str:
@@ -70,7 +74,7 @@ class EngineKind(StrEnum):
         return ENGINE_LABELS[self]
 
 
-ENGINE_LABELS = {EngineKind.SGLANG: "SGLang"}
+ENGINE_LABELS = {EngineKind.SGLANG: "SGLang", EngineKind.VLLM: "vLLM"}
 DEFAULT_ENGINE = EngineKind.SGLANG
 
 
@@ -84,11 +88,13 @@ class ReleaseTag(StrEnum):
 
 class DrainMode(StrEnum):
     """How a drain stops the engine's requests in flight: abort ends them, retract returns them to the
-    engine's queue. A pause that keeps requests holding KV is deliberately absent: a release after it kills
-    the engine."""
+    engine's queue, wait lets the running ones finish (the waiting ones stay queued). A pause that keeps
+    requests holding KV is deliberately absent: a release after it kills the engine. An engine that cannot
+    drain in a mode refuses it (its guards)."""
 
     ABORT = "abort"
     RETRACT = "retract"
+    WAIT = "wait"
 
 
 class RefitSource(StrEnum):
@@ -100,6 +106,136 @@ class RefitSource(StrEnum):
 class PodsAfterFinished(StrEnum):
     DELETE = "Delete"  # give the GPUs back as soon as the job ends
     KEEP = "Keep"  # leave the gang serving the final weights (evaluation, debugging)
+
+
+ALL_TAGS = [ReleaseTag.KV_CACHE, ReleaseTag.WEIGHTS, ReleaseTag.CUDA_GRAPH]
+
+
+@dataclass(frozen=True)
+class EngineRule:
+    """What a job may not ask of an engine, whatever its version: refused at admission. `cel` (for the API
+    server) and `holds` (for the models) state the same rule; both hold where the field is left to the
+    engine's default. What only some versions refuse is not known before the engine runs: its agent refuses
+    that when it starts, and the job fails at once with what to change."""
+
+    field: str  # the spec field the refusal names, as a CEL fieldPath (".release.tags")
+    cel: str
+    holds: Callable[[RLJobSpec], bool]
+    why: str  # completes "engine <name> ..."
+
+
+@dataclass(frozen=True)
+class EngineTraits:
+    """What depends on the engine a job runs: the defaults of the fields that name it, and its rules."""
+
+    port: int  # rollout.port's default: where the engine's HTTP server listens
+    release_tags: tuple[ReleaseTag, ...]  # release.tags' default: every part the engine can release
+    initial_version: str  # weights.initialVersion's default: the label the engine's launch weights carry
+    drain_modes: frozenset[DrainMode] = frozenset(DrainMode)  # the drains it has
+    no_drain: str = ""  # why it has no other
+    rules: tuple[EngineRule, ...] = ()
+
+    def all_rules(self, kind: EngineKind) -> list[tuple[str, str, str, Callable[[RLJobSpec], bool]]]:
+        """(fieldPath, CEL, message, holds) of every rule, the drain's included."""
+        rules = list(self.rules)
+        if self.drain_modes != frozenset(DrainMode):
+            modes = sorted(m.value for m in self.drain_modes)
+            rules.append(
+                EngineRule(
+                    ".rollout.drain.mode",
+                    f"self.rollout.drain.mode in {modes}",
+                    lambda spec: spec.rollout.drain.mode in self.drain_modes,
+                    f"{self.no_drain}: set rollout.drain.mode to {' or '.join(modes)}",
+                )
+            )
+        return [(r.field, r.cel, f"engine {kind.value} {r.why}", r.holds) for r in rules]
+
+
+RELEASE_NO_CUDA_GRAPH = EngineRule(
+    ".release.tags",
+    "!has(self.release.tags) || !('cuda_graph' in self.release.tags)",
+    lambda spec: ReleaseTag.CUDA_GRAPH not in spec.release.tags,
+    "cannot release cuda_graph: its CUDA graphs stay on the GPU through a sleep (or, where the launch "
+    "offloads them, go with every sleep); release [kv_cache, weights] (the default) or [kv_cache]",
+)
+RELEASE_WEIGHTS_WITH_KV = EngineRule(
+    ".release.tags",
+    "!has(self.release.tags) || !('weights' in self.release.tags) || 'kv_cache' in self.release.tags",
+    lambda spec: ReleaseTag.WEIGHTS not in spec.release.tags or ReleaseTag.KV_CACHE in spec.release.tags,
+    "releases its weights only together with its KV cache (a sleep frees both; no call frees the weights "
+    "alone): add kv_cache to release.tags",
+)
+ONE_POD_PER_INSTANCE = EngineRule(
+    ".rollout.podsPerInstance",
+    "self.rollout.podsPerInstance == 1",
+    lambda spec: spec.rollout.pods_per_instance == 1,
+    "cannot span an instance over several pods: the agent drives one-pod instances of it only (its "
+    "multi-node launches, through Ray or headless nodes, are not supported); set rollout.podsPerInstance "
+    "to 1",
+)
+
+ENGINE_TRAITS: Mapping[EngineKind, EngineTraits] = {
+    EngineKind.SGLANG: EngineTraits(
+        port=30000,
+        release_tags=tuple(ALL_TAGS),
+        initial_version="0",  # the examples launch it with --weight-version 0
+        drain_modes=frozenset({DrainMode.ABORT, DrainMode.RETRACT}),
+        no_drain="has no drain that lets running requests finish (its pause keeps them in place, holding "
+        "KV cache a release would then free under them)",
+    ),
+    EngineKind.VLLM: EngineTraits(
+        port=8000,
+        release_tags=(ReleaseTag.KV_CACHE, ReleaseTag.WEIGHTS),
+        initial_version="default",  # no launch flag sets it: what it (or its agent, before 0.27) labels
+        rules=(RELEASE_NO_CUDA_GRAPH, RELEASE_WEIGHTS_WITH_KV, ONE_POD_PER_INSTANCE),
+    ),
+}
+# Spec fields whose default is the engine's (ENGINE_TRAITS): the models fill them in, the CRD has no static
+# default for them, and CEL reads them through engine_default().
+ENGINE_DEFAULTED = (
+    ("rollout", "container"),
+    ("rollout", "port"),
+    ("release", "tags"),
+    ("weights", "initialVersion"),
+)
+
+
+def engine_defaults(kind: EngineKind) -> dict[tuple[str, str], Any]:
+    """The value of each ENGINE_DEFAULTED field for a job that leaves it to the engine `kind`."""
+    traits = ENGINE_TRAITS[kind]
+    return {
+        ("rollout", "container"): kind.value,  # the container's name: the engine's
+        ("rollout", "port"): traits.port,
+        ("release", "tags"): [t.value for t in traits.release_tags],
+        ("weights", "initialVersion"): traits.initial_version,
+    }
+
+
+def by_engine(path: tuple[str, str]) -> str:
+    """An ENGINE_DEFAULTED field's default per engine, for its description."""
+
+    def text(value: Any) -> str:
+        return ", ".join(value) if isinstance(value, list) else str(value)
+
+    return "; ".join(f"{k.value}: {text(engine_defaults(k)[path])}" for k in EngineKind)
+
+
+def _cel_literal(value: Any) -> str:
+    if isinstance(value, str):
+        return f"'{value}'"
+    if isinstance(value, list):
+        return "[" + ", ".join(_cel_literal(v) for v in value) + "]"
+    return str(value)
+
+
+def engine_default(path: tuple[str, str]) -> str:
+    """CEL for an ENGINE_DEFAULTED field: its value where set, else the job's engine's default."""
+    expr = _cel_literal(engine_defaults(DEFAULT_ENGINE)[path])
+    for kind in EngineKind:
+        if kind != DEFAULT_ENGINE:
+            expr = f"(self.engine == '{kind.value}' ? {_cel_literal(engine_defaults(kind)[path])} : {expr})"
+    dotted = "self." + ".".join(path)
+    return f"(has({dotted}) ? {dotted} : {expr})"
 
 
 def _names_rule(what: str, reserved: str) -> dict[str, Any]:
@@ -189,8 +325,19 @@ class Drain(WireModel):
 
 
 class Rollout(WireModel):
-    container: str = Field(default=DEFAULT_ENGINE.value, pattern=DNS_LABEL, max_length=63)
-    port: int = Field(default=30000, ge=1, le=65535)
+    container: str = Field(
+        default=DEFAULT_ENGINE.value,
+        pattern=DNS_LABEL,
+        max_length=63,
+        description="The engine's container. Unset: the one named as the engine (spec.engine).",
+    )
+    port: int = Field(
+        default=ENGINE_TRAITS[DEFAULT_ENGINE].port,
+        ge=1,
+        le=65535,
+        description="Where the engine's HTTP server listens on the pod's loopback. Unset: the engine's "
+        f"default port ({by_engine(('rollout', 'port'))}).",
+    )
     drain: Drain = Field(default_factory=Drain)
     pods_per_instance: int = Field(
         default=1,
@@ -213,14 +360,13 @@ class ReleaseVerify(WireModel):
     timeout_seconds: int = Field(default=60, ge=1, le=3600)
 
 
-ALL_TAGS = [ReleaseTag.KV_CACHE, ReleaseTag.WEIGHTS, ReleaseTag.CUDA_GRAPH]
-
-
 class Release(WireModel):
     tags: list[ReleaseTag] = Field(
-        default_factory=lambda: list(ALL_TAGS),
+        default_factory=lambda: list(ENGINE_TRAITS[DEFAULT_ENGINE].release_tags),
         min_length=1,
         max_length=3,
+        description="The engine's memory parts each release frees. Unset: every part the engine can release "
+        f"({by_engine(('release', 'tags'))}).",
         json_schema_extra={"x-kubernetes-list-type": "set"},
     )
     verify: ReleaseVerify = Field(default_factory=ReleaseVerify)
@@ -256,7 +402,11 @@ class Refit(WireModel):
 
 
 class Weights(WireModel):
-    initial_version: WeightVersion = "0"
+    initial_version: WeightVersion = Field(
+        default=ENGINE_TRAITS[DEFAULT_ENGINE].initial_version,
+        description="The version the engine's launch weights are labelled with. Unset: the engine's "
+        f"({by_engine(('weights', 'initialVersion'))}).",
+    )
     initial_path: str | None = Field(
         default=None, max_length=1024, description="Model path the engine starts from; used to rejoin."
     )
@@ -314,15 +464,28 @@ SHARE_PROCESS_NAMESPACE_MESSAGE = (
     "cannot be opened from another PID namespace"
 )
 
+ROLLOUT_CONTAINER = engine_default(("rollout", "container"))
+ROLLOUT_PORT = engine_default(("rollout", "port"))
+
+
+def engine_rules() -> list[dict[str, Any]]:
+    """Every engine's rules (ENGINE_TRAITS) as CEL on the spec, each applying to its engine's jobs only."""
+    return [
+        cel(f"self.engine != '{kind.value}' || ({rule})", message, field)
+        for kind, traits in ENGINE_TRAITS.items()
+        for field, rule, message, _ in traits.all_rules(kind)
+    ]
+
+
 # Cross-field rules, enforced by the API server (CEL) and by RLJobSpec's validator alike.
 SPEC_RULES = [
     cel(
-        "self.rollout.container != self.trainer.container",
+        f"{ROLLOUT_CONTAINER} != self.trainer.container",
         "rollout.container and trainer.container must name different containers",
         ".trainer.container",
     ),
     cel(
-        "self.template.spec.containers.exists(c, c.name == self.rollout.container)",
+        f"self.template.spec.containers.exists(c, c.name == {ROLLOUT_CONTAINER})",
         "rollout.container must name a container of template.spec.containers",
         ".rollout.container",
     ),
@@ -332,11 +495,11 @@ SPEC_RULES = [
         ".trainer.container",
     ),
     cel(
-        f"self.rollout.port != {AGENT_TRAINER_PORT}",
+        f"{ROLLOUT_PORT} != {AGENT_TRAINER_PORT}",
         f"rollout.port {AGENT_TRAINER_PORT} is the agent's trainer port in the same pod",
         ".rollout.port",
     ),
-    cel(f"self.rollout.port != {AGENT_ENGINE_PORT}", ENGINE_PORT_MESSAGE, ".rollout.port"),
+    cel(f"{ROLLOUT_PORT} != {AGENT_ENGINE_PORT}", ENGINE_PORT_MESSAGE, ".rollout.port"),
     cel(
         "self.replicas % self.rollout.podsPerInstance == 0",
         REPLICAS_MULTIPLE_MESSAGE,
@@ -349,7 +512,7 @@ SPEC_RULES = [
     ),
     cel(
         "!(self.trainer.masterPort in "
-        f"[self.agent.port, self.rollout.port, {AGENT_TRAINER_PORT}, {AGENT_ENGINE_PORT}])",
+        f"[self.agent.port, {ROLLOUT_PORT}, {AGENT_TRAINER_PORT}, {AGENT_ENGINE_PORT}])",
         MASTER_PORT_MESSAGE,
         ".trainer.masterPort",
     ),
@@ -358,6 +521,7 @@ SPEC_RULES = [
         "iterations may be raised, never lowered or unset once set",
         ".iterations",
     ),
+    *engine_rules(),
 ]
 
 
@@ -366,6 +530,12 @@ class RLJobSpec(WireModel):
         json_schema_extra={"x-kubernetes-validations": cast(list[JsonValue], SPEC_RULES)}
     )
 
+    engine: EngineKind = Field(
+        default=DEFAULT_ENGINE,
+        description="The inference engine the rollout container runs; it sets the defaults of "
+        "rollout.container, rollout.port and release.tags, and what the job may ask of the engine.",
+        json_schema_extra=immutable("engine"),
+    )
     replicas: int = Field(
         default=1,
         ge=1,
@@ -399,6 +569,35 @@ class RLJobSpec(WireModel):
     ttl_seconds_after_finished: int | None = Field(default=None, ge=0, le=31_536_000)
     pods_after_finished: PodsAfterFinished = PodsAfterFinished.DELETE
     profile: ProfileHints = Field(default_factory=ProfileHints)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_defaults(cls, data: Any) -> Any:
+        """Fill in what the job leaves to its engine (ENGINE_DEFAULTED), as the CEL reads it."""
+        if not isinstance(data, dict):
+            return data
+        try:
+            kind = EngineKind(data.get("engine", DEFAULT_ENGINE))
+        except ValueError:
+            return data  # the engine field's own error says why
+        data = dict(data)
+        for (part, name), value in engine_defaults(kind).items():
+            given = data.get(part)
+            if isinstance(given, WireModel):  # a model built in Python: what it was given, as a dict
+                given = given.model_dump(by_alias=True, exclude_unset=True)
+            if given is None:
+                data[part] = {name: value}
+            elif isinstance(given, dict) and name not in given and to_snake(name) not in given:
+                data[part] = {**given, name: value}
+        return data
+
+    @model_validator(mode="after")
+    def _engine_rules(self) -> RLJobSpec:
+        """What the engine can never do (ENGINE_TRAITS), each message naming its field as the CEL does."""
+        for field_name, _, message, holds in ENGINE_TRAITS[self.engine].all_rules(self.engine):
+            if not holds(self):
+                raise ValueError(f"{field_name[1:]}: {message}")
+        return self
 
     @model_validator(mode="after")
     def _containers_exist(self) -> RLJobSpec:

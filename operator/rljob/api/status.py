@@ -104,6 +104,11 @@ class PodStatus(StatusModel):
 
     name: str = Field(max_length=253)
     stage: str = Field(default="Unknown", max_length=32)
+    engine: str | None = Field(
+        default=None,
+        max_length=96,
+        description="The pod's engine and its version, as its agent reports them.",
+    )
     weight_version: str | None = Field(default=None, max_length=64)
     weights_checksum: WeightsChecksum | None = Field(
         default=None, description="The checksum of what the pod's engine holds at weightVersion."

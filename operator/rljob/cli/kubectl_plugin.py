@@ -12,10 +12,12 @@ from typing import Any
 
 from rljob.api import parse_status
 from rljob.api.crd import GROUP, PLURAL, VERSION
+from rljob.api.spec import DEFAULT_ENGINE, EngineKind
 from rljob.api.status import IterationReport, PhaseSpan, RLJobStatus, Signal
 from rljob.cli.profile_report import (
     NOT_MEASURED,
     diagnosis_lines,
+    engines,
     html_report,
     not_measured_lines,
     terminal_chart,
@@ -72,6 +74,14 @@ def _span_rate(span: PhaseSpan, value: float | None, fmt: str, signal: Signal) -
     return None
 
 
+def _engine(spec: dict[str, Any]) -> str:
+    """spec.engine as messages name it (an unknown one as written)."""
+    try:
+        return EngineKind(spec.get("engine", DEFAULT_ENGINE.value)).label
+    except ValueError:
+        return str(spec.get("engine"))
+
+
 def render(name: str, namespace: str, status: RLJobStatus, spec: dict[str, Any]) -> str:
     out = [
         f"RLJob {namespace}/{name}",
@@ -81,6 +91,7 @@ def render(name: str, namespace: str, status: RLJobStatus, spec: dict[str, Any])
         f"  Weights:    {status.weight_version or '-'}"
         + (f" (refitting to {status.target_weights.version})" if status.target_weights else ""),
         f"  Ready:      {status.ready}    Restarts: {status.restarts}    Epoch: {status.epoch}",
+        f"  Engine:     {_engine(spec)}" + (f" (pods report {engines(status)})" if engines(status) else ""),
     ]
     if status.conditions:
         out.append(

@@ -91,6 +91,12 @@ def diagnosis_lines(levers: Sequence[Lever]) -> list[str]:
     return lines
 
 
+def engines(status: RLJobStatus) -> str | None:
+    """The engine (and version) the pods report, e.g. `<label> <version>`; several where they differ."""
+    found = sorted({p.engine for p in status.pods if p.engine})
+    return ", ".join(found) if found else None
+
+
 def terminal_chart(status: RLJobStatus, width: int = 48) -> str:
     reports = history(status)
     if not reports:
@@ -124,7 +130,8 @@ def terminal_chart(status: RLJobStatus, width: int = 48) -> str:
     lines = [
         "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in [header, *rows]
     ]
-    out = [f"Per-iteration profile ({len(reports)} iterations)", *lines, f"  {legend}"]
+    on = f" on {engines(status)}" if engines(status) else ""
+    out = [f"Per-iteration profile ({len(reports)} iterations{on})", *lines, f"  {legend}"]
     out += not_measured_lines(reports[-1].unmeasured, prefix=f"  {NOT_MEASURED_SHORT}, not measured: ")
     out.append("")
     out += ["Levers (last iteration):", *diagnosis_lines(status.diagnosis)]
@@ -393,8 +400,8 @@ def html_report(name: str, namespace: str, status: RLJobStatus) -> str:
         f"<style>{STYLE}</style></head><body>",
         f"<h1>RLJob {html.escape(namespace)}/{html.escape(name)}: rollout profile</h1>",
         f'<div class="sub">phase {html.escape(status.phase.value)}, iteration {status.iteration}, weights '
-        f"{html.escape(status.weight_version or '-')}, verdict {html.escape(verdict)}; {len(reports)} "
-        "completed iterations shown</div>",
+        f"{html.escape(status.weight_version or '-')}, engine {html.escape(engines(status) or '-')}, verdict "
+        f"{html.escape(verdict)}; {len(reports)} completed iterations shown</div>",
     ]
     if not reports:
         parts.append(

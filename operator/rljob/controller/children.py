@@ -171,6 +171,8 @@ def agent_container(spec: RLJobSpec, options: AgentOptions) -> dict[str, Any]:
             f"127.0.0.1:{TRAINER_PORT}",
             "--engine-listen",
             f"127.0.0.1:{AGENT_ENGINE_PORT}",
+            "--engine",
+            spec.engine.value,
             "--refit-source",
             spec.refit.source.value,
             "--engine-server-url",
@@ -272,6 +274,7 @@ def gang_pod(
                     *own,
                     *_env_list(layout.trainer_env(index)),
                     _env("RLJOB_AGENT_URL", f"http://127.0.0.1:{TRAINER_PORT}"),
+                    _env("RLJOB_ENGINE", spec.engine.value),  # whose payloads the trainer SDK packs
                     _env("RLJOB_ENGINE_URL", f"http://127.0.0.1:{AGENT_ENGINE_PORT}"),
                     _env("RLJOB_ENGINE_SERVER_URL", f"http://127.0.0.1:{spec.rollout.port}"),
                     _env("RLJOB_REFIT_SOURCE", spec.refit.source.value),

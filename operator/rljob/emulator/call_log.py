@@ -9,6 +9,15 @@ Repeats, in the order the calls arrived (not the order SGLang processed them):
 - a refit (disk, tensor, distributed) carrying a weight_version this server was already asked to load.
 Pause, continue, flush and update_weight_version are idempotent: counted, never repeats.
 
+The vLLM emulator logs its routes the same way (its query parameters as the body where it has none):
+- a `/sleep` of level 1 or more while a tag sleeps (V-KILL-SLEEP-TWICE: a silent no-op), and a
+  `/release_kv_cache_memory` while the KV cache sleeps;
+- a `/wake_up` naming a tag that does not sleep, or with no tag while nothing sleeps (V-KILL-WAKE-NOT-ASLEEP);
+- a refit loading what this server was already asked to load: `reload_weights` of the same path through
+  `/collective_rpc`, a `/finish_weight_update` carrying a weight_version seen before.
+Pause, resume, flush, the weight-transfer init and start, each update push and update_weight_version are
+counted, never repeats.
+
 With RLJOB_EMULATOR_CALL_LOG=FILE in its environment the server also appends one JSON line per call (and
 one at start, `boot`) to FILE, so the counts outlive the process: a chaos run reads the files of servers
 that were killed or whose pods were deleted.
@@ -26,6 +35,9 @@ from typing import Any
 from aiohttp import web
 
 RELEASE, RESUME = "/release_memory_occupation", "/resume_memory_occupation"
+SLEEP, WAKE, RELEASE_KV = "/sleep", "/wake_up", "/release_kv_cache_memory"  # vLLM's
+RPC, FINISH = "/collective_rpc", "/finish_weight_update"  # vLLM's disk refit (reload_weights), a push's end
+SLEEP_TAGS = ("kv_cache", "weights")  # what a vLLM sleep of level 1 or more puts to sleep
 REFITS = frozenset(
     {"/update_weights_from_disk", "/update_weights_from_tensor", "/update_weights_from_distributed"}
 )
@@ -88,7 +100,18 @@ class CallLog:
             if again:
                 self._repeat(route, ",".join(tags), f"{', '.join(again)} {why}")
             return ",".join(tags)
-        if route in REFITS:
+        if route in (SLEEP, WAKE, RELEASE_KV):
+            return self._vllm_memory(route, body)
+        if route == RPC and body.get("method") == "reload_weights":
+            path = (body.get("kwargs") or {}).get("weights_path")
+            args = f"reload_weights={path}"
+            self.by_args[(route, args)] += 1
+            if path is not None:
+                if f"path:{path}" in self._loaded:
+                    self._repeat(route, args, f"{path} loaded again")
+                self._loaded.add(f"path:{path}")
+            return args
+        if route in REFITS or (route == FINISH and body.get("weight_version") is not None):
             version = body.get("weight_version")
             args = f"weight_version={version}" if version is not None else "push"
             self.by_args[(route, args)] += 1
@@ -99,6 +122,34 @@ class CallLog:
             return args
         self.by_args[(route, "")] += 1
         return ""
+
+    def _vllm_memory(self, route: str, query: dict[str, Any]) -> str:
+        """vLLM's sleep, wake and KV release: their query parameters, each a list of values."""
+        if route == SLEEP:
+            raw = query.get("level") or ["1"]
+            level_text = str(raw[0] if isinstance(raw, list) else raw)
+            level = int(level_text) if level_text.lstrip("-").isdigit() else 0  # vLLM refuses the rest
+            tags = list(SLEEP_TAGS) if level >= 1 else []
+            again, why = [t for t in tags if t in self._released], "slept again with no wake in between"
+            self._released.update(tags)
+            args = f"level={level}"
+        elif route == RELEASE_KV:
+            tags = ["kv_cache"]
+            again, why = [t for t in tags if t in self._released], "released again with no wake in between"
+            self._released.update(tags)
+            args = "kv_cache"
+        else:
+            given = query.get("tags") or []
+            named = sorted({str(t) for t in (given if isinstance(given, list) else [given])})
+            tags = named or sorted(self._released)
+            again = [t for t in named if t not in self._released] or ([] if tags else ["every tag"])
+            why = "woken while not asleep"
+            self._released.difference_update(tags)
+            args = ",".join(named)
+        self.by_args[(route, args)] += 1
+        if again:
+            self._repeat(route, args, f"{', '.join(again)} {why}")
+        return args
 
     def _repeat(self, route: str, args: str, why: str) -> None:
         self.repeats.append({"route": route, "args": args, "why": why, "at": time.time()})

@@ -64,8 +64,20 @@ def _target(name: str, layout: ModelLayout) -> tuple[str, int, int] | None:
     return sglang_name(name)
 
 
+Naming = Any  # (checkpoint name, layout) -> (parameter, part index, part count) or None: skipped
+Hashing = Any  # the parameter's parts' bytes, in order -> its hash as the engine's checker writes it
+
+
+def _sglang_hash(parts: list[Part]) -> str:
+    return hex16(hash_any(parts))
+
+
 class Parameters:
-    def __init__(self) -> None:
+    """`naming` and `hashing` are the engine's (SGLang's by default; vLLM's: emulator/vllm/worker.py)."""
+
+    def __init__(self, naming: Naming = None, hashing: Hashing = None) -> None:
+        self._naming = naming or _target
+        self._hashing = hashing or _sglang_hash
         self._parts: dict[str, list[Part | None]] = {}
         self._rows: dict[str, tuple[int, ...]] = {}  # a padded-vocabulary parameter's first part's shape
         self._cache: dict[str, str] = {}
@@ -82,7 +94,7 @@ class Parameters:
         """Tensors loaded into the parameters they map to; a fused parameter's other parts stay."""
         layout = mapping(layout)
         for t in tensors:
-            mapped = _target(t.name, layout)
+            mapped = self._naming(t.name, layout)
             if mapped is None:
                 continue
             target, index, count = mapped
@@ -113,6 +125,11 @@ class Parameters:
             self._parts[name] = [p if _in_region(p) else bytes(_nbytes(p)) for p in parts]
         self._cache = {}
 
+    def zero(self) -> None:
+        """Every parameter zeroed in place (its parts' sizes kept)."""
+        self._parts = {n: [bytes(_nbytes(p)) for p in parts] for n, parts in self._parts.items()}
+        self._cache = {}
+
     def copy_from(self, other: Parameters) -> None:
         self._parts = {k: list(v) for k, v in other._parts.items()}
         self._rows, self._cache = dict(other._rows), dict(other._cache)
@@ -122,7 +139,7 @@ class Parameters:
         self.bind(version)
         for name, parts in self._parts.items():
             if name not in self._cache:
-                self._cache[name] = hex16(hash_any(self._bytes(name, parts)))
+                self._cache[name] = self._hashing(self._bytes(name, parts))
         return dict(self._cache)
 
     def _bytes(self, name: str, parts: list[Part | None]) -> list[Part]:

@@ -211,7 +211,7 @@ def set_ipc_stand_in_dir(path: str | None) -> None:
     _ipc_dir = Path(path) if path else None
 
 
-def _shared_bytes(
+def shared_bytes(
     handle: Any, storage_offset: int, storage_bytes: int, start: int, nbytes: int
 ) -> bytes | None:
     if _ipc_dir is None or not isinstance(handle, bytes):
@@ -236,7 +236,7 @@ def _stand_in_cuda(*args: Any) -> TensorRef:
     handle, offset = args[7], int(args[3]) * dtype.itemsize
     storage_offset = int(args[9]) if len(args) > 9 and isinstance(args[9], int) else 0
     nbytes = math.prod(shape) * dtype.itemsize
-    data = _shared_bytes(handle, storage_offset, int(storage_bytes), offset, nbytes)
+    data = shared_bytes(handle, storage_offset, int(storage_bytes), offset, nbytes)
     key = (
         handle if isinstance(handle, bytes) else repr(handle).encode()
     ) + f":{storage_offset}:{offset}".encode()

@@ -197,10 +197,19 @@ def _engines_up(agents: list[AgentState | None]) -> bool:
 
 
 def _launch_refused(step: Step) -> bool:
-    """A pod's agent runs as another node rank than its pod's, or its engine runs with a launch flag that
-    makes the handoff fatal: the job failed, before any memory is touched. True when it did."""
+    """A pod's agent drives another engine than the job's or runs as another node rank than its pod's, or
+    its engine runs with a launch flag that makes the handoff fatal: the job failed, before any memory is
+    touched. True when it did."""
     for pod in step.gang().values():
         agent = step.agent(pod)
+        if agent is not None and agent.engine.kind != step.spec.engine:
+            fail(
+                step,
+                EventReason.INVALID_SPEC,
+                f"pod {pod.name}'s agent drives {agent.engine.kind.label}, but the job's spec.engine is "
+                f"{step.spec.engine.value} (does the agent image predate it?)",
+            )
+            return True
         expected = pod.index % step.spec.rollout.pods_per_instance
         if agent is not None and agent.node_rank != expected:
             fail(

@@ -86,11 +86,18 @@ class EventReason(StrEnum):
     BACKOFF_LIMIT_EXCEEDED = "BackoffLimitExceeded"
     DEADLINE_EXCEEDED = "DeadlineExceeded"
     WEIGHT_CACHE_ACTIVE = "WeightCacheActive"
+    RELEASE_FREES_NOTHING = "ReleaseFreesNothing"
+    LIFECYCLE_ROUTES_DISABLED = "LifecycleRoutesDisabled"
+    TENSOR_TRANSFER_UNCONFIGURED = "TensorTransferUnconfigured"
+    INSECURE_ENGINE_EXPOSED = "InsecureEngineExposed"
     # Permanent refusals of an agent (its engine's guards): the engine's version or launch flags forbid it.
     RETRACT_UNSUPPORTED = "RetractUnsupported"
     MEMORY_SAVER_DISABLED = "MemorySaverDisabled"
     DATA_PARALLEL_ATTENTION_UNSUPPORTED = "DataParallelAttentionUnsupported"
     DATA_PARALLEL_UNSUPPORTED = "DataParallelUnsupported"
+    DRAIN_MODE_UNSUPPORTED = "DrainModeUnsupported"
+    RELEASE_TAG_UNSUPPORTED = "ReleaseTagUnsupported"
+    DISTRIBUTED_REFIT_UNSUPPORTED = "DistributedRefitUnsupported"
     INITIAL_VERSION_MISMATCH = "InitialVersionMismatch"
     TRAINER_VERSION_MISMATCH = "TrainerVersionMismatch"
     VERSION_NOT_NEWER = "VersionNotNewer"
@@ -121,6 +128,10 @@ class EventReason(StrEnum):
 # The event reason of each launch refusal an engine reports (AgentState.engine.launchRefusal).
 LAUNCH_REFUSALS: Mapping[LaunchRefusalReason, EventReason] = {
     LaunchRefusalReason.WEIGHT_CACHE_ACTIVE: EventReason.WEIGHT_CACHE_ACTIVE,
+    LaunchRefusalReason.RELEASE_FREES_NOTHING: EventReason.RELEASE_FREES_NOTHING,
+    LaunchRefusalReason.LIFECYCLE_ROUTES_DISABLED: EventReason.LIFECYCLE_ROUTES_DISABLED,
+    LaunchRefusalReason.TENSOR_TRANSFER_UNCONFIGURED: EventReason.TENSOR_TRANSFER_UNCONFIGURED,
+    LaunchRefusalReason.INSECURE_ENGINE_EXPOSED: EventReason.INSECURE_ENGINE_EXPOSED,
 }
 
 

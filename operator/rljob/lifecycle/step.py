@@ -10,7 +10,7 @@ from datetime import datetime, timedelta
 from typing import Protocol
 
 from rljob.api.agent import Action, AgentState, Command, Stage
-from rljob.api.spec import DEFAULT_ENGINE, RLJobSpec
+from rljob.api.spec import RLJobSpec
 from rljob.api.status import MAX_MESSAGE, CommittedWeights, Phase, RLJobStatus
 from rljob.lifecycle import timeline
 from rljob.lifecycle.clock import parse, stamp
@@ -116,9 +116,8 @@ class Step:
         return [(p.name, self.agent(p)) for _, p in gang if self.role(p) == Role.LEADER]
 
     def engine_name(self) -> str:
-        """How messages name the gang's engine: as its agents report it (the default before any did)."""
-        kinds = {a.engine.kind for a in self.gang_agents()}
-        return (kinds.pop() if len(kinds) == 1 else DEFAULT_ENGINE).label
+        """How messages name the gang's engine: the job's (its agents drive no other, _launch_refused)."""
+        return self.spec.engine.label
 
     def gang_agents(self) -> list[AgentState]:
         """The latest report of every gang member that has one."""

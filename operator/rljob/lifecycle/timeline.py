@@ -150,6 +150,7 @@ def pod_entries(gang: Iterable[tuple[PodObservation, AgentState | None]]) -> lis
             PodStatus(
                 name=pod.name,
                 stage=agent.stage.value,
+                engine=f"{agent.engine.kind.label} {agent.engine.version or ''}".rstrip(),
                 weight_version=agent.engine.served_version,
                 weights_checksum=w.checksum if w is not None else None,
                 weights=describe_weights(w, same[key] - 1 if key is not None else 0),

@@ -10,7 +10,8 @@ container gets from its image. As for every simulated pod, 127.0.0.1 in args and
 loopback address (pods.py), so SGLang listens on the pod IP at the port of its flags.
 
 `stand_in_mapping(emulator_args, trainer_args)`: the same pods where there is no GPU: the SGLang emulator
-with the `sglang` container's launch flags (and `emulator_args`), the simulated trainer
+with the `sglang` container's launch flags (and `emulator_args`), or the vLLM emulator with a vLLM
+container's `vllm serve` flags, the simulated trainer
 (`rljob.testing.trainer`, `trainer_args`) for the trainer. It exists to prove a GPU test's harness on CPU
 and is chosen explicitly (tests/gpu/README.md); nothing falls back to it.
 """
@@ -76,6 +77,8 @@ def stand_in_mapping(
             return _agent(ctx)
         if c.kind == "sglang":
             return Launch([sys.executable, "-u", "-m", "rljob.emulator", *c.args], env=c.env)
+        if c.kind == "vllm":
+            return Launch([sys.executable, "-u", "-m", "rljob.emulator.vllm", *c.args], env=c.env)
         if ctx.name == trainer:
             args = [pod_loopback(ctx.remap(a), ctx.pod_ip) for a in trainer_args]
             return Launch([sys.executable, "-u", "-m", TRAINER_ENTRY, *args], env=c.env)

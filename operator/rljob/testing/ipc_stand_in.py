@@ -12,6 +12,9 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from rljob.trainer.engines.sglang.packing import TORCH_SIZE, Call, Global
 
@@ -73,3 +76,28 @@ def share(data: bytes, directory: Path, *, dtype: str = "uint8", shape: Sequence
         tmp.write_bytes(data)
         tmp.replace(path)
     return cuda_reduction(len(data), dtype=dtype, shape=shape, handle=handle)
+
+
+def vllm_update(
+    arrays: dict[str, np.ndarray], shared: Path | None = None, uuid: str = UUID
+) -> dict[str, Any]:
+    """`arrays` (one dtype) as one packed bucket of vLLM's IPC weight transfer (rljob.trainer.engines.vllm
+    .packing): their bytes back to back in one stand-in buffer on GPU `uuid`, shared in `shared` where
+    given (the emulator then holds them as pushed), else a handle named by their sha256."""
+    from rljob.trainer.engines.sglang import packing as stand_in_pickle
+    from rljob.trainer.engines.vllm import packing
+
+    data = b"".join(a.tobytes() for a in arrays.values())
+    if shared is not None:
+        reduction = share(data, shared)
+    else:
+        digest = hashlib.sha256(data).digest()
+        reduction = cuda_reduction(len(data), handle=digest * 2, event=digest * 2)
+    handles = {uuid: reduction.args}
+    return packing.update_info(
+        list(arrays),
+        [str(a.dtype) for a in arrays.values()],
+        [list(a.shape) for a in arrays.values()],
+        [int(a.nbytes) for a in arrays.values()],
+        stand_in_pickle.to_wire(stand_in_pickle.dumps(handles)),
+    )

@@ -3,6 +3,10 @@
 - the agent container runs the real `rljob-agent` with the args/env/token the operator injected;
 - a container whose command launches SGLang (`sglang.launch_server`) runs the SGLang emulator with
   the same launch flags;
+- a container that launches vLLM (`vllm serve`, `vllm.entrypoints.openai.api_server`, or the
+  vllm/vllm-openai image's own entrypoint) runs the vLLM emulator with the same `vllm serve` flags, as
+  the version its image tag names (vX.Y.Z; else the emulator's default; `--vllm-version` in
+  RLJOB_SIM_ARGS overrides it);
 - a container whose command runs `rljob.testing.trainer` runs the simulated trainer;
 - a container whose command runs `rljob.testing.framework_trainer` runs it as its own process, on this
   interpreter.
@@ -14,6 +18,8 @@ it: the same isolation, one level up.
 
 from __future__ import annotations
 
+import os
+import re
 import shlex
 import sys
 from collections.abc import Sequence
@@ -21,9 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rljob.controller.children import AGENT_CONTAINER
+from rljob.emulator.vllm.versions import DEFAULT_VERSION as DEFAULT_VLLM_VERSION
 from rljob.testing.kubelet import ContainerContext, Launch, Mapping, default_mapping
 
 SGLANG_ENTRY = "sglang.launch_server"
+VLLM_ENTRY = "vllm.entrypoints.openai.api_server"  # what `vllm serve` runs, as a module
+VLLM_IMAGE = "vllm/vllm-openai"  # its entrypoint is `vllm serve`
 TRAINER_ENTRY = "rljob.testing.trainer"
 FRAMEWORK_TRAINER_ENTRY = "rljob.testing.framework_trainer"
 SIM_ARGS_ENV = "RLJOB_SIM_ARGS"  # extra emulator-only flags (sizes, version, faults) set per container
@@ -36,7 +45,7 @@ def pod_loopback(text: str, pod_ip: str) -> str:
 
 @dataclass(frozen=True)
 class PodContainer:
-    """What a container of an RLJob pod is here: `kind` agent, sglang, trainer or other; `args` the
+    """What a container of an RLJob pod is here: `kind` agent, sglang, vllm, trainer or other; `args` the
     arguments for its stand-in (after the entry point; for `other`, the whole command), loopback rewritten."""
 
     kind: str
@@ -56,11 +65,31 @@ def classify(ctx: ContainerContext, extra_sglang_args: Sequence[str] = ()) -> Po
         return PodContainer(
             "sglang", [*argv[argv.index(SGLANG_ENTRY) + 1 :], *extra_sglang_args, *sim_args], env
         )
+    serve = vllm_serve_args(ctx, argv)
+    if serve is not None:
+        return PodContainer("vllm", ["--vllm-version", vllm_version(ctx.image), *serve, *sim_args], env)
     if TRAINER_ENTRY in argv:
         return PodContainer("trainer", [*argv[argv.index(TRAINER_ENTRY) + 1 :], *sim_args], env)
     if FRAMEWORK_TRAINER_ENTRY in argv:
         return PodContainer("other", [*_python(), "-m", *argv[argv.index(FRAMEWORK_TRAINER_ENTRY) :]], env)
     return PodContainer("other", [pod_loopback(a, ctx.pod_ip) for a in default_mapping(ctx).argv], env)
+
+
+def vllm_serve_args(ctx: ContainerContext, argv: list[str]) -> list[str] | None:
+    """The `vllm serve` arguments of a container that launches vLLM, None for any other."""
+    if len(argv) >= 2 and os.path.basename(argv[0]) == "vllm" and argv[1] == "serve":
+        return argv[2:]
+    if VLLM_ENTRY in argv:
+        return argv[argv.index(VLLM_ENTRY) + 1 :]
+    if not ctx.container.get("command") and ctx.image.split("@")[0].rsplit(":", 1)[0].endswith(VLLM_IMAGE):
+        return argv  # the image's entrypoint: the args are vllm serve's
+    return None
+
+
+def vllm_version(image: str) -> str:
+    """The version an image tag names (`vllm/vllm-openai:v0.26.0`), else the emulator's default."""
+    found = re.search(r":v?(\d+\.\d+\.\d+)$", image.split("@")[0])
+    return found.group(1) if found else DEFAULT_VLLM_VERSION
 
 
 def _python() -> list[str]:
@@ -83,6 +112,8 @@ def rljob_mapping(extra_sglang_args: Sequence[str] = ()) -> Mapping:
             return Launch(argv, env=c.env)
         if c.kind == "sglang":
             return Launch([*_python(), "-m", "rljob.emulator", *c.args], env=c.env)
+        if c.kind == "vllm":
+            return Launch([*_python(), "-m", "rljob.emulator.vllm", *c.args], env=c.env)
         if c.kind == "trainer":
             return Launch([*_python(), "-m", TRAINER_ENTRY, *c.args], env=c.env)
         return Launch(c.args, env=c.env)

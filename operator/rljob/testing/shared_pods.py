@@ -1,12 +1,13 @@
 """A kubelet mapping for many simulated pods on a small machine: pods share processes, every agent and
-every SGLang emulator is still a real HTTP server on its pod's loopback IP.
+every engine emulator (SGLang's, vLLM's) is still a real HTTP server on its pod's loopback IP.
 
 `rljob_mapping()` runs one OS process per container (three per gang pod); 64 pods of those do not fit a
 2-core machine. `SharedPods` instead runs
 
 - every pod's agent (`rljob.agent.app.Agent`, configured from the args, env and mounted token file the
-  operator put in the pod spec) and SGLang emulator (`rljob.emulator.server.build_app`, configured from
-  the container's launch flags) in ONE host process, on one event loop: real aiohttp servers bound to the
+  operator put in the pod spec) and engine emulator (`rljob.emulator.server.build_app` for SGLang,
+  `rljob.emulator.vllm.server.build_app` for vLLM, configured from the container's launch flags) in ONE
+  host process, on one event loop: real aiohttp servers bound to the
   pod's IP and the ports of the pod spec;
 - every pod's trainer as a `TrainerDriver` thread in the calling process: the simulated trainer's loop
   (`rljob.testing.trainer`) through the trainer SDK over HTTP, with the pod's URLs passed explicitly;
@@ -23,11 +24,12 @@ deleted), the pod's components are stopped too (`attach` the kubelet for that).
     ...
     kubelet.stop(); shared.stop()
 
-Limits: an emulator fault that kills SGLang (`rljob.emulator.fatal`) kills the whole host, i.e. every
-pod; containers other than agent/SGLang/trainer run as their own processes (`default_mapping`).
+Limits: an emulator fault that kills its engine (`rljob.emulator.fatal`; vLLM's API server exiting after
+its engine core died) kills the whole host, i.e. every pod; containers other than agent/engine/trainer
+run as their own processes (`default_mapping`).
 
 Host process: `python -m rljob.testing.shared_pods` reads one JSON request a line on stdin
-({"id", "op": "agent"|"sglang"|"stop", "key", "argv", "env"}), answers one JSON line on stdout once the
+({"id", "op": "agent"|"sglang"|"vllm"|"stop", "key", "argv", "env"}), answers one JSON line on stdout once the
 component listens ({"id", "ok", "error"}), and stops everything at EOF.
 """
 
@@ -56,6 +58,7 @@ from typing import IO, Any
 from aiohttp import web
 
 from rljob import event_loop
+from rljob.api.spec import DEFAULT_ENGINE, EngineKind
 from rljob.testing import trainer as sim_trainer
 from rljob.testing.kubelet import ContainerContext, Kubelet, Launch, Mapping
 from rljob.testing.pods import classify
@@ -82,6 +85,7 @@ class TrainerDriver:
     weights_dir: Path
     refit_source: str = "disk"
     engine_api_key: str | None = None
+    engine: EngineKind = DEFAULT_ENGINE
     on_exit: Callable[[int], None] = lambda _code: None
     steps: dict[str, float] = field(default_factory=dict)
     error: str | None = None
@@ -119,7 +123,7 @@ class TrainerDriver:
 
     def _loop(self) -> int:
         args = sim_trainer.parser().parse_args(list(self.argv))
-        rollout = sim_trainer.Rollout(self.engine_server_url, self.engine_api_key, args)
+        rollout = sim_trainer.Rollout(self.engine_server_url, self.engine_api_key, args, self.engine)
         sim_trainer.train_loop(
             args,
             Handoff(self.agent_url),
@@ -265,6 +269,7 @@ class SharedPods:
                 / f"pod-{env.get('RLJOB_POD_INDEX', comp.pod)}",
                 refit_source=env.get("RLJOB_REFIT_SOURCE", "disk"),
                 engine_api_key=env.get("RLJOB_ENGINE_API_KEY"),
+                engine=EngineKind(env.get("RLJOB_ENGINE", DEFAULT_ENGINE.value)),
                 on_exit=functools.partial(self._trainer_exited, comp),
             )
         else:
@@ -425,6 +430,9 @@ class _Host:
             elif op == "sglang":
                 await self.stop(key)
                 self.stoppers[key] = await self.start_sglang(req["argv"], req.get("env") or {})
+            elif op == "vllm":
+                await self.stop(key)
+                self.stoppers[key] = await self.start_vllm(req["argv"], req.get("env") or {})
             else:
                 raise ValueError(f"unknown op {op!r}")
         except (Exception, SystemExit) as exc:  # argparse errors are SystemExit
@@ -456,15 +464,29 @@ class _Host:
 
         with _environ(env):
             cfg = parse_config(argv)
+        return await self.serve_app(build_app(cfg), cfg.host, cfg.port, cfg.startup_seconds)
+
+    async def start_vllm(self, argv: list[str], env: dict[str, str]) -> Callable[[], Awaitable[None]]:
+        from rljob.emulator.vllm.config import parse_config
+        from rljob.emulator.vllm.server import build_app
+
+        with _environ(env):  # vLLM reads its VLLM_* variables as it parses its launch
+            cfg = parse_config(argv)
+        return await self.serve_app(build_app(cfg), cfg.host, cfg.port, cfg.startup_seconds)
+
+    async def serve_app(
+        self, app: web.Application, host: str | None, port: int, startup_seconds: float
+    ) -> Callable[[], Awaitable[None]]:
+        """An emulator's app on its pod's address once its startup delay passed; returns its stopper."""
         # Hung handlers (faults) must not hold a stop for aiohttp's default 60 s, as in server.main.
-        runner = web.AppRunner(build_app(cfg), access_log=None, handle_signals=False, shutdown_timeout=0.5)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=0.5)
 
         async def listen() -> None:
-            await asyncio.sleep(cfg.startup_seconds)  # model loading: the port is not open yet
+            await asyncio.sleep(startup_seconds)  # model loading: the port is not open yet
             await runner.setup()
-            await web.TCPSite(runner, cfg.host, cfg.port).start()
+            await web.TCPSite(runner, host, port).start()
 
-        if cfg.startup_seconds > 0:
+        if startup_seconds > 0:
             task = asyncio.get_running_loop().create_task(listen())
 
             async def stop_later() -> None:

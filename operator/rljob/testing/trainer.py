@@ -1,17 +1,18 @@
 """Simulated trainer: the end-to-end proof that no stale weights or KV are ever served.
 
 Loop: wait until the agent reports Serving; send rollout requests (a shared prompt prefix, several
-samples per prompt, `--concurrency` requests in flight) to SGLang and check every answer's
-meta_info.weight_version (and per-token spans) equals the served version and that the text is not
-garbage; compute a policy-gradient loss from the answers' output_token_logprobs (asked with
+samples per prompt, `--concurrency` requests in flight) to the engine (SGLang's /generate, vLLM's
+/v1/completions) and check every answer's weight version (SGLang's meta_info.weight_version and per-token
+spans; vLLM's weight_versions spans, where its version carries them) equals the served version and that
+the text is not garbage; compute a policy-gradient loss from the answers' output_token_logprobs (asked with
 `return_logprob`) and log it with the rollout; report the samples to the agent (`handoff.report_rollout`);
 then take the GPU lease, write a real safetensors checkpoint for version int(served)+1, publish it, and
 for tensor/distributed refits push it through the agent's refit window. Exits 2 with a message when a
 check fails, 4 when an answer has no usable logprobs.
 
     python -m rljob.testing.trainer [--iterations N] [--prompts P] [--samples-per-prompt K] ...
-    env: RLJOB_AGENT_URL, RLJOB_ENGINE_SERVER_URL, RLJOB_REFIT_SOURCE (disk|tensor|distributed),
-    RLJOB_WEIGHTS_DIR
+    env: RLJOB_AGENT_URL, RLJOB_ENGINE (sglang|vllm), RLJOB_ENGINE_SERVER_URL, RLJOB_REFIT_SOURCE
+    (disk|tensor|distributed), RLJOB_WEIGHTS_DIR
 """
 
 from __future__ import annotations
@@ -33,16 +34,18 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
+from rljob.api.spec import DEFAULT_ENGINE, EngineKind
 from rljob.emulator.rendezvous import Rank0
 from rljob.emulator.tokens import GARBAGE_MARKER
 from rljob.testing.collective import BACKENDS, World, WorldError
 from rljob.testing.collective import join as join_world
 from rljob.testing.emulated_gpu import EmulatedGpuMemory
-from rljob.testing.ipc_stand_in import cuda_reduction, share
+from rljob.testing.ipc_stand_in import cuda_reduction, share, vllm_update
 from rljob.testing.rollout_gate import RolloutGate
 from rljob.trainer import Handoff
 from rljob.trainer.engines.sglang import packing
 from rljob.trainer.engines.sglang.digest import ModelLayout, checkpoint_digest, digest_named_tensors
+from rljob.trainer.engines.vllm import digest as vllm_digest
 
 
 class StaleServing(Exception):
@@ -174,9 +177,57 @@ def write_checkpoint(weights_dir: Path, version: str, tensors: dict[str, np.ndar
     return path
 
 
+def from_vllm(response: dict[str, Any]) -> list[dict[str, Any]]:
+    """A vLLM /v1/completions answer as the answers of SGLang's /generate this trainer reads: one per
+    choice, with its token ids, logprobs, finish reason and, where vLLM's version stamps outputs (0.34's
+    `weight_versions`; the key is absent before), the versions its tokens came from. `labelled` says
+    whether the answer carries a version at all (vLLM 0.26's never does: the agent owns the label)."""
+    usage = response.get("usage") or {}
+    # usage counts the prompt the n samples share once: the first answer carries it. vLLM reports cached
+    # tokens per request only when launched with --enable-prompt-tokens-details (its /metrics count them).
+    prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    out = []
+    for n, choice in enumerate(response["choices"]):
+        lp = choice.get("logprobs") or {}
+        ids = list(choice.get("token_ids") or [])
+        values, texts = lp.get("token_logprobs"), list(lp.get("tokens") or [])
+        # One [logprob, token id, text] per logprob: a count that differs from the ids is token_logprobs'.
+        meta: dict[str, Any] = {
+            "id": f"{response['id']}-{choice['index']}",
+            "finish_reason": {"type": choice.get("finish_reason")},
+            "output_token_logprobs": (
+                None
+                if values is None
+                else [
+                    [v, ids[i] if i < len(ids) else -1, texts[i] if i < len(texts) else ""]
+                    for i, v in enumerate(values)
+                ]
+            ),
+            "prompt_tokens": prompt_tokens if n == 0 else 0,
+            "cached_tokens": cached_tokens if n == 0 else 0,
+        }
+        labelled = "weight_versions" in choice and bool(ids)  # no tokens: no version to judge
+        spans = choice.get("weight_versions") or []
+        if labelled:
+            meta["weight_version"] = spans[-1]["version"] if spans else None
+            meta["weight_versions"] = spans
+        out.append(
+            {"text": choice.get("text", ""), "output_ids": ids, "meta_info": meta, "labelled": labelled}
+        )
+    return out
+
+
 class Rollout:
-    def __init__(self, sglang_url: str, api_key: str | None, args: argparse.Namespace) -> None:
-        self.url = sglang_url.rstrip("/")
+    def __init__(
+        self,
+        engine_url: str,
+        api_key: str | None,
+        args: argparse.Namespace,
+        engine: EngineKind = DEFAULT_ENGINE,
+    ) -> None:
+        self.url = engine_url.rstrip("/")
+        self.engine = engine
         # A follower pod of a multi-node instance has no SGLang API (C-NODE): its instance's leader generates.
         # Under torchrun (processesPerPod > 1) LOCAL_RANK 0 generates for the pod.
         self.generates = all(os.environ.get(k, "0") == "0" for k in ("RLJOB_NODE_RANK", "LOCAL_RANK"))
@@ -186,17 +237,29 @@ class Rollout:
         self.args = args
 
     def _generate(self, prompt: str) -> list[dict[str, Any]]:
+        if self.engine == EngineKind.VLLM:
+            body: dict[str, Any] = {
+                "prompt": prompt,
+                "n": self.args.samples_per_prompt,
+                "max_tokens": self.args.max_new_tokens,
+                "temperature": 1.0,
+                "logprobs": 0,  # the sampled token's own logprob: the loss is computed from them
+                "return_token_ids": True,
+                "return_weight_versions": True,  # 0.34 stamps outputs with versions; 0.26 ignores it
+            }
+            return from_vllm(self._post("/v1/completions", body))
         body = {
             "text": [prompt] * self.args.samples_per_prompt,
             "sampling_params": {"max_new_tokens": self.args.max_new_tokens, "temperature": 1.0},
             "return_logprob": True,  # the loss is computed from the rollout's own logprobs
         }
-        req = urllib.request.Request(
-            self.url + "/generate", json.dumps(body).encode(), self.headers, method="POST"
-        )
-        with urllib.request.urlopen(req, timeout=self.args.request_timeout) as resp:
-            out = json.loads(resp.read())
+        out = self._post("/generate", body)
         return out if isinstance(out, list) else [out]
+
+    def _post(self, path: str, body: dict[str, Any]) -> Any:
+        req = urllib.request.Request(self.url + path, json.dumps(body).encode(), self.headers, method="POST")
+        with urllib.request.urlopen(req, timeout=self.args.request_timeout) as resp:
+            return json.loads(resp.read())
 
     def run(self, iteration: int, served: str) -> dict[str, Any]:
         if not self.generates:
@@ -227,7 +290,8 @@ class Rollout:
         meta = response["meta_info"]
         if meta.get("finish_reason", {}).get("type") == "abort":
             return  # aborted by a drain: no tokens to judge
-        if meta.get("weight_version") != served:
+        # An engine whose answers carry no version (vLLM 0.26): only their content can be judged.
+        if response.get("labelled", True) and meta.get("weight_version") != served:
             raise StaleServing(
                 f"request {meta.get('id')} served by weight_version {meta.get('weight_version')!r}, "
                 f"but the agent reports {served!r}"
@@ -251,7 +315,15 @@ def push_refit(
                 f"refit window for version {window.version}, but this trainer published {version}"
             )
         names = sorted(tensors)
-        if source == "tensor":
+        if source == "tensor" and window.engine == "vllm":
+            # vLLM's packed IPC update (V-REFIT-IPC): one stand-in buffer per tensor, pushed as updateInfo.
+            shared = os.environ.get(IPC_DIR_ENV)
+            for name in names:
+                window.push_update(vllm_update({name: tensors[name]}, Path(shared) if shared else None))
+            if shared:  # the emulator holds these bytes: what it holds must be their vLLM digest
+                layout = vllm_digest.ModelLayout.from_config(SIM_CONFIG)
+                window.add_digest(vllm_digest.digest_named_tensors([(n, tensors[n]) for n in names], layout))
+        elif source == "tensor":
             shared = os.environ.get(IPC_DIR_ENV)
             for name in names:  # one bucket per tensor; one payload per TP rank (TP=1 here)
                 payload = packing.to_wire(
@@ -330,6 +402,14 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def published_digest(engine: EngineKind, path: Path) -> Any:
+    """The checkpoint's digest as the pod's engine will hash it once loaded (each engine's checksum hashes
+    its own parameters its own way: trainer/engines/<name>/digest.py)."""
+    if engine == EngineKind.VLLM:
+        return vllm_digest.checkpoint_digest(path)
+    return checkpoint_digest(path)
+
+
 def train_loop(
     args: argparse.Namespace,
     handoff: Handoff,
@@ -370,7 +450,7 @@ def train_loop(
             path = write_checkpoint(weights_dir, version, tensors)
             if gpu is not None:  # frees the step's memory, but for what it keeps after its lease
                 gpu.hold_for(args.keep_gpu_bytes, args.keep_seconds)
-            lease.publish(version, str(path), digest=checkpoint_digest(path))
+            lease.publish(version, str(path), digest=published_digest(rollout.engine, path))
             on_step(version, time.perf_counter() - granted)
         log("published", iteration=iteration, version=version, path=str(path), source=source)
         if source != "disk" and rollout.generates:  # refit windows open on the leader's agent only
@@ -390,10 +470,16 @@ def main(argv: list[str] | None = None) -> int:
     if source not in ("disk", "tensor", "distributed"):
         print(f"RLJOB_REFIT_SOURCE must be disk, tensor or distributed, not {source!r}", file=sys.stderr)
         return 1
+    try:
+        engine = EngineKind(os.environ.get("RLJOB_ENGINE", DEFAULT_ENGINE.value))
+    except ValueError:
+        print(f"RLJOB_ENGINE must be one of {', '.join(EngineKind)}", file=sys.stderr)
+        return 1
     rollout = Rollout(
         os.environ.get("RLJOB_ENGINE_SERVER_URL", "http://127.0.0.1:30000"),
         os.environ.get("RLJOB_ENGINE_API_KEY"),
         args,
+        engine,
     )
     weights_dir = Path(os.environ.get("RLJOB_WEIGHTS_DIR", "/tmp/rljob-weights"))
     try:

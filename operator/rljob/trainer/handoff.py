@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rljob.trainer.client import AgentClient, AgentError, AgentUnavailable
+from rljob.trainer.engines import UpdateCodec, update_codec
 from rljob.trainer.engines import digest as codec_digest
 from rljob.trainer.engines import packing as codec_packing
 
@@ -95,6 +96,7 @@ class RefitSession:
     _held: _Held | None = field(default=None, repr=False)
     _group_pending: bool = field(default=False, repr=False)  # init_group sent, the engine not in it yet
     architectures: list[str] = field(default_factory=list)  # the engine's (the window says): the digest's
+    engine: str | None = None  # the engine the pushes go to (the window says): the form they are packed in
     digest: codec_digest.Digest | None = field(
         default=None, repr=False
     )  # of this window's pushes, sent when it closes
@@ -126,6 +128,13 @@ class RefitSession:
             body["loadFormat"] = load_format
         self._hold(_Held("/v1/trainer/refit/tensor", body))
 
+    def push_update(self, update_info: dict[str, Any]) -> None:
+        """One bucket in the form of an engine that takes update objects (its names, dtypes, shapes, sizes
+        and IPC handles: trainer/engines/<name>/packing.py), built by hand: give its digest with
+        `add_digest`, or the weights are not verified against the trainer."""
+        self._by_hand = self._by_hand or "updates built by hand (push_update) without add_digest"
+        self._hold(_Held("/v1/trainer/refit/tensor", {"updateInfo": dict(update_info)}))
+
     def push_named_tensors(
         self,
         named_tensors: Iterable[tuple[str, Any]],
@@ -156,6 +165,9 @@ class RefitSession:
             raise LeaseError("this refit session has no bucket buffers (open it with Handoff.refit_window)")
         if self.source != "tensor":
             raise LeaseError(f"the open refit window takes {self.source} pushes, not tensors")
+        codec = update_codec(self.engine)
+        if codec is not None:
+            return self._push_updates(codec, named_tensors, bucket_bytes, digest, config)
         size = bucket_bytes or codec_packing.DEFAULT_BUCKET_BYTES
         named, plans = codec_packing.prepare(named_tensors, size, tp_size)
         buffers, report = self._buffers(), codec_packing.PushReport()
@@ -171,6 +183,33 @@ class RefitSession:
         finally:
             if hashing is not None:
                 hashing.release()  # the caller may change the tensors once this returns
+        return report
+
+    def _push_updates(
+        self,
+        codec: UpdateCodec,
+        named_tensors: Iterable[tuple[str, Any]],
+        bucket_bytes: int | None,
+        digest: bool,
+        config: Any,
+    ) -> codec_packing.PushReport:
+        """An engine that takes one update object per bucket (trainer/engines UpdateCodec): its digest from
+        a CPU copy of the tensors (the engine's checksum hashes one), then each bucket packed and pushed; a
+        bucket's buffer is kept until its push answered (the last one until the window closes)."""
+        named = list(named_tensors)
+        report = codec_packing.PushReport()
+        if digest:
+            if config is not None:
+                layout = codec.layout_from_config(config)
+            else:
+                layout = codec.layout(self.architectures[0] if self.architectures else None, _tied(named))
+            d = codec.digest_named_tensors(named, layout)
+            report.digest_seconds += d.seconds
+            self._merge(d)
+        else:
+            self._unseen = self._unseen or "push_named_tensors(digest=False)"
+        for bucket in codec.buckets(named, bucket_bytes or codec.default_bucket_bytes):
+            self._hold(_Held("/v1/trainer/refit/tensor", {"updateInfo": bucket.info}, report, bucket.buffer))
         return report
 
     def _push_buckets(
@@ -202,9 +241,7 @@ class RefitSession:
         if config is not None:
             layout = codec_digest.ModelLayout.from_config(config)
         else:
-            tensors = dict(named)
-            embed, head = tensors.get("model.embed_tokens.weight"), tensors.get("lm_head.weight")
-            tied = embed is not None and head is not None and embed.data_ptr() == head.data_ptr()
+            tied = _tied(named)
             layout = codec_digest.ModelLayout(self.architectures[0] if self.architectures else None, tied)
         return codec_digest.start_digest_named_tensors(named, layout)
 
@@ -316,6 +353,13 @@ class RefitSession:
             return {"digest": self.digest.wire()}
         why = why or "no digest of the pushed tensors"
         return {"digest": {"unavailable": f"the trainer's pushes are not all in its digest: {why}"}}
+
+
+def _tied(named: list[tuple[str, Any]]) -> bool:
+    """embed_tokens and lm_head share their storage (tied embeddings)."""
+    tensors = dict(named)
+    embed, head = tensors.get("model.embed_tokens.weight"), tensors.get("lm_head.weight")
+    return embed is not None and head is not None and embed.data_ptr() == head.data_ptr()
 
 
 class Handoff:
@@ -444,8 +488,10 @@ class Handoff:
     def refit_window(self, timeout: float | None = None) -> Iterator[RefitSession]:
         """Wait for the agent to open a tensor/distributed refit window; the final push carries the version
         when the block exits; an exception closes the window with the error (the refit fails)."""
-        version, source, archs = self._wait_window(timeout)
-        session = RefitSession(self.client, version, source, _buffers=self._buffers, architectures=archs)
+        version, source, archs, engine = self._wait_window(timeout)
+        session = RefitSession(
+            self.client, version, source, _buffers=self._buffers, architectures=archs, engine=engine
+        )
         try:
             yield session
             session._finish()
@@ -456,7 +502,7 @@ class Handoff:
             raise
         self.client.call("POST", "/v1/trainer/refit/close", session.close_body())
 
-    def _wait_window(self, timeout: float | None) -> tuple[str, str, list[str]]:
+    def _wait_window(self, timeout: float | None) -> tuple[str, str, list[str], str | None]:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
@@ -464,4 +510,6 @@ class Handoff:
                 raise TimeoutError(f"no refit window opened within {timeout}s")
             window = self.client.call("GET", "/v1/trainer/refit", query={"wait": f"{max(0.1, left):g}"})
             if window.get("open"):
-                return str(window["version"]), str(window["source"]), list(window.get("architectures") or [])
+                archs = list(window.get("architectures") or [])
+                engine = window.get("engine")
+                return str(window["version"]), str(window["source"]), archs, str(engine) if engine else None

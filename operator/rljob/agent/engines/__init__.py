@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from rljob.agent.engines.base import Engine, EngineGuards
 from rljob.agent.engines.sglang.engine import SGLangEngine
-from rljob.api.spec import EngineKind
+from rljob.agent.engines.vllm.engine import VLLMEngine
+from rljob.api.spec import EngineKind, RefitSource
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,8 @@ class EngineLink:
     call_timeout_s: float  # the bound on a call made outside a command's deadline
     observe: Callable[[str, float], None]  # each call's latency, by operation
     hang_probe_timeout_s: float = 5.0  # where the engine needs a hang check (Engine.hang_check)
+    refit_source: RefitSource | None = None  # the RLJob's, where the operator passed it (launch refusals)
+    keep_released_weights: bool = False  # where a release chooses, keep the weights on the host
 
 
 ENGINES: Mapping[EngineKind, Callable[[EngineLink], Engine]] = {
@@ -33,8 +36,19 @@ ENGINES: Mapping[EngineKind, Callable[[EngineLink], Engine]] = {
         observe=link.observe,
         hang_probe_timeout_s=link.hang_probe_timeout_s,
     ),
+    EngineKind.VLLM: lambda link: VLLMEngine.build(
+        link.url,
+        api_key=link.api_key,
+        call_timeout_s=link.call_timeout_s,
+        observe=link.observe,
+        refit_source=link.refit_source,
+        keep_weights=link.keep_released_weights,
+    ),
 }
-GUARDS: Mapping[EngineKind, EngineGuards] = {EngineKind.SGLANG: SGLangEngine.guards}
+GUARDS: Mapping[EngineKind, EngineGuards] = {
+    EngineKind.SGLANG: SGLangEngine.guards,
+    EngineKind.VLLM: VLLMEngine.guards,
+}
 
 
 def build_engine(kind: EngineKind, link: EngineLink) -> Engine:

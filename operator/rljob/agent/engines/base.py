@@ -72,6 +72,13 @@ class EngineFacts(Protocol):
     def dp_size(self) -> int: ...
 
     @property
+    def reports_version(self) -> bool:
+        """The engine carries a label of the weights it serves and reports it (Engine.served); where it
+        does not, the agent's label is the served version and a generated token after each refit, with the
+        weights' checksum where the engine takes one, stands for the engine's word."""
+        ...
+
+    @property
     def weights_survive_release(self) -> bool:
         """Released weights come back as they were (a host copy), not as garbage a load must overwrite."""
         ...
@@ -151,7 +158,7 @@ class EngineGuards(Protocol):
 
     def resume(self, cmd: ResumeCommand, state: AgentState, facts: EngineFacts) -> None: ...
 
-    def tensor_push(self, push: TensorPush) -> int:
+    def tensor_push(self, push: TensorPush, facts: EngineFacts | None = None) -> int:
         """A tensor push the engine would die on or misread; the bytes it carries."""
         ...
 
@@ -188,6 +195,12 @@ class Engine(Protocol):
 
     @property
     def guards(self) -> EngineGuards: ...
+
+    @property
+    def failed_load_poisons(self) -> bool:
+        """A load that fails leaves weights the engine cannot serve until a load completes (the core then
+        refuses a resume: EngineInfo.unloaded)."""
+        ...
 
     @property
     def metrics_off(self) -> str:
@@ -276,7 +289,8 @@ class Engine(Protocol):
 
     async def continue_serving(self, dl: Deadline, on_continued: Callable[[], None]) -> Served:
         """Serve again, and prove it: a token generated. `on_continued` runs once the engine took the
-        call; returns what it serves."""
+        call; returns what it serves. The last resume may already have made it serve again (an engine that
+        schedules once nothing is released): then only the proof is left."""
         ...
 
     # --- read what it serves --------------------------------------------------------------------------

@@ -38,6 +38,10 @@ class AsyncLLM:
         for core in self.cores:
             core.start()
 
+    def stop(self) -> None:
+        for core in self.cores:
+            core.stop()
+
     def gpu_busy_seconds(self, gpu: int) -> float:
         """Emulated GPU time on `gpu`: each DP engine runs on TP x PP GPUs of its own."""
         core = self.cores[min(gpu // max(1, self.cfg.world_size), len(self.cores) - 1)]

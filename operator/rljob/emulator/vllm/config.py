@@ -70,6 +70,7 @@ class LaunchConfig:
     startup_seconds: float
     watchdog_seconds: float
     faults: VllmFaults
+    ipc_stand_in_dir: str | None = None
     unknown_flags: list[str] = field(default_factory=list)
 
     @property
@@ -131,6 +132,12 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--saturation-batch", type=int, default=64)
     e.add_argument("--gpu-name", default="NVIDIA H100 80GB HBM3")
     e.add_argument("--startup-seconds", type=float, default=0.0, help="delay before the port opens")
+    e.add_argument(
+        "--ipc-stand-in-dir",
+        default=None,
+        help="where the test world shares the bytes behind its stand-in CUDA IPC handles (a file per "
+        "handle, named by its hex): the accounting backend reads pushed tensors from there",
+    )
     e.add_argument(
         "--engine-death-watchdog-seconds",
         type=float,
@@ -216,6 +223,7 @@ def parse_config(argv: list[str]) -> LaunchConfig:
             hang=set(args.fault_hang),
             sleep_memory_grows=args.fault_sleep_memory_grows,
         ),
+        ipc_stand_in_dir=args.ipc_stand_in_dir,
         unknown_flags=list(unknown),
     )
     return cfg

@@ -63,6 +63,12 @@ class EngineCore:
     def start(self) -> None:
         self._loop = asyncio.ensure_future(self._busy_loop())
 
+    def stop(self) -> None:
+        """The server stopped (not vLLM: a process ends with its server): its loop and tasks end too."""
+        for task in [self._loop, *self._tasks]:
+            if task is not None:
+                task.cancel()
+
     def notify(self) -> None:
         self._work.set()
 

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from rljob.emulator import fatal
 from rljob.emulator.memory import AccountingBackend, RegionBackend
+from rljob.emulator.tensor_refit import set_ipc_stand_in_dir
 from rljob.emulator.vllm import routes_debug, routes_dev, routes_rl, routes_serving
 from rljob.emulator.vllm.client import AsyncLLM
 from rljob.emulator.vllm.config import LaunchConfig, parse_config
@@ -47,6 +48,7 @@ def _exit_now() -> None:
 
 
 def build_app(cfg: LaunchConfig) -> web.Application:
+    set_ipc_stand_in_dir(cfg.ipc_stand_in_dir)
     backend = make_backend(cfg)
     llm = AsyncLLM(cfg, backend)
     backend.drive_busy(llm.gpu_busy_seconds)
@@ -68,6 +70,7 @@ def build_app(cfg: LaunchConfig) -> web.Application:
         routes_dev.add_routes(app)
     routes_debug.add_routes(app)
     app.on_startup.append(_start)
+    app.on_cleanup.append(_stop)
     return app
 
 
@@ -75,6 +78,14 @@ async def _start(app: web.Application) -> None:
     llm = app[LLM_KEY]
     llm.start()
     app[STATE_KEY].watchdog = asyncio.ensure_future(_watchdog(llm))
+
+
+async def _stop(app: web.Application) -> None:
+    """An app stopped inside a process that goes on (several emulated pods in one): nothing keeps running."""
+    watchdog = app[STATE_KEY].watchdog
+    if watchdog is not None:
+        watchdog.cancel()
+    app[LLM_KEY].stop()
 
 
 async def _watchdog(llm: AsyncLLM) -> None:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rljob.emulator.tensor_refit import ITEMSIZE, DtypeRef, stand_in
+from rljob.emulator.tensor_refit import ITEMSIZE, DtypeRef, shared_bytes, stand_in
 
 TORCH_TYPE_NAME = {"uint8": "Byte", "bfloat16": "BFloat16", "float16": "Half", "float32": "Float"}
 REBUILD_ARGS = 15  # torch.multiprocessing.reductions.rebuild_cuda_tensor's parameters
@@ -178,6 +178,17 @@ def rebuild(args: Any, open_handle: Callable[[list[Any]], Any] | None) -> Rebuil
     return Rebuilt(dims, dtype.name, math.prod(dims) * dtype.itemsize)
 
 
+def handle_bytes(args: Any, nbytes: int) -> bytes | None:
+    """The bytes behind a stand-in handle's `nbytes`, where the test world shared them
+    (--ipc-stand-in-dir, rljob.testing.ipc_stand_in.share); None where it did not."""
+    if not isinstance(args, list | tuple) or len(args) != REBUILD_ARGS or not isinstance(args[5], DtypeRef):
+        return None
+    offset = int(args[3]) * args[5].itemsize if isinstance(args[3], int) else 0
+    storage_offset = int(args[9]) if isinstance(args[9], int) else 0
+    storage = int(args[8]) if isinstance(args[8], int) else 0
+    return shared_bytes(args[7], storage_offset, storage, offset, nbytes)
+
+
 def own_handle(handle: Any, uuid: str) -> Any:
     """Each worker takes its own GPU's entry (ipc:255-272@0.26.0)."""
     if not isinstance(handle, dict) or uuid not in handle:
@@ -196,11 +207,14 @@ def _torch_dtype(name: Any) -> tuple[str, int]:
 def unpack(
     buffer: Rebuilt, names: list[str], shapes: list[Any], dtype_names: list[Any], sizes: list[Any]
 ) -> list[tuple[str, Rebuilt]]:
-    """packed_ipc_consumer: the buffer cut to sum(tensor_sizes), split by `tensor_sizes`, each piece
-    viewed as its dtype and shape (…/distributed/weight_transfer/packed_tensor.py:19-46,377-430@0.26.0)."""
+    """packed_ipc_consumer: the buffer cut to sum(tensor_sizes) of its elements, split by `tensor_sizes`,
+    each piece viewed as its dtype and shape (…/distributed/weight_transfer/packed_tensor.py:19-46,377-430
+    @0.26.0). The sizes are bytes of a uint8 buffer, as vLLM's producer packs it; a buffer of another dtype
+    is cut and split in its own elements, as torch does."""
     dtypes = [_torch_dtype(d) for d in dtype_names]
     sizes_i = [int(s) for s in sizes]
-    content = min(sum(sizes_i), buffer.nbytes)
+    item = ITEMSIZE.get(buffer.dtype, 1)
+    content = min(sum(sizes_i), buffer.nbytes // item)
     if sum(sizes_i) != content:
         raise RuntimeError(
             f"split_with_sizes expects split_sizes to sum exactly to {content} (input tensor's size at "
@@ -208,15 +222,16 @@ def unpack(
         )
     out: list[tuple[str, Rebuilt]] = []
     for name, shape, (dname, itemsize), size in zip(names, shapes, dtypes, sizes_i, strict=False):
-        if size % itemsize:
+        nbytes = size * item
+        if nbytes % itemsize:
             raise RuntimeError(
                 f"self.size(-1) must be divisible by {itemsize} to view Byte as "
                 f"{TORCH_TYPE_NAME.get(dname, dname)} (different element sizes), but got {size}"
             )
         dims = tuple(int(d) for d in shape)
-        if math.prod(dims) != size // itemsize:
-            raise RuntimeError(f"shape '{list(dims)}' is invalid for input of size {size // itemsize}")
-        out.append((str(name), Rebuilt(dims, dname, size)))
+        if math.prod(dims) != nbytes // itemsize:
+            raise RuntimeError(f"shape '{list(dims)}' is invalid for input of size {nbytes // itemsize}")
+        out.append((str(name), Rebuilt(dims, dname, nbytes)))
     return out
 
 

@@ -21,10 +21,13 @@ from typing import Any
 
 from rljob.emulator import rendezvous
 from rljob.emulator.memory import RegionBackend
+from rljob.emulator.parameters import Loaded, Parameters, Unseen, checkpoint_of, mapping
 from rljob.emulator.tensor_refit import Unmodelled
 from rljob.emulator.vllm import weight_transfer as wt
 from rljob.emulator.vllm.config import LaunchConfig
-from rljob.emulator.weights import LoadedWeights, WeightsLoadError, read_safetensors, safetensors_files
+from rljob.emulator.weights import LoadedWeights, WeightsLoadError, read_checkpoint, safetensors_files
+from rljob.trainer.engines.sglang.digest import ModelLayout
+from rljob.trainer.engines.vllm.digest import parameter_hash, vllm_name
 
 log = logging.getLogger("vllm.emulator")
 
@@ -58,7 +61,7 @@ def checkpoint_params(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
     return out
 
 
-def _read_checkpoint(path: str) -> LoadedWeights:
+def _read_checkpoint(path: str) -> tuple[LoadedWeights, list[Loaded]]:
     """The loader's `get_all_weights(model_config)` over P: a local directory, else a hub id it would
     download (…/model_executor/model_loader/default_loader.py:128-200@0.26.0). The emulator reads local
     safetensors only; a path that is not there fails as the hub's repo-id check does."""
@@ -69,19 +72,30 @@ def _read_checkpoint(path: str) -> LoadedWeights:
             "Use `repo_type` argument if needed."
         )
     try:
-        checksum, tensors = read_safetensors(path)
+        cp = read_checkpoint(path)
     except WeightsLoadError as e:
         raise RuntimeError(f"Cannot find any model weights with `{path}`") from e
-    return LoadedWeights("disk", path, checksum, tensors=tensors)
+    return LoadedWeights("disk", path, cp.checksum, tensors=len(cp.tensors)), cp.tensors
 
 
-def _launch_weights(path: str) -> LoadedWeights:
-    """A real checkpoint where the model path has one; else the name stands in."""
+def _launch_weights(path: str) -> tuple[LoadedWeights, list[Loaded]]:
+    """A real checkpoint where the model path has one; else the name stands in (and the model has no
+    parameters)."""
     try:
-        checksum, tensors = read_safetensors(path)
+        cp = read_checkpoint(path)
     except (WeightsLoadError, OSError):
-        checksum, tensors = hashlib.sha256(path.encode()).hexdigest(), 0
-    return LoadedWeights("launch", path, checksum, tensors=tensors)
+        return LoadedWeights("launch", path, hashlib.sha256(path.encode()).hexdigest()), []
+    return LoadedWeights("launch", path, cp.checksum, tensors=len(cp.tensors)), cp.tensors
+
+
+def vllm_naming(name: str, layout: ModelLayout) -> tuple[str, int, int] | None:
+    """A checkpoint tensor's vLLM parameter (rljob.trainer.engines.vllm.digest: the loader read for known
+    architectures); for any other architecture each tensor is a parameter of its own name."""
+    if layout.architecture is None:
+        return name, 0, 1
+    if layout.tie_word_embeddings and name == "lm_head.weight":
+        return None
+    return vllm_name(name)
 
 
 class Worker:
@@ -91,8 +105,13 @@ class Worker:
         self.backend = backend
         self.dp_index = dp_index
         self.model_path = cfg.model  # model_config.model: a reload with a path changes it for good
-        self.weights = _launch_weights(cfg.model)
+        self.weights, launch = _launch_weights(cfg.model)
         self.params = checkpoint_params(cfg.model)
+        self.layout = checkpoint_of(cfg.model)  # how the checkpoint's names map to vLLM's parameters
+        # What each parameter holds, hashed as /weight_checker hashes it (V-CHECKER-HASH).
+        self.parameters = Parameters(naming=vllm_naming, hashing=parameter_hash)
+        self.parameters.replace(launch, self.layout)
+        self._received: list[Loaded] = []  # the session's tensors, loaded at its finish
         self.asleep: dict[str, bool] = {}  # tag -> has a host backup (cumem's allocations asleep)
         self.buffers_lost = False  # V-KILL-L3: buffers not saved by a level >= 3 sleep (0.26)
         self.host_backup_bytes = 0  # V-MEM-LEVEL1-HOST: pinned host memory the level-1 backups hold
@@ -163,6 +182,7 @@ class Worker:
                 self.backend.resume(region)
         if tag == "weights" and not backup:
             self.weights.lose_contents()  # fresh memory of undefined contents (V-KILL-L2-NO-REFIT)
+            self.parameters.lose_contents()
         if tag == "weights" and backup and not self.profile.level_one_backup_kept:
             self.host_backup_bytes = 0  # 0.26 drops the pinned buffer at the wake
 
@@ -218,7 +238,8 @@ class Worker:
             self.model_path = str(weights_path)
         if is_checkpoint_format:
             self.on_meta = True  # initialize_layerwise_reload
-        self.weights = _read_checkpoint(self.model_path)  # a failure leaves the layers on meta
+        self.weights, tensors = _read_checkpoint(self.model_path)  # a failure leaves the layers on meta
+        self.parameters.replace(tensors, mapping(self.layout))
         self.on_meta = False
         log.info("Reloading and processing weights from %s", self.model_path)
 
@@ -297,6 +318,7 @@ class Worker:
         self.update_active = True
         self._push_digest = hashlib.sha256()
         self._pushed = self._written = 0
+        self._received = []
 
     def start_draft_weight_update(self) -> None:
         self._check_transfer()
@@ -346,6 +368,32 @@ class Worker:
         self._write_on_gpu(weights)
         self._push_digest.update(wt.push_digest(info))
         self._pushed += len(weights)
+        self._received += self._contents(info, packed, weights)
+
+    def _contents(
+        self, info: dict[str, Any], packed: bool, weights: list[tuple[str, wt.Rebuilt]]
+    ) -> list[Loaded]:
+        """What each received tensor holds: the bytes the test world shared behind its handle, else bytes
+        standing for it, keyed on the handle (parameters.Unseen)."""
+        handles, uuid = info["ipc_handles"], self.uuids[0]
+        out = []
+        if packed:
+            args = wt.own_handle(handles, uuid)
+            total = sum(t.nbytes for _, t in weights)
+            data = wt.handle_bytes(args, total)
+            offset = 0
+            for i, (name, t) in enumerate(weights):
+                part = (
+                    data[offset : offset + t.nbytes] if data is not None else Unseen(repr((args, i)).encode())
+                )
+                out.append(Loaded(name, t.shape, part))
+                offset += t.nbytes
+            return out
+        for (name, t), handle in zip(weights, handles, strict=False):
+            args = wt.own_handle(handle, uuid)
+            data = wt.handle_bytes(args, t.nbytes)
+            out.append(Loaded(name, t.shape, data if data is not None else Unseen(repr(args).encode())))
+        return out
 
     def _loads(self, raw: bytes) -> Any:
         if self.cfg.memory_backend == "cuda":
@@ -412,6 +460,9 @@ class Worker:
             digest = self._push_digest.hexdigest()
             source = "tensor" if self.transfer == "ipc" else "distributed"
             self.weights = LoadedWeights(source, "<push>", digest, tensors=self._pushed)
+            self.parameters.write(self._received, mapping(self.layout))
+            self.parameters.bind(digest)  # bytes the emulator did not see: the push's own
+            self._received = []
         self.on_meta = False
         self.update_active = False
         self.incomplete_update = False
@@ -419,29 +470,28 @@ class Worker:
     # --- weight checker (V-ROUTE-CHECKER, 0.34) ----------------------------------------------------
 
     def compute_weight_checksums(self) -> dict[str, str]:
-        """One key per parameter per worker, `dp{D}:pp{P}:pcp{C}:tp{T}:{name}` (gw:387-398@0.34.0)."""
+        """One key per parameter per worker, `dp{D}:pp{P}:pcp{C}:tp{T}:{name}` (gw:387-398@0.34.0), each
+        sha256 of the parameter's raw bytes (…/model_executor/model_loader/weight_checksum.py:15-43
+        @0.34.0): with TP 1 exactly vLLM's. With TP > 1 a rank holds a shard whose bytes the emulator does
+        not cut: its value is sha256 of the whole parameter's hash and the rank."""
         if self.cuda_error is not None:
             raise RuntimeError(self.cuda_error)
-        names = sorted(self.params) or ["weights"]
+        hashes = self.parameters.hashes(self.weights.checksum)
         out: dict[str, str] = {}
         for rank in range(self.cfg.world_size):
             tp, pp = rank % self.cfg.tp_size, rank // self.cfg.tp_size
             prefix = f"dp{self.dp_index}:pp{pp}:pcp0:tp{tp}:"
-            for name in names:
-                out[prefix + name] = placeholder_parameter_digest(self.weights, name, tp)
+            for name, digest in sorted(hashes.items()):
+                if self.cfg.tp_size > 1:
+                    digest = hashlib.sha256(f"{digest}:{tp}".encode()).hexdigest()
+                out[prefix + name] = digest
         return out
 
     def reset_weights(self) -> None:
-        """zero_weights: every parameter zeroed; the model then serves garbage."""
+        """zero_weights: every parameter zeroed (…/model_executor/model_loader/weight_checksum.py:41-43
+        @0.34.0); the model then serves garbage."""
         self._write_check()
         self.weights = LoadedWeights(
             "reset", self.model_path, "zeros", valid=False, tensors=self.weights.tensors
         )
-
-
-def placeholder_parameter_digest(weights: LoadedWeights, name: str, tp_rank: int) -> str:
-    """PLACEHOLDER for V-CHECKER-HASH: vLLM's value is sha256 over a CPU copy of the parameter's raw bytes
-    (…/model_executor/model_loader/weight_checksum.py:15-43@0.34.0); the emulator holds no parameter
-    bytes, so this is a digest of the loaded weights' identity, the name and the TP rank. It does NOT equal
-    vLLM's: a content hash of each parameter replaces this one function."""
-    return hashlib.sha256(f"{weights.checksum}\0{name}\0{tp_rank}".encode()).hexdigest()
+        self.parameters.zero()

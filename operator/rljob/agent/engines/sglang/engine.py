@@ -67,6 +67,8 @@ class SGLangEngine:
     resume_order = RESUME_ORDER
     metrics_off = metrics.METRICS_OFF
     guards = SGLangGuards()
+    # A failed disk load rolls back to the weights it had (model_runner.py:1886-1891@0.5.15.post1).
+    failed_load_poisons = False
 
     def __init__(self, client: SGLangClient, hang_probe_timeout_s: float = 5.0) -> None:
         self.client = client

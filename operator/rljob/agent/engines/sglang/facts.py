@@ -34,6 +34,11 @@ class SGLangFacts:
         return EngineKind.SGLANG
 
     @property
+    def reports_version(self) -> bool:
+        """C-ROUTE-WV-READ: `/model_info` has `weight_version` on every version."""
+        return True
+
+    @property
     def weight_cache_active(self) -> bool:
         return self.weight_cache_mode != "off"
 

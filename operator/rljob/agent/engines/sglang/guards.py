@@ -42,6 +42,13 @@ class SGLangGuards:
             )
 
     def drain(self, cmd: DrainCommand, state: AgentState, facts: EngineFacts) -> None:
+        if cmd.mode == DrainMode.WAIT:
+            raise forbidden_by_launch(
+                "DrainModeUnsupported",
+                "SGLang has no pause that lets running requests finish while it takes no new ones: its "
+                "pause_generation aborts, retracts or keeps them in place (the last kills a later release). "
+                "Set spec.rollout.drain.mode: abort or retract.",
+            )
         if cmd.mode != DrainMode.RETRACT:
             return
         f = _own(facts)
@@ -104,9 +111,15 @@ class SGLangGuards:
                 "weights were released without CPU backup: their contents are garbage until a refit",
             )
 
-    def tensor_push(self, push: TensorPush) -> int:
+    def tensor_push(self, push: TensorPush, facts: EngineFacts | None = None) -> int:
         """What SGLang's scheduler would die on in a tensor push, checked before it is forwarded; the
         bytes it carries."""
+        if push.update_info is not None:
+            raise Refused(
+                422,
+                "InvalidPush",
+                "updateInfo is not SGLang's form: SGLang takes serializedNamedTensors; nothing was sent",
+            )
         payloads = [_decoded(i, text) for i, text in enumerate(push.serialized_named_tensors)]
         for i, payload in enumerate(payloads):
             _check_readable(i, payload, push.load_format)

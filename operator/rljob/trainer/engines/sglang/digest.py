@@ -28,10 +28,11 @@ import json
 import struct
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rljob.trainer.engines.digests import Digest as Digest  # re-exported: the SDK's digest type
 from rljob.trainer.engines.sglang import tensor_hash
 
 VOCAB_PADDING = 64  # …/layers/vocab_parallel_embedding.py:45@0.5.15.post1
@@ -80,27 +81,6 @@ class ModelLayout:
                 f"tensors) is not known to the SDK; known: {', '.join(sorted(KNOWN_LAYOUTS))}"
             )
         return None
-
-
-@dataclass
-class Digest:
-    """Per SGLang parameter name, its hash as `/weights_checker` writes it; or why there is none."""
-
-    parameters: dict[str, str] = field(default_factory=dict)
-    unavailable: str | None = None
-    seconds: float = 0.0  # time spent hashing (started on the GPU: starting it and waiting for it)
-
-    def wire(self) -> dict[str, Any]:
-        """The body field `digest` of the publish and of the refit window's close (api/agent.py)."""
-        if self.unavailable is not None:
-            return {"unavailable": self.unavailable[:1024]}
-        return {"parameters": dict(self.parameters)}
-
-    def merge(self, other: Digest) -> None:
-        """Another push of the same window: its parameters added; unavailable if either is."""
-        self.unavailable = self.unavailable or other.unavailable
-        self.parameters.update(other.parameters)
-        self.seconds += other.seconds
 
 
 def sglang_name(name: str) -> tuple[str, int, int] | None:

@@ -1,0 +1,1 @@
+"""vLLM's side of the trainer SDK: its packed IPC updates and its weights checksum, reproduced."""
