@@ -237,7 +237,9 @@ def table(seen: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
             met = "-" if ratio is None else ("met" if ratio <= RATIO_GOAL else "NOT met")
             shown = "-" if ratio is None else f"{ratio:.2f}"
             kind = it["kind"] if phase == "refit" else ""
-            rows.append([str(i + 1), kind, phase, f"{agent_s * 1e3:.1f}", f"{own_s * 1e3:.1f}", shown, met, note])
+            rows.append(
+                [str(i + 1), kind, phase, f"{agent_s * 1e3:.1f}", f"{own_s * 1e3:.1f}", shown, met, note]
+            )
     text = markdown_table(["iter", "refit", "phase", "agent ms", "vLLM's own ms", "ratio",
                            f"<= {RATIO_GOAL}x", "note"], rows)  # fmt: skip
     return text, out
