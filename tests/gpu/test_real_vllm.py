@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from agent_procs import PY, Proc
-from conftest import gpu_missing, seconds_left
+from conftest import seconds_left
 from real_vllm import IPC, VERSION, RealVllm, stand_in, start_phases, vllm_missing
 from vllm_iterations import drive, table
 
@@ -36,10 +36,27 @@ LONG_TEXT = " ".join(
 )
 
 
+def cuda_missing() -> str | None:
+    """conftest.gpu_missing less torch_memory_saver (SGLang's; vLLM sleeps through its own allocator)."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception as e:  # NVMLError or ImportError
+        return f"NVML unavailable: {e}"
+    return None
+
+
 def why_not() -> str | None:
     if stand_in():
         return None
-    return gpu_missing() or vllm_missing()
+    return cuda_missing() or vllm_missing()
 
 
 @pytest.fixture
