@@ -13,7 +13,6 @@ from rljob.emulator import (
     openai_routes,
     routes_control,
     routes_debug,
-    routes_processes,
     routes_serving,
 )
 from rljob.emulator.config import EmulatorConfig, parse_config, startup_error
@@ -45,7 +44,6 @@ def build_app(cfg: EmulatorConfig) -> web.Application:
     routes_serving.add_routes(app, cfg.profile, enable_metrics=cfg.enable_metrics)
     openai_routes.add_routes(app)
     routes_debug.add_routes(app)
-    routes_processes.add_routes(app)
     if cfg.scheduler_kill_after_s > 0:
         app.on_startup.append(_kill_scheduler_later)
     return app
