@@ -11,9 +11,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from rljob.emulator.devices import DeviceConfig, add_device_flags, device_fields
 from rljob.emulator.fatal import StartupError
 from rljob.emulator.faults import Faults, add_route_fault_flags, parse_renames, route_faults
+from rljob.emulator.launch import DeviceConfig, add_device_flags, device_fields, parse_flags
 from rljob.emulator.versions import DEFAULT_VERSION, RECORDED_VERSIONS, VersionProfile, check_recorded
 
 log = logging.getLogger("sglang.emulator")
@@ -53,13 +53,8 @@ class EmulatorConfig(DeviceConfig):
     node_rank: int = 0
     dist_init_addr: str | None = None  # HOST:PORT of node 0, where the nodes meet
 
-    @property
-    def memory_saver(self) -> bool:
-        return self.enable_memory_saver
-
-    @property
-    def graph_in_saver(self) -> bool:
-        return self.cuda_graph_in_memory_saver
+    def memory_saver(self) -> tuple[bool, bool]:
+        return self.enable_memory_saver, self.cuda_graph_in_memory_saver
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -159,12 +154,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def parse_config(argv: list[str]) -> EmulatorConfig:
-    args, unknown = _parser().parse_known_args(argv)
-    if unknown:
-        log.warning("ignoring launch flags the emulator does not model: %s", " ".join(unknown))
-    unrecorded = check_recorded(args.sglang_version)
-    if unrecorded is not None:
-        raise StartupError(unrecorded)
+    args, _ = parse_flags(
+        _parser(), argv, version=lambda a: a.sglang_version, check_recorded=check_recorded, log=log
+    )
     profile = VersionProfile(args.sglang_version)
     if args.weight_cache_mode is not None and not profile.has_weight_cache:
         log.warning("--weight-cache-mode does not exist in SGLang %s; ignored", profile.version)

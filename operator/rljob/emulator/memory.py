@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from rljob.emulator.gpu_processes import ProcessTable
 
 if TYPE_CHECKING:
-    from rljob.emulator.devices import DeviceConfig
+    from rljob.emulator.launch import DeviceConfig
 
 REGIONS = ("kv_cache", "weights", "cuda_graph")
 BACKENDS = ("accounting", "cuda")
@@ -29,9 +29,10 @@ def make_backend(cfg: DeviceConfig) -> RegionBackend:
 
 def cuda_options(cfg: DeviceConfig) -> dict[str, Any]:
     """What the cuda backend takes from the launch config besides sizes and GPU count."""
+    memory_saver, graph_in_saver = cfg.memory_saver()
     return {
-        "memory_saver": cfg.memory_saver,
-        "graph_in_saver": cfg.graph_in_saver,
+        "memory_saver": memory_saver,
+        "graph_in_saver": graph_in_saver,
         "hook_mode": cfg.memory_saver_hook_mode,
     }
 

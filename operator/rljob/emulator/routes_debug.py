@@ -3,6 +3,7 @@ evidence, the engine's state for tests, and a hard death of the scheduler."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 from aiohttp import web
@@ -14,15 +15,7 @@ from rljob.emulator.routes_emulator import memory_report
 
 
 def weights_report(eng: Engine) -> dict[str, Any]:
-    w = eng.weights
-    return {
-        "source": w.source,
-        "path": w.path,
-        "checksum": w.checksum,
-        "valid": w.valid,
-        "tensors": w.tensors,
-        "weight_version": eng.weight_version,
-    }
+    return {**asdict(eng.weights), "weight_version": eng.weight_version}
 
 
 async def weights(request: web.Request) -> web.Response:

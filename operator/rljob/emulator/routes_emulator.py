@@ -131,13 +131,16 @@ def add_routes(app: web.Application, view: View, *, weights: Handler, stats: Han
     """`view`: how a request finds its engine; `weights`, `stats`: the engine's handlers of those routes."""
     app[CALL_LOG_KEY] = CallLog()
     app[VIEW_KEY] = view
-    r = app.router
-    r.add_get("/_emulator/calls", calls)
-    r.add_get("/_emulator/memory", memory)
-    r.add_get("/_emulator/utilization", utilization)
-    r.add_get("/_emulator/weights", weights)
-    r.add_get("/_emulator/stats", stats)
-    r.add_get("/_emulator/faults", get_faults)
-    r.add_post("/_emulator/faults", set_faults)
-    r.add_get("/_emulator/processes", get_processes)
-    r.add_post("/_emulator/processes", set_process)
+    app.add_routes(
+        [
+            web.get("/_emulator/calls", calls),
+            web.get("/_emulator/memory", memory),
+            web.get("/_emulator/utilization", utilization),
+            web.get("/_emulator/weights", weights),
+            web.get("/_emulator/stats", stats),
+            web.get("/_emulator/faults", get_faults),
+            web.post("/_emulator/faults", set_faults),
+            web.get("/_emulator/processes", get_processes),
+            web.post("/_emulator/processes", set_process),
+        ]
+    )

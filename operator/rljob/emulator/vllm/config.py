@@ -11,9 +11,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from rljob.emulator.devices import DeviceConfig, add_device_flags, device_fields
 from rljob.emulator.fatal import StartupError
 from rljob.emulator.faults import Faults, add_route_fault_flags, route_faults
+from rljob.emulator.launch import DeviceConfig, add_device_flags, device_fields, parse_flags
 from rljob.emulator.vllm.versions import RECORDED_VERSIONS, VllmProfile, check_recorded
 
 log = logging.getLogger("vllm.emulator")
@@ -60,14 +60,9 @@ class LaunchConfig(DeviceConfig):
     faults: VllmFaults
     unknown_flags: list[str] = field(default_factory=list)
 
-    @property
-    def memory_saver(self) -> bool:
+    def memory_saver(self) -> tuple[bool, bool]:
         """Only with --enable-sleep-mode are the regions in the cumem pool that sleeps."""
-        return self.enable_sleep_mode
-
-    @property
-    def graph_in_saver(self) -> bool:
-        return self.offload_cudagraph
+        return self.enable_sleep_mode, self.offload_cudagraph
 
     @property
     def served_model_name(self) -> str:
@@ -146,12 +141,9 @@ def _transfer_backend(raw: str | None, profile: VllmProfile) -> str | None:
 
 
 def parse_config(argv: list[str]) -> LaunchConfig:
-    args, unknown = _parser().parse_known_args(argv)
-    if unknown:
-        log.warning("ignoring launch flags the emulator does not model: %s", " ".join(unknown))
-    unrecorded = check_recorded(args.vllm_version)
-    if unrecorded is not None:
-        raise StartupError(unrecorded)
+    args, unknown = parse_flags(
+        _parser(), argv, version=lambda a: a.vllm_version, check_recorded=check_recorded, log=log
+    )
     profile = VllmProfile(args.vllm_version)
     model = args.model_tag or args.model or "emulated/model"
     if args.sleep_mode_offload_cudagraph and profile.key < (0, 34, 0):

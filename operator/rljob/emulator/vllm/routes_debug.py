@@ -5,6 +5,7 @@ engine core (V-DEATH-HARD)."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 from aiohttp import web
@@ -18,14 +19,10 @@ from rljob.emulator.vllm.middleware import LIFECYCLE_ROUTES, STATE_KEY, llm_of
 def weights_report(llm: AsyncLLM) -> dict[str, Any]:
     """DP engine 0's weights, and whether what it would serve now is garbage."""
     core = llm.cores[0]
-    w = core.worker.weights
+    worker = core.worker
     return {
-        "source": w.source,
-        "path": w.path,
-        "checksum": w.checksum,
-        "valid": w.valid,
-        "tensors": w.tensors,
-        "serves_garbage": core.worker.serves_garbage,
+        **asdict(worker.weights),
+        "serves_garbage": worker.serves_garbage,
         "weight_version": core.weight_version,
     }
 

@@ -1,15 +1,18 @@
-"""The emulated GPUs, whichever engine runs on them: how many, their size and name, the regions an engine
-keeps there, the memory backend behind the regions, the decode speed, the startup delay and where stand-in
-IPC handles keep their bytes. Each engine's launch config extends `DeviceConfig` and names which of its
-flags put the regions in the memory saver."""
+"""What every engine's emulator launch has in common: the emulated GPUs (how many, their size and name,
+the regions an engine keeps there, the memory backend behind them, the decode speed, the startup delay,
+where stand-in IPC handles keep their bytes) and the parsing of a command line. Each engine's launch config
+extends `DeviceConfig` and says which of its flags put the regions in the memory saver."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rljob.emulator.fatal import StartupError
 from rljob.emulator.memory import BACKENDS
 
 GiB = 1 << 30
@@ -29,15 +32,29 @@ class DeviceConfig(ABC):
     startup_seconds: float
     ipc_stand_in_dir: str | None  # bytes behind stand-in IPC handles (tensor_refit.py), by handle hex
 
-    @property
     @abstractmethod
-    def memory_saver(self) -> bool:
-        """Whether the regions can be released (the engine's memory saver or sleep mode is on)."""
+    def memory_saver(self) -> tuple[bool, bool]:
+        """Whether the regions can be released (the engine's memory saver or sleep mode is on), and
+        whether the CUDA graphs are released with them."""
 
-    @property
-    @abstractmethod
-    def graph_in_saver(self) -> bool:
-        """Whether the CUDA graphs are released with the other regions."""
+
+def parse_flags(
+    parser: argparse.ArgumentParser,
+    argv: list[str],
+    *,
+    version: Callable[[argparse.Namespace], str],
+    check_recorded: Callable[[str], str | None],
+    log: logging.Logger,
+) -> tuple[argparse.Namespace, list[str]]:
+    """The flags and, warned about, those the emulator does not model; an engine version the conformance
+    document does not record is a StartupError."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        log.warning("ignoring launch flags the emulator does not model: %s", " ".join(unknown))
+    unrecorded = check_recorded(version(args))
+    if unrecorded is not None:
+        raise StartupError(unrecorded)
+    return args, unknown
 
 
 def add_device_flags(group: argparse._ArgumentGroup, *, gpus_default: str) -> None:
