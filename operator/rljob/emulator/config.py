@@ -13,7 +13,7 @@ from typing import Any
 
 from rljob.emulator.fatal import StartupError
 from rljob.emulator.faults import Faults, add_route_fault_flags, parse_renames, route_faults
-from rljob.emulator.launch import DeviceConfig, add_device_flags, device_fields, parse_flags
+from rljob.emulator.launch import DeviceConfig, add_emulator_flags, device_fields, parse_flags
 from rljob.emulator.versions import DEFAULT_VERSION, RECORDED_VERSIONS, VersionProfile, check_recorded
 
 log = logging.getLogger("sglang.emulator")
@@ -88,14 +88,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--cuda-graph-backend-prefill", default=None)
     s.add_argument("--cuda-graph-config", default=None, help="JSON; only prefill.backend is read")
     s.add_argument("--mem-fraction-static", type=float, default=None)
-    e = p.add_argument_group("emulator")
-    e.add_argument(
-        "--sglang-version",
-        default=DEFAULT_VERSION,
-        help=f"the SGLang version to behave as; only those docs/sglang-conformance.md records: "
-        f"{', '.join(RECORDED_VERSIONS)}",
+    e = add_emulator_flags(
+        p,
+        engine="SGLang",
+        recorded=RECORDED_VERSIONS,
+        default_version=DEFAULT_VERSION,
+        gpus_default="tp-size x dp-size",
     )
-    add_device_flags(e, gpus_default="tp-size x dp-size")
     e.add_argument(
         "--fastapi-lazy-routers",
         action="store_true",

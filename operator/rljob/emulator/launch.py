@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +55,28 @@ def parse_flags(
     if unrecorded is not None:
         raise StartupError(unrecorded)
     return args, unknown
+
+
+def add_emulator_flags(
+    parser: argparse.ArgumentParser,
+    *,
+    engine: str,
+    recorded: Sequence[str],
+    default_version: str | None,
+    gpus_default: str,
+) -> argparse._ArgumentGroup:
+    """The "emulator" group: `--<engine>-version` (required where there is no default), then the flags of
+    `DeviceConfig`; returns the group for the engine's own."""
+    group = parser.add_argument_group("emulator")
+    group.add_argument(
+        f"--{engine.lower()}-version",
+        default=default_version,
+        required=default_version is None,
+        help=f"the {engine} version to behave as; only those docs/{engine.lower()}-conformance.md records: "
+        f"{', '.join(recorded)}",
+    )
+    add_device_flags(group, gpus_default=gpus_default)
+    return group
 
 
 def add_device_flags(group: argparse._ArgumentGroup, *, gpus_default: str) -> None:

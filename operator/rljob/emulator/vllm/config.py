@@ -13,7 +13,7 @@ from typing import Any
 
 from rljob.emulator.fatal import StartupError
 from rljob.emulator.faults import Faults, add_route_fault_flags, route_faults
-from rljob.emulator.launch import DeviceConfig, add_device_flags, device_fields, parse_flags
+from rljob.emulator.launch import DeviceConfig, add_emulator_flags, device_fields, parse_flags
 from rljob.emulator.vllm.versions import RECORDED_VERSIONS, VllmProfile, check_recorded
 
 log = logging.getLogger("vllm.emulator")
@@ -104,14 +104,9 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--max-model-len", type=int, default=32768)
     v.add_argument("--sleep-mode-offload-cudagraph", action="store_true")
     v.add_argument("--worker-extension-cls", default="")
-    e = p.add_argument_group("emulator")
-    e.add_argument(
-        "--vllm-version",
-        required=True,
-        help=f"the vLLM version to behave as; only those docs/vllm-conformance.md records: "
-        f"{', '.join(RECORDED_VERSIONS)}",
+    e = add_emulator_flags(
+        p, engine="vLLM", recorded=RECORDED_VERSIONS, default_version=None, gpus_default="TP x PP x DP"
     )
-    add_device_flags(e, gpus_default="TP x PP x DP")
     e.add_argument(
         "--engine-death-watchdog-seconds",
         type=float,
