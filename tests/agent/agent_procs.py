@@ -116,9 +116,38 @@ class Proc:
         self._logf.close()
 
 
-class Emulator(Proc):
-    """The SGLang emulator. It starts listening in the background (an agent can start meanwhile); the
+class EmulatorProc(Proc):
+    """An engine's emulator. It starts listening in the background (an agent can start meanwhile); the
     first direct call waits until it does."""
+
+    url: str
+    what = "emulator"  # in the message of a start that times out
+    _ready = False
+
+    def wait_ready(self, timeout: float = 15) -> None:
+        if self._ready:
+            return
+        wait_until(
+            lambda: not self.alive() or http("GET", self.url + "/_emulator/stats", timeout=2).status == 200,
+            timeout,
+            f"{self.what} to listen",
+        )
+        assert self.alive(), self.log_text()
+        self._ready = True
+
+    def call(self, method: str, path: str, body: Any = None, *, timeout: float = 15, **kw: Any) -> Reply:
+        self.wait_ready()
+        return http(method, self.url + path, body, timeout=timeout, **kw)
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self.call("GET", "/_emulator/stats").body)
+
+    def weights(self) -> dict[str, Any]:
+        return dict(self.call("GET", "/_emulator/weights").body)
+
+
+class Emulator(EmulatorProc):
+    """The SGLang emulator."""
 
     def __init__(
         self,
@@ -131,7 +160,6 @@ class Emulator(Proc):
         wait_ready: bool = False,
     ) -> None:
         self.port = free_port()
-        self._ready = False
         self.url = f"http://127.0.0.1:{self.port}"
         self.version = version
         argv = [
@@ -153,34 +181,11 @@ class Emulator(Proc):
         if wait_ready:
             self.wait_ready()
 
-    def wait_ready(self, timeout: float = 15) -> None:
-        if self._ready:
-            return
-        wait_until(
-            lambda: not self.alive() or http("GET", self.url + "/_emulator/stats", timeout=2).status == 200,
-            timeout,
-            "emulator to listen",
-        )
-        assert self.alive(), self.log_text()
-        self._ready = True
-
-    def call(
-        self, method: str, path: str, body: Any = None, *, timeout: float = 15, token: str | None = None
-    ) -> Reply:
-        self.wait_ready()
-        return http(method, self.url + path, body, timeout=timeout, token=token)
-
-    def stats(self) -> dict[str, Any]:
-        return dict(self.call("GET", "/_emulator/stats").body)
-
     def lifecycle_calls(self) -> int:
         return int(self.stats()["lifecycle_calls"])
 
     def memory(self) -> list[dict[str, Any]]:
         return list(self.call("GET", "/_emulator/memory").body["gpus"])
-
-    def weights(self) -> dict[str, Any]:
-        return dict(self.call("GET", "/_emulator/weights").body)
 
     def set_faults(self, **faults: Any) -> None:
         r = self.call("POST", "/_emulator/faults", faults)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agent_procs import PY, Proc, Reply, free_port, http, wait_until
+from agent_procs import PY, EmulatorProc, Reply, free_port, wait_until
 
 from rljob.emulator import tokens
 from rljob.trainer.engines.sglang import packing
@@ -33,8 +33,10 @@ def model_params(version: str = "1", size: int = 16 << 10) -> dict[str, tuple[in
     return {name: tuple(a.shape) for name, a in make_tensors(version, size).items()}
 
 
-class VllmEmulator(Proc):
+class VllmEmulator(EmulatorProc):
     """`python -m rljob.emulator.vllm`; the first call waits until it listens."""
+
+    what = "the vLLM emulator"
 
     def __init__(
         self,
@@ -50,7 +52,6 @@ class VllmEmulator(Proc):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.version = version
-        self._ready = False
         model = model or write_model(tmp / f"launch-model-{self.port}", "1")
         argv = [PY, "-m", "rljob.emulator.vllm", str(model), "--vllm-version", version, "--host", "127.0.0.1"]
         argv += [
@@ -66,37 +67,16 @@ class VllmEmulator(Proc):
         full_env = {**(DEV_ENV if dev_mode else {}), **(env or {})}
         super().__init__(f"vllm-{version}", [*argv, *flags], tmp / f"vllm-{self.port}.log", full_env)
 
-    def wait_ready(self, timeout: float = 15) -> None:
-        if self._ready:
-            return
-        wait_until(
-            lambda: not self.alive() or http("GET", self.url + "/_emulator/stats", timeout=2).status == 200,
-            timeout,
-            "the vLLM emulator to listen",
-        )
-        assert self.alive(), self.log_text()
-        self._ready = True
-
-    def call(self, method: str, path: str, body: Any = None, *, timeout: float = 15, **kw: Any) -> Reply:
-        self.wait_ready()
-        return http(method, self.url + path, body, timeout=timeout, **kw)
-
     def ok(self, method: str, path: str, body: Any = None, **kw: Any) -> Reply:
         r = self.call(method, path, body, **kw)
         assert r.status == 200, f"{method} {path}: {r.status} {r.text}"
         return r
-
-    def stats(self) -> dict[str, Any]:
-        return dict(self.call("GET", "/_emulator/stats").body)
 
     def engine(self, dp_rank: int = 0) -> dict[str, Any]:
         return dict(self.stats()["engines"][dp_rank])
 
     def regions(self) -> dict[str, int]:
         return dict(self.call("GET", "/_emulator/memory").body["gpus"][0]["regions"])
-
-    def weights(self) -> dict[str, Any]:
-        return dict(self.call("GET", "/_emulator/weights").body)
 
     def metric(self, name: str, **labels: str) -> float:
         """The value of one `/metrics` sample (labels: a subset that must match)."""

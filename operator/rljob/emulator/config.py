@@ -12,17 +12,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rljob.emulator.fatal import StartupError
-from rljob.emulator.faults import Faults, parse_renames, parse_route_seconds
-from rljob.emulator.memory import BACKENDS
+from rljob.emulator.faults import Faults, add_route_fault_flags, parse_renames, route_faults
+from rljob.emulator.launch import DeviceConfig, add_emulator_flags, device_fields, parse_flags
 from rljob.emulator.versions import DEFAULT_VERSION, RECORDED_VERSIONS, VersionProfile, check_recorded
 
 log = logging.getLogger("sglang.emulator")
 
-GiB = 1 << 30
-
 
 @dataclass
-class EmulatorConfig:
+class EmulatorConfig(DeviceConfig):
     profile: VersionProfile
     host: str
     port: int
@@ -41,30 +39,22 @@ class EmulatorConfig:
     enable_dp_attention: bool
     max_total_tokens: int
     max_running_requests: int
-    gpus: int
-    gpu_total_bytes: int
-    baseline_bytes: int
-    region_sizes: dict[str, int]
     cuda_graph_in_memory_saver: bool  # env SGLANG_MEMORY_SAVER_CUDA_GRAPH=1 at launch
     metrics_device_timer: bool  # env SGLANG_ENABLE_METRICS_DEVICE_TIMER at launch (C-METRIC-DEVICE-TIMER)
-    tokens_per_second: float
-    saturation_batch: int
-    gpu_name: str
-    startup_seconds: float
     health_check_timeout: float
     health_poll_seconds: float
     weight_update_group_timeout: float
     faults: Faults
     server_args: dict[str, Any] = field(default_factory=dict)  # what /server_info reports
     launch_command: str = ""
-    memory_backend: str = "accounting"  # accounting (numbers only) | cuda (torch_memory_saver regions)
-    memory_saver_hook_mode: str = "preload"  # torch_memory_saver hook: preload (SGLang's) | torch
     prefill_graph_backend: str = "none"  # resolved prefill CUDA graph backend ("none": 0.5.6 has none)
     scheduler_kill_after_s: float = 0.0  # fault: the scheduler process dies this long after startup
     nnodes: int = 1  # nodes (pods) of the instance; only node rank 0 serves HTTP (emulator/nodes.py)
     node_rank: int = 0
     dist_init_addr: str | None = None  # HOST:PORT of node 0, where the nodes meet
-    ipc_stand_in_dir: str | None = None  # bytes behind stand-in IPC handles (tensor_refit.py), by handle hex
+
+    def memory_saver(self) -> tuple[bool, bool]:
+        return self.enable_memory_saver, self.cuda_graph_in_memory_saver
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -98,45 +88,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--cuda-graph-backend-prefill", default=None)
     s.add_argument("--cuda-graph-config", default=None, help="JSON; only prefill.backend is read")
     s.add_argument("--mem-fraction-static", type=float, default=None)
-    e = p.add_argument_group("emulator")
-    e.add_argument(
-        "--sglang-version",
-        default=DEFAULT_VERSION,
-        help=f"the SGLang version to behave as; only those docs/sglang-conformance.md records: "
-        f"{', '.join(RECORDED_VERSIONS)}",
-    )
-    e.add_argument("--gpus", type=int, default=None, help="GPUs of the server (default: tp-size x dp-size)")
-    e.add_argument("--gpu-total-bytes", type=int, default=80 * GiB)
-    e.add_argument("--baseline-bytes", type=int, default=2 * GiB, help="never released (context, NCCL)")
-    e.add_argument("--weights-bytes", type=int, default=16 * GiB)
-    e.add_argument("--kv-bytes", type=int, default=40 * GiB)
-    e.add_argument("--graph-bytes", type=int, default=2 * GiB)
-    e.add_argument(
-        "--memory-backend",
-        choices=BACKENDS,
-        default="accounting",
-        help="cuda: the regions are real CUDA memory through torch_memory_saver (needs torch, a GPU); "
-        "--gpu-total-bytes and --baseline-bytes are then the GPU's own",
-    )
-    e.add_argument(
-        "--memory-saver-hook-mode",
-        choices=["preload", "torch"],
-        default="preload",
-        help="torch_memory_saver hook for --memory-backend cuda; preload re-executes the emulator with "
-        "LD_PRELOAD set when it is not (SGLang sets it up the same way)",
-    )
-    e.add_argument("--tokens-per-second", type=float, default=50.0, help="per request; 0 = instant")
-    e.add_argument(
-        "--saturation-batch",
-        type=int,
-        default=64,
-        help="running requests per DP rank at which its GPUs are fully busy; more share the same tokens/s "
-        "(the busy fraction the GPU probe reports falls as batches shrink below it)",
-    )
-    e.add_argument(
-        "--gpu-name",
-        default="NVIDIA H100 80GB HBM3",
-        help="the device name the emulator's GPU probe reports (what NVML's nvmlDeviceGetName says)",
+    e = add_emulator_flags(
+        p,
+        engine="SGLang",
+        recorded=RECORDED_VERSIONS,
+        default_version=DEFAULT_VERSION,
+        gpus_default="tp-size x dp-size",
     )
     e.add_argument(
         "--fastapi-lazy-routers",
@@ -145,13 +102,6 @@ def _parser() -> argparse.ArgumentParser:
         "--enable-metrics, /v1/loads answers 500 where SGLang's metrics middleware reads route.path "
         "(C-METRIC-LOAD-ASGI)",
     )
-    e.add_argument(
-        "--ipc-stand-in-dir",
-        default=None,
-        help="where the test world's trainers share the bytes behind their stand-in CUDA IPC handles (a file "
-        "per handle, named by its hex): the accounting backend reads pushed tensors from there",
-    )
-    e.add_argument("--startup-seconds", type=float, default=0.0, help="delay before the port opens")
     e.add_argument("--health-check-timeout", type=float, default=None, help="default: env or 20 s")
     e.add_argument(
         "--health-poll-seconds",
@@ -166,9 +116,7 @@ def _parser() -> argparse.ArgumentParser:
         default=1800.0,
         help="how long init_weights_update_group waits for the group to form (torch's default_pg_timeout)",
     )
-    f = p.add_argument_group("faults (also settable at runtime: POST /_emulator/faults)")
-    f.add_argument("--fault-slow", action="append", default=[], metavar="ROUTE=SECONDS")
-    f.add_argument("--fault-hang", action="append", default=[], metavar="ROUTE")
+    f = add_route_fault_flags(p)
     f.add_argument("--fault-release-unmap-delay", type=float, default=0.0, metavar="SECONDS")
     f.add_argument("--fault-resume-oom", action="append", default=[], metavar="TAG")
     f.add_argument("--fault-refit-fail", action="store_true")
@@ -205,12 +153,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def parse_config(argv: list[str]) -> EmulatorConfig:
-    args, unknown = _parser().parse_known_args(argv)
-    if unknown:
-        log.warning("ignoring launch flags the emulator does not model: %s", " ".join(unknown))
-    unrecorded = check_recorded(args.sglang_version)
-    if unrecorded is not None:
-        raise StartupError(unrecorded)
+    args, _ = parse_flags(
+        _parser(), argv, version=lambda a: a.sglang_version, check_recorded=check_recorded, log=log
+    )
     profile = VersionProfile(args.sglang_version)
     if args.weight_cache_mode is not None and not profile.has_weight_cache:
         log.warning("--weight-cache-mode does not exist in SGLang %s; ignored", profile.version)
@@ -228,6 +173,7 @@ def parse_config(argv: list[str]) -> EmulatorConfig:
             f"(choose from {', '.join(profile.prefill_graph_backends)})"
         )
     cfg = EmulatorConfig(
+        **device_fields(args, gpus=max(1, args.tp_size * args.dp_size // max(1, args.nnodes))),
         profile=profile,
         host=args.host,
         port=args.port,
@@ -248,30 +194,17 @@ def parse_config(argv: list[str]) -> EmulatorConfig:
         enable_dp_attention=args.enable_dp_attention,
         max_total_tokens=args.max_total_tokens,
         max_running_requests=args.max_running_requests,
-        gpus=args.gpus or max(1, args.tp_size * args.dp_size // max(1, args.nnodes)),
-        gpu_total_bytes=args.gpu_total_bytes,
-        baseline_bytes=args.baseline_bytes,
-        region_sizes={
-            "weights": args.weights_bytes,
-            "kv_cache": args.kv_bytes,
-            "cuda_graph": args.graph_bytes,
-        },
         # get_bool_env_var: "true" or "1", any case (…/utils/common.py@0.5.6)
         cuda_graph_in_memory_saver=os.environ.get("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "").lower()
         in ("1", "true"),
         metrics_device_timer=_env_bool("SGLANG_ENABLE_METRICS_DEVICE_TIMER"),
-        tokens_per_second=args.tokens_per_second,
-        saturation_batch=max(1, args.saturation_batch),
-        gpu_name=args.gpu_name,
-        startup_seconds=args.startup_seconds,
         health_check_timeout=args.health_check_timeout
         if args.health_check_timeout is not None
         else env_timeout,
         health_poll_seconds=args.health_poll_seconds,
         weight_update_group_timeout=args.weight_update_group_timeout,
         faults=Faults(
-            slow=parse_route_seconds(args.fault_slow),
-            hang=set(args.fault_hang),
+            **route_faults(args),
             release_unmap_delay_s=args.fault_release_unmap_delay,
             resume_oom_tags=set(args.fault_resume_oom),
             refit_fail=args.fault_refit_fail,
@@ -281,11 +214,8 @@ def parse_config(argv: list[str]) -> EmulatorConfig:
             refit_loads_launch=args.fault_refit_loads_launch,
         ),
     )
-    cfg.memory_backend = args.memory_backend
-    cfg.memory_saver_hook_mode = args.memory_saver_hook_mode
     cfg.prefill_graph_backend = _prefill_graph_backend(profile, args)
     cfg.scheduler_kill_after_s = args.fault_scheduler_kill_after
-    cfg.ipc_stand_in_dir = args.ipc_stand_in_dir
     cfg.nnodes, cfg.node_rank, cfg.dist_init_addr = args.nnodes, args.node_rank, args.dist_init_addr
     cfg.server_args = _server_args(cfg, args)
     cfg.launch_command = "python -m sglang.launch_server " + " ".join(argv)

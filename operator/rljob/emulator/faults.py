@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -49,6 +50,20 @@ class Faults:
             await asyncio.sleep(delay)
         if route in self.hang:
             await asyncio.Event().wait()
+
+
+def add_route_fault_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The faults group with the flags every engine takes (`route_faults` reads them); returns the group
+    for the engine's own."""
+    group = parser.add_argument_group("faults (also settable at runtime: POST /_emulator/faults)")
+    group.add_argument("--fault-slow", action="append", default=[], metavar="ROUTE=SECONDS")
+    group.add_argument("--fault-hang", action="append", default=[], metavar="ROUTE")
+    return group
+
+
+def route_faults(args: argparse.Namespace) -> dict[str, Any]:
+    """`Faults`' `slow` and `hang` from the flags of `add_route_fault_flags`."""
+    return {"slow": parse_route_seconds(args.fault_slow), "hang": set(args.fault_hang)}
 
 
 def parse_renames(items: list[str]) -> dict[str, str]:

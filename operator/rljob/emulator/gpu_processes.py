@@ -1,4 +1,4 @@
-"""The emulated GPUs' other processes, and NVML's per-process list (served by emulator/routes_processes.py):
+"""The emulated GPUs' other processes, and NVML's per-process list (served by emulator/routes_emulator.py):
 what the agent's headroom gate reads through the emulator probe where a node's agent reads NVML.
 
 NVML lists, per GPU, every process with a context on it (nvmlDeviceGetComputeRunningProcesses, and the

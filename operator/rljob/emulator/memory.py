@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 from rljob.emulator.gpu_processes import ProcessTable
 
 if TYPE_CHECKING:
-    from rljob.emulator.config import EmulatorConfig
+    from rljob.emulator.launch import DeviceConfig
 
 REGIONS = ("kv_cache", "weights", "cuda_graph")
 BACKENDS = ("accounting", "cuda")
 
 
-def make_backend(cfg: EmulatorConfig) -> RegionBackend:
+def make_backend(cfg: DeviceConfig) -> RegionBackend:
     """The backend `cfg` asks for. torch is imported only for the cuda backend."""
     if cfg.memory_backend == "accounting":
         return AccountingBackend(
@@ -27,11 +27,12 @@ def make_backend(cfg: EmulatorConfig) -> RegionBackend:
     return _cuda_backend(cfg.region_sizes, gpus=cfg.gpus, **cuda_options(cfg))
 
 
-def cuda_options(cfg: EmulatorConfig) -> dict[str, Any]:
+def cuda_options(cfg: DeviceConfig) -> dict[str, Any]:
     """What the cuda backend takes from the launch config besides sizes and GPU count."""
+    memory_saver, graph_in_saver = cfg.memory_saver()
     return {
-        "memory_saver": cfg.enable_memory_saver,
-        "graph_in_saver": cfg.cuda_graph_in_memory_saver,
+        "memory_saver": memory_saver,
+        "graph_in_saver": graph_in_saver,
         "hook_mode": cfg.memory_saver_hook_mode,
     }
 

@@ -38,6 +38,7 @@ from rljob.emulator import fatal
 from rljob.emulator.config import EmulatorConfig, startup_error
 from rljob.emulator.faults import Faults
 from rljob.emulator.memory import REGIONS, RegionBackend, make_backend
+from rljob.emulator.routes_emulator import update_faults
 
 log = logging.getLogger("sglang.emulator")
 
@@ -306,11 +307,7 @@ def build_follower_app(cfg: EmulatorConfig) -> web.Application:
         return web.json_response(node.faults.as_dict())
 
     async def set_faults(request: web.Request) -> web.Response:
-        try:
-            node.faults.update(json.loads(await request.read() or b"{}"))
-        except (ValueError, TypeError) as e:
-            return web.json_response({"error": str(e)}, status=400)
-        return web.json_response(node.faults.as_dict())
+        return await update_faults(request, node.faults)
 
     for path in ("/ping", "/health", "/health_generate"):
         app.router.add_get(path, ok)

@@ -1,80 +1,21 @@
-"""`/_emulator/*`: not SGLang. Memory accounting and busy time per GPU (the agent's emulator GPU probe reads
-them), runtime fault injection, call counters and the loaded-weights evidence."""
+"""`/_emulator/*` of the SGLang emulator beside the shared ones (routes_emulator.py): the loaded-weights
+evidence, the engine's state for tests, and a hard death of the scheduler."""
 
 from __future__ import annotations
 
-import json
-import time
-from typing import Any, Protocol
+from dataclasses import asdict
+from typing import Any
 
 from aiohttp import web
 
-from rljob.emulator.call_log import CALL_LOG_KEY, CallLog
+from rljob.emulator import routes_emulator
 from rljob.emulator.engine import Engine
 from rljob.emulator.http_common import LIFECYCLE_ROUTES, engine_of
-from rljob.emulator.memory import RegionBackend
-
-
-class _Named(Protocol):
-    @property
-    def gpu_name(self) -> str: ...
-
-
-class GpuView(Protocol):
-    """What the GPU probe's routes read: an SGLang `Engine` or the vLLM emulator's `AsyncLLM`."""
-
-    @property
-    def backend(self) -> RegionBackend: ...
-
-    @property
-    def cfg(self) -> _Named: ...
-
-    def gpu_busy_seconds(self, gpu: int) -> float: ...
-
-
-def memory_report(eng: GpuView) -> dict[str, Any]:
-    b = eng.backend
-    return {
-        "gpus": [
-            {
-                "index": g,
-                "name": eng.cfg.gpu_name,
-                "used_bytes": b.used_bytes(g),
-                "total_bytes": b.total_bytes(g),
-                "regions": b.region_bytes(g),
-            }
-            for g in range(b.gpus)
-        ]
-    }
-
-
-def utilization_report(eng: GpuView) -> dict[str, Any]:
-    """Cumulative busy seconds per GPU and the clock they are read on (the probe turns two reads into a
-    busy fraction, as NVML's utilization samples are turned into one)."""
-    return {
-        "monotonic": time.monotonic(),
-        "gpus": [{"index": g, "busy_seconds": eng.gpu_busy_seconds(g)} for g in range(eng.backend.gpus)],
-    }
+from rljob.emulator.routes_emulator import memory_report
 
 
 def weights_report(eng: Engine) -> dict[str, Any]:
-    w = eng.weights
-    return {
-        "source": w.source,
-        "path": w.path,
-        "checksum": w.checksum,
-        "valid": w.valid,
-        "tensors": w.tensors,
-        "weight_version": eng.weight_version,
-    }
-
-
-async def memory(request: web.Request) -> web.Response:
-    return web.json_response(memory_report(engine_of(request)))
-
-
-async def utilization(request: web.Request) -> web.Response:
-    return web.json_response(utilization_report(engine_of(request)))
+    return {**asdict(eng.weights), "weight_version": eng.weight_version}
 
 
 async def weights(request: web.Request) -> web.Response:
@@ -127,33 +68,6 @@ async def kill_scheduler(request: web.Request) -> web.Response:
     return web.json_response({"scheduler_dead": True})
 
 
-async def calls(request: web.Request) -> web.Response:
-    """The lifecycle calls received, per route and per (route, arguments), and the repeated
-    non-idempotent ones (emulator/call_log.py); `pid` and `bootId` identify this server process."""
-    return web.json_response(request.app[CALL_LOG_KEY].report())
-
-
-async def get_faults(request: web.Request) -> web.Response:
-    return web.json_response(engine_of(request).faults.as_dict())
-
-
-async def set_faults(request: web.Request) -> web.Response:
-    eng = engine_of(request)
-    try:
-        eng.faults.update(json.loads(await request.read() or b"{}"))
-    except (ValueError, TypeError) as e:
-        return web.json_response({"error": str(e)}, status=400)
-    return web.json_response(eng.faults.as_dict())
-
-
 def add_routes(app: web.Application) -> None:
-    app[CALL_LOG_KEY] = CallLog()
-    r = app.router
-    r.add_get("/_emulator/calls", calls)
-    r.add_get("/_emulator/memory", memory)
-    r.add_get("/_emulator/utilization", utilization)
-    r.add_get("/_emulator/weights", weights)
-    r.add_get("/_emulator/stats", stats)
-    r.add_get("/_emulator/faults", get_faults)
-    r.add_post("/_emulator/faults", set_faults)
-    r.add_post("/_emulator/kill_scheduler", kill_scheduler)
+    routes_emulator.add_routes(app, engine_of, weights=weights, stats=stats)
+    app.router.add_post("/_emulator/kill_scheduler", kill_scheduler)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 
 from aiohttp import web
 
@@ -14,13 +13,13 @@ from rljob.emulator import (
     openai_routes,
     routes_control,
     routes_debug,
-    routes_processes,
     routes_serving,
 )
 from rljob.emulator.config import EmulatorConfig, parse_config, startup_error
 from rljob.emulator.engine import Engine
 from rljob.emulator.http_common import ENGINE_KEY, sglang_middleware
 from rljob.emulator.memory import make_backend
+from rljob.emulator.serve import serve
 from rljob.emulator.weight_updater import WeightUpdater
 
 log = logging.getLogger("sglang.emulator")
@@ -45,7 +44,6 @@ def build_app(cfg: EmulatorConfig) -> web.Application:
     routes_serving.add_routes(app, cfg.profile, enable_metrics=cfg.enable_metrics)
     openai_routes.add_routes(app)
     routes_debug.add_routes(app)
-    routes_processes.add_routes(app)
     if cfg.scheduler_kill_after_s > 0:
         app.on_startup.append(_kill_scheduler_later)
     return app
@@ -59,35 +57,19 @@ async def _kill_scheduler_later(app: web.Application) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(
-        level=logging.INFO, format="[%(asctime)s] %(levelname)s %(message)s", stream=sys.stderr
+    ready = "The server is fired up and ready to roll!"
+    serve(argv, parse_config, _build_node_app, log=log, starting=_starting, ready=lambda _: ready)
+
+
+def _starting(cfg: EmulatorConfig) -> str:
+    saver = "on" if cfg.enable_memory_saver else "off"
+    return (
+        f"SGLang emulator {cfg.profile.version} on {cfg.host}:{cfg.port} (memory saver {saver}, "
+        f"weight cache {cfg.weight_cache_mode}, {cfg.gpus} GPU(s))"
     )
-    try:
-        cfg = parse_config(sys.argv[1:] if argv is None else argv)
-    except fatal.StartupError as e:
-        log.error("%s", e)
-        raise SystemExit(1) from None
-    log.info(
-        "SGLang emulator %s on %s:%d (memory saver %s, weight cache %s, %d GPU(s))",
-        cfg.profile.version,
-        cfg.host,
-        cfg.port,
-        "on" if cfg.enable_memory_saver else "off",
-        cfg.weight_cache_mode,
-        cfg.gpus,
-    )
-    if cfg.startup_seconds > 0:
-        asyncio.run(asyncio.sleep(cfg.startup_seconds))  # model loading: the port is not open yet
-    try:
-        follower = cfg.nnodes > 1 and cfg.node_rank > 0  # only the dummy health server (C-NODE)
-        app = nodes.build_follower_app(cfg) if follower else build_app(cfg)
-    except fatal.StartupError as e:
-        log.error("%s", e)
-        raise SystemExit(1) from None
-    log.info("The server is fired up and ready to roll!")
-    # SIGTERM: hung handlers (faults) must not hold the exit for aiohttp's default 60 s.
-    try:
-        web.run_app(app, host=cfg.host, port=cfg.port, print=None, access_log=None, shutdown_timeout=0.5)
-    except fatal.StartupError as e:  # the nodes of a multi-node instance did not meet
-        log.error("%s", e)
-        raise SystemExit(1) from None
+
+
+def _build_node_app(cfg: EmulatorConfig) -> web.Application:
+    """Node 0 serves; a follower node of a multi-node instance runs only the dummy health server (C-NODE)."""
+    follower = cfg.nnodes > 1 and cfg.node_rank > 0
+    return nodes.build_follower_app(cfg) if follower else build_app(cfg)

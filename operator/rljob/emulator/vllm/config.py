@@ -12,13 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rljob.emulator.fatal import StartupError
-from rljob.emulator.faults import Faults, parse_route_seconds
-from rljob.emulator.memory import BACKENDS
+from rljob.emulator.faults import Faults, add_route_fault_flags, route_faults
+from rljob.emulator.launch import DeviceConfig, add_emulator_flags, device_fields, parse_flags
 from rljob.emulator.vllm.versions import RECORDED_VERSIONS, VllmProfile, check_recorded
 
 log = logging.getLogger("vllm.emulator")
-
-GiB = 1 << 30
 # vLLM's weight-transfer backends per version (…/config/weight_transfer.py:9-15@0.26.0, :12@0.34.0).
 TRANSFER_BACKENDS = {
     "0.26.0": ("nccl", "ipc", "sparse_nccl"),
@@ -36,7 +34,7 @@ class VllmFaults(Faults):
 
 
 @dataclass
-class LaunchConfig:
+class LaunchConfig(DeviceConfig):
     profile: VllmProfile
     host: str | None  # None: every interface (V-LAUNCH-HOST)
     port: int
@@ -58,20 +56,13 @@ class LaunchConfig:
     dev_mode: bool  # VLLM_SERVER_DEV_MODE=1
     insecure_serialization: bool  # VLLM_ALLOW_INSECURE_SERIALIZATION=1
     keep_alive_on_engine_death: bool  # VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1
-    gpus: int
-    gpu_total_bytes: int
-    baseline_bytes: int
-    region_sizes: dict[str, int]
-    memory_backend: str
-    memory_saver_hook_mode: str
-    tokens_per_second: float
-    saturation_batch: int
-    gpu_name: str
-    startup_seconds: float
     watchdog_seconds: float
     faults: VllmFaults
-    ipc_stand_in_dir: str | None = None
     unknown_flags: list[str] = field(default_factory=list)
+
+    def memory_saver(self) -> tuple[bool, bool]:
+        """Only with --enable-sleep-mode are the regions in the cumem pool that sleeps."""
+        return self.enable_sleep_mode, self.offload_cudagraph
 
     @property
     def served_model_name(self) -> str:
@@ -113,30 +104,8 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--max-model-len", type=int, default=32768)
     v.add_argument("--sleep-mode-offload-cudagraph", action="store_true")
     v.add_argument("--worker-extension-cls", default="")
-    e = p.add_argument_group("emulator")
-    e.add_argument(
-        "--vllm-version",
-        required=True,
-        help=f"the vLLM version to behave as; only those docs/vllm-conformance.md records: "
-        f"{', '.join(RECORDED_VERSIONS)}",
-    )
-    e.add_argument("--gpus", type=int, default=None, help="GPUs of the server (default: TP x PP x DP)")
-    e.add_argument("--gpu-total-bytes", type=int, default=80 * GiB)
-    e.add_argument("--baseline-bytes", type=int, default=2 * GiB, help="never released (context, NCCL)")
-    e.add_argument("--weights-bytes", type=int, default=16 * GiB)
-    e.add_argument("--kv-bytes", type=int, default=40 * GiB)
-    e.add_argument("--graph-bytes", type=int, default=2 * GiB, help="CUDA graphs: outside the sleep pool")
-    e.add_argument("--memory-backend", choices=BACKENDS, default="accounting")
-    e.add_argument("--memory-saver-hook-mode", choices=["preload", "torch"], default="preload")
-    e.add_argument("--tokens-per-second", type=float, default=50.0, help="per request; 0 = instant")
-    e.add_argument("--saturation-batch", type=int, default=64)
-    e.add_argument("--gpu-name", default="NVIDIA H100 80GB HBM3")
-    e.add_argument("--startup-seconds", type=float, default=0.0, help="delay before the port opens")
-    e.add_argument(
-        "--ipc-stand-in-dir",
-        default=None,
-        help="where the test world shares the bytes behind its stand-in CUDA IPC handles (a file per "
-        "handle, named by its hex): the accounting backend reads pushed tensors from there",
+    e = add_emulator_flags(
+        p, engine="vLLM", recorded=RECORDED_VERSIONS, default_version=None, gpus_default="TP x PP x DP"
     )
     e.add_argument(
         "--engine-death-watchdog-seconds",
@@ -145,9 +114,7 @@ def _parser() -> argparse.ArgumentParser:
         help="how often the API server checks for a dead engine core and exits (vLLM: 5 s, "
         "VLLM_WATCHDOG_TIME_S in …/entrypoints/launcher.py@0.26.0)",
     )
-    f = p.add_argument_group("faults (also settable at runtime: POST /_emulator/faults)")
-    f.add_argument("--fault-slow", action="append", default=[], metavar="ROUTE=SECONDS")
-    f.add_argument("--fault-hang", action="append", default=[], metavar="ROUTE")
+    f = add_route_fault_flags(p)
     f.add_argument("--fault-sleep-memory-grows", action="store_true")
     return p
 
@@ -169,19 +136,18 @@ def _transfer_backend(raw: str | None, profile: VllmProfile) -> str | None:
 
 
 def parse_config(argv: list[str]) -> LaunchConfig:
-    args, unknown = _parser().parse_known_args(argv)
-    if unknown:
-        log.warning("ignoring launch flags the emulator does not model: %s", " ".join(unknown))
-    unrecorded = check_recorded(args.vllm_version)
-    if unrecorded is not None:
-        raise StartupError(unrecorded)
+    args, unknown = parse_flags(
+        _parser(), argv, version=lambda a: a.vllm_version, check_recorded=check_recorded, log=log
+    )
     profile = VllmProfile(args.vllm_version)
     model = args.model_tag or args.model or "emulated/model"
     if args.sleep_mode_offload_cudagraph and profile.key < (0, 34, 0):
         log.warning("--sleep-mode-offload-cudagraph does not exist in vLLM %s; ignored", profile.version)
         args.sleep_mode_offload_cudagraph = False
     api_keys = list(args.api_key or [k for k in [os.environ.get("VLLM_API_KEY")] if k])
+    gpus = args.tensor_parallel_size * args.pipeline_parallel_size * args.data_parallel_size
     cfg = LaunchConfig(
+        **device_fields(args, gpus=gpus),
         profile=profile,
         host=args.host,
         port=args.port,
@@ -203,27 +169,11 @@ def parse_config(argv: list[str]) -> LaunchConfig:
         dev_mode=_env_flag("VLLM_SERVER_DEV_MODE"),
         insecure_serialization=_env_flag("VLLM_ALLOW_INSECURE_SERIALIZATION"),
         keep_alive_on_engine_death=_env_flag("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH"),
-        gpus=args.gpus or args.tensor_parallel_size * args.pipeline_parallel_size * args.data_parallel_size,
-        gpu_total_bytes=args.gpu_total_bytes,
-        baseline_bytes=args.baseline_bytes,
-        region_sizes={
-            "weights": args.weights_bytes,
-            "kv_cache": args.kv_bytes,
-            "cuda_graph": args.graph_bytes,
-        },
-        memory_backend=args.memory_backend,
-        memory_saver_hook_mode=args.memory_saver_hook_mode,
-        tokens_per_second=args.tokens_per_second,
-        saturation_batch=max(1, args.saturation_batch),
-        gpu_name=args.gpu_name,
-        startup_seconds=args.startup_seconds,
         watchdog_seconds=args.engine_death_watchdog_seconds,
         faults=VllmFaults(
-            slow=parse_route_seconds(args.fault_slow),
-            hang=set(args.fault_hang),
+            **route_faults(args),
             sleep_memory_grows=args.fault_sleep_memory_grows,
         ),
-        ipc_stand_in_dir=args.ipc_stand_in_dir,
         unknown_flags=list(unknown),
     )
     return cfg

@@ -139,6 +139,33 @@ def _usage(reqs: list[Request], n: int) -> dict[str, Any]:
             "prompt_tokens_details": None}  # fmt: skip
 
 
+def _with_spans(llm: AsyncLLM, body: _Body, req: Request, choice: dict[str, Any]) -> dict[str, Any]:
+    """0.34's choices carry `weight_versions`, filled only when the request asks (V-ROUTE-WV)."""
+    if llm.profile.has_weight_version:
+        choice["weight_versions"] = _spans(req) if body.return_weight_versions else None
+    return choice
+
+
+def _response(
+    kind: str, response_id: str, model: str, choices: list[dict[str, Any]], usage: dict[str, Any], **more: Any
+) -> web.Response:
+    """The response envelope; `more`: the fields between `usage` and `kv_transfer_params`."""
+    return web.json_response(
+        {
+            "id": response_id,
+            "object": kind,
+            "created": int(time.time()),
+            "model": model,
+            "choices": choices,
+            "service_tier": None,
+            "system_fingerprint": None,
+            "usage": usage,
+            **more,
+            "kv_transfer_params": None,
+        }
+    )
+
+
 def _prompts(prompt: Any) -> list[list[int]]:
     if isinstance(prompt, str):
         return [tokens.encode(prompt)]
@@ -169,22 +196,8 @@ async def completions(llm: AsyncLLM, raw: bytes, request_id: str | None) -> web.
             "prompt_logprobs": None,
             "prompt_token_ids": list(r.prompt) if body.return_token_ids else None,
         }
-        if llm.profile.has_weight_version:
-            choice["weight_versions"] = _spans(r) if body.return_weight_versions else None
-        choices.append(choice)
-    return web.json_response(
-        {
-            "id": response_id,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": model,
-            "choices": choices,
-            "service_tier": None,
-            "system_fingerprint": None,
-            "usage": _usage(reqs, body.n),
-            "kv_transfer_params": None,
-        }
-    )
+        choices.append(_with_spans(llm, body, r, choice))
+    return _response("text_completion", response_id, model, choices, _usage(reqs, body.n))
 
 
 def _content(content: Any) -> str:
@@ -230,21 +243,7 @@ async def chat_completions(llm: AsyncLLM, raw: bytes, request_id: str | None) ->
             "stop_reason": r.stop_reason,
             "token_ids": list(r.output) if body.return_token_ids else None,
         }
-        if llm.profile.has_weight_version:
-            choice["weight_versions"] = _spans(r) if body.return_weight_versions else None
-        choices.append(choice)
-    return web.json_response(
-        {
-            "id": response_id,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": model,
-            "choices": choices,
-            "service_tier": None,
-            "system_fingerprint": None,
-            "usage": _usage(reqs, body.n),
-            "prompt_logprobs": None,
-            "prompt_token_ids": list(prompt) if body.return_token_ids else None,
-            "kv_transfer_params": None,
-        }
-    )
+        choices.append(_with_spans(llm, body, r, choice))
+    prompt_ids = list(prompt) if body.return_token_ids else None
+    more = {"prompt_logprobs": None, "prompt_token_ids": prompt_ids}
+    return _response("chat.completion", response_id, model, choices, _usage(reqs, body.n), **more)

@@ -1,17 +1,17 @@
-"""`/_emulator/*`: not vLLM. The GPU probe's memory, per-process and busy-time routes (the SGLang
-emulator's own, so `rljob.emulator.probe:EmulatorProbe` reads either), state for tests, runtime faults, the
-call log, and a hard death of the engine core (V-DEATH-HARD)."""
+"""`/_emulator/*`: not vLLM. Beside the routes every engine's emulator serves (routes_emulator.py: the GPU
+probe's memory, per-process and busy-time views, so `rljob.emulator.probe:EmulatorProbe` reads either
+emulator, the call log, runtime faults), the loaded weights, state for tests, and a hard death of the
+engine core (V-DEATH-HARD)."""
 
 from __future__ import annotations
 
-import json
+from dataclasses import asdict
 from typing import Any
 
 from aiohttp import web
 
-from rljob.emulator import routes_processes
-from rljob.emulator.call_log import CALL_LOG_KEY, CallLog
-from rljob.emulator.routes_debug import memory_report, utilization_report
+from rljob.emulator import routes_emulator
+from rljob.emulator.routes_emulator import memory_report
 from rljob.emulator.vllm.client import AsyncLLM
 from rljob.emulator.vllm.middleware import LIFECYCLE_ROUTES, STATE_KEY, llm_of
 
@@ -19,24 +19,12 @@ from rljob.emulator.vllm.middleware import LIFECYCLE_ROUTES, STATE_KEY, llm_of
 def weights_report(llm: AsyncLLM) -> dict[str, Any]:
     """DP engine 0's weights, and whether what it would serve now is garbage."""
     core = llm.cores[0]
-    w = core.worker.weights
+    worker = core.worker
     return {
-        "source": w.source,
-        "path": w.path,
-        "checksum": w.checksum,
-        "valid": w.valid,
-        "tensors": w.tensors,
-        "serves_garbage": core.worker.serves_garbage,
+        **asdict(worker.weights),
+        "serves_garbage": worker.serves_garbage,
         "weight_version": core.weight_version,
     }
-
-
-async def memory(request: web.Request) -> web.Response:
-    return web.json_response(memory_report(llm_of(request)))
-
-
-async def utilization(request: web.Request) -> web.Response:
-    return web.json_response(utilization_report(llm_of(request)))
 
 
 async def weights(request: web.Request) -> web.Response:
@@ -70,32 +58,6 @@ async def kill_engine_core(request: web.Request) -> web.Response:
     return web.json_response({"dead": True})
 
 
-async def calls(request: web.Request) -> web.Response:
-    return web.json_response(request.app[CALL_LOG_KEY].report())
-
-
-async def get_faults(request: web.Request) -> web.Response:
-    return web.json_response(llm_of(request).cfg.faults.as_dict())
-
-
-async def set_faults(request: web.Request) -> web.Response:
-    faults = llm_of(request).cfg.faults
-    try:
-        faults.update(json.loads(await request.read() or b"{}"))
-    except (ValueError, TypeError) as e:
-        return web.json_response({"error": str(e)}, status=400)
-    return web.json_response(faults.as_dict())
-
-
 def add_routes(app: web.Application) -> None:
-    app[CALL_LOG_KEY] = CallLog()
-    r = app.router
-    r.add_get("/_emulator/calls", calls)
-    r.add_get("/_emulator/memory", memory)
-    r.add_get("/_emulator/utilization", utilization)
-    r.add_get("/_emulator/weights", weights)
-    r.add_get("/_emulator/stats", stats)
-    r.add_get("/_emulator/faults", get_faults)
-    r.add_post("/_emulator/faults", set_faults)
-    r.add_post("/_emulator/kill_engine_core", kill_engine_core)
-    routes_processes.add_routes(app, llm_of)  # NVML's per-process view, other processes' memory
+    routes_emulator.add_routes(app, llm_of, weights=weights, stats=stats)
+    app.router.add_post("/_emulator/kill_engine_core", kill_engine_core)

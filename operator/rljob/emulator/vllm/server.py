@@ -6,12 +6,11 @@ import asyncio
 import logging
 import os
 import signal
-import sys
 
 from aiohttp import web
 
-from rljob.emulator import fatal
-from rljob.emulator.memory import AccountingBackend, RegionBackend
+from rljob.emulator.memory import make_backend
+from rljob.emulator.serve import serve
 from rljob.emulator.tensor_refit import set_ipc_stand_in_dir
 from rljob.emulator.vllm import routes_debug, routes_dev, routes_rl, routes_serving
 from rljob.emulator.vllm.client import AsyncLLM
@@ -19,24 +18,6 @@ from rljob.emulator.vllm.config import LaunchConfig, parse_config
 from rljob.emulator.vllm.middleware import LLM_KEY, STATE_KEY, ServerState, vllm_middleware
 
 log = logging.getLogger("vllm.emulator")
-
-
-def make_backend(cfg: LaunchConfig) -> RegionBackend:
-    """The cumem pool's regions: numbers only, or real CUDA memory through torch_memory_saver (only
-    with --enable-sleep-mode are they in the pool that sleeps)."""
-    if cfg.memory_backend == "accounting":
-        return AccountingBackend(
-            gpus=cfg.gpus, total=cfg.gpu_total_bytes, baseline=cfg.baseline_bytes, sizes=cfg.region_sizes
-        )
-    from rljob.emulator.gpu_memory import CudaRegionBackend  # imports torch
-
-    return CudaRegionBackend(
-        gpus=cfg.gpus,
-        sizes=cfg.region_sizes,
-        memory_saver=cfg.enable_sleep_mode,
-        graph_in_saver=cfg.offload_cudagraph,
-        hook_mode=cfg.memory_saver_hook_mode,
-    )
 
 
 def _exit_now() -> None:
@@ -98,29 +79,18 @@ async def _watchdog(llm: AsyncLLM) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(
-        level=logging.INFO, format="[%(asctime)s] %(levelname)s %(message)s", stream=sys.stderr
-    )
-    try:
-        cfg = parse_config(sys.argv[1:] if argv is None else argv)
-    except fatal.StartupError as e:
-        log.error("%s", e)
-        raise SystemExit(1) from None
-    log.info(
-        "vLLM emulator %s, serving model %s on %s:%d (sleep mode %s, weight transfer %s, TP %d, DP %d)",
-        cfg.profile.version,
-        cfg.served_model_name,
-        cfg.host or "0.0.0.0",
-        cfg.port,
-        "on" if cfg.enable_sleep_mode else "off",
-        cfg.weight_transfer_backend or "off",
-        cfg.tp_size,
-        cfg.dp_size,
-    )
-    if cfg.startup_seconds > 0:
-        asyncio.run(asyncio.sleep(cfg.startup_seconds))  # model loading: the port is not open yet
-    app = build_app(cfg)
-    log.info("Starting vLLM API server 0 on http://%s:%d", cfg.host or "0.0.0.0", cfg.port)
-    web.run_app(app, host=cfg.host, port=cfg.port, print=None, access_log=None, shutdown_timeout=0.5)
+    app = serve(argv, parse_config, build_app, log=log, starting=_starting, ready=_ready)
     if app[LLM_KEY].errored:
         raise SystemExit(1)
+
+
+def _starting(cfg: LaunchConfig) -> str:
+    return (
+        f"vLLM emulator {cfg.profile.version}, serving model {cfg.served_model_name} on "
+        f"{cfg.host or '0.0.0.0'}:{cfg.port} (sleep mode {'on' if cfg.enable_sleep_mode else 'off'}, "
+        f"weight transfer {cfg.weight_transfer_backend or 'off'}, TP {cfg.tp_size}, DP {cfg.dp_size})"
+    )
+
+
+def _ready(cfg: LaunchConfig) -> str:
+    return f"Starting vLLM API server 0 on http://{cfg.host or '0.0.0.0'}:{cfg.port}"
