@@ -115,6 +115,41 @@ class FrameworkSession(Generic[C]):
 
         return failed
 
+    async def _until_lease_held(self) -> str | None:
+        return await self._until(lambda: self.store.state.trainer.lease_held, lambda: None)
+
+    async def _until_window_open(self, version: str, what: str) -> str | None:
+        """Until the refit window of `version` is open for the trainer's pushes (a `what`)."""
+        return await self._until(
+            lambda: (w := self.windows.view()).open and w.version == version,
+            lambda: self._command_failed("refit")() or self._served_already(version, what),
+        )
+
+    def _close_window(self, version: str) -> None:
+        """The trainer's pushes of `version` are done: its window closes, the agent labels the weights."""
+        window = self.windows.view()
+        if window.open and window.version == version:
+            self.windows.trainer_close(None, versioned_by_agent=True)
+
+    async def _until_refitted(self, version: str) -> str | None:
+        """Until this pod refitted `version` (or serves it already)."""
+        return await self._until(
+            lambda: (
+                self.store.state.engine.served_version == version
+                and self.store.state.stage in (Stage.REFITTED, Stage.SERVING)
+            ),
+            self._command_failed("refit"),
+        )
+
+    async def _until_serving(self, version: str) -> str | None:
+        """Until this pod serves `version` again after its refit and resume."""
+        return await self._until(
+            lambda: (
+                self.store.state.stage == Stage.SERVING and self.store.state.engine.served_version == version
+            ),
+            self._command_failed("refit", "resume"),
+        )
+
     def _served_already(self, version: str, what: str) -> str | None:
         """A `what` for weights the pod already serves: their refit window closed, none will open again."""
         st = self.store.state

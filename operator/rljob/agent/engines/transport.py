@@ -52,6 +52,10 @@ class EngineHTTP(Generic[Q]):
         """The auth headers a call to `path` carries."""
         return {}
 
+    def calling(self, operation: str) -> contextlib.AbstractContextManager[None]:
+        """Held while the call `operation` is in flight."""
+        return contextlib.nullcontext()
+
     def message(self, body: Any, text: str) -> str:
         """What an error answer says, from its JSON body (None if none) or its text."""
         return text[:500]
@@ -70,16 +74,19 @@ class EngineHTTP(Generic[Q]):
         assert self._session is not None, "start() first"
         started = time.monotonic()
         try:
-            async with self._session.request(
-                method,
-                self.base_url + path,
-                json=body,
-                params=params,
-                headers=self.headers(path),
-                timeout=aiohttp.ClientTimeout(total=timeout if timeout is not None else self.call_timeout_s),
-            ) as resp:
-                text = await resp.text()
-                status = resp.status
+            with self.calling(operation):
+                async with self._session.request(
+                    method,
+                    self.base_url + path,
+                    json=body,
+                    params=params,
+                    headers=self.headers(path),
+                    timeout=aiohttp.ClientTimeout(
+                        total=timeout if timeout is not None else self.call_timeout_s
+                    ),
+                ) as resp:
+                    text = await resp.text()
+                    status = resp.status
         except TimeoutError:
             raise  # aiohttp timeouts are also ClientConnectionErrors: a hang is not death
         except (aiohttp.ClientConnectionError, ConnectionError) as e:

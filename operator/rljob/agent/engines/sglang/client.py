@@ -3,14 +3,15 @@ every call timed by operation, and transport failures told apart from SGLang's a
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from rljob.agent.engines.base import EngineError
 from rljob.agent.engines.sglang.metrics import parse_metrics
 from rljob.agent.engines.sglang.quirks import SGLangQuirks
-from rljob.agent.engines.transport import EngineHTTP, Params
+from rljob.agent.engines.transport import EngineHTTP
 
 log = logging.getLogger("rljob.agent")
 
@@ -114,22 +115,14 @@ class SGLangClient(EngineHTTP[SGLangQuirks]):
     def message(self, body: Any, text: str) -> str:
         return _message(body, text)
 
-    async def _call(
-        self,
-        operation: str,
-        method: str,
-        path: str,
-        *,
-        body: Any = None,
-        params: Params | None = None,
-        timeout: float | None = None,
-    ) -> tuple[int, Any, str]:
+    @contextlib.contextmanager
+    def calling(self, operation: str) -> Iterator[None]:
         control = operation not in PASSIVE_OPERATIONS
         if control:
             self.control_in_flight += 1
             self.control_started += 1
         try:
-            return await super()._call(operation, method, path, body=body, params=params, timeout=timeout)
+            yield
         finally:
             if control:
                 self.control_in_flight -= 1

@@ -163,7 +163,7 @@ class SGLangEndpoint(FrameworkSession[SGLangClient]):
                 self.lease.request()
             except Refused as e:
                 raise _memory_error(e.reason) from e
-            why = await self._until(lambda: self.store.state.trainer.lease_held, lambda: None)
+            why = await self._until_lease_held()
             if why is not None:
                 raise _memory_error(why)
         self.published = None
@@ -183,15 +183,8 @@ class SGLangEndpoint(FrameworkSession[SGLangClient]):
                     return web.json_response(None)
                 raise _memory_error("nothing is released: SGLang dies on a resume of a tag it holds")
             return await self._resume_unchanged()
-        window = self.windows.view()
-        if window.open and window.version == version:
-            self.windows.trainer_close(None, versioned_by_agent=True)
-        why = await self._until(
-            lambda: (
-                self.store.state.stage == Stage.SERVING and self.store.state.engine.served_version == version
-            ),
-            self._command_failed("refit", "resume"),
-        )
+        self._close_window(version)
+        why = await self._until_serving(version)
         if why is not None:
             raise _memory_error(why)
         self.published = None
@@ -254,10 +247,7 @@ class SGLangEndpoint(FrameworkSession[SGLangClient]):
         body: TensorUpdate = _body(await request.read(), TensorUpdate)
         await self._settled(_update_error)
         version = self._publish(body.weight_version, None, RefitSource.TENSOR)
-        why = await self._until(
-            lambda: (w := self.windows.view()).open and w.version == version,
-            lambda: self._command_failed("refit")() or self._served_already(version, "push"),
-        )
+        why = await self._until_window_open(version, "push")
         if why is not None:
             raise _update_error(why)
         push = TensorPush(
@@ -274,13 +264,7 @@ class SGLangEndpoint(FrameworkSession[SGLangClient]):
         body: DiskUpdate = _body(await request.read(), DiskUpdate)
         await self._settled(_update_error)
         version = self._publish(body.weight_version, body.model_path, RefitSource.DISK)
-        why = await self._until(
-            lambda: (
-                self.store.state.engine.served_version == version
-                and self.store.state.stage in (Stage.REFITTED, Stage.SERVING)
-            ),
-            self._command_failed("refit"),
-        )
+        why = await self._until_refitted(version)
         if why is not None:
             raise _update_error(why)
         self.lease.accepted()

@@ -123,7 +123,7 @@ class VLLMEndpoint(FrameworkSession[VLLMClient]):
                 self.lease.request()
             except Refused as e:
                 raise Refusal(409, e.reason) from e
-            why = await self._until(lambda: self.store.state.trainer.lease_held, lambda: None)
+            why = await self._until_lease_held()
             if why is not None:
                 raise Refusal(409, why)
         self.published = None
@@ -146,12 +146,7 @@ class VLLMEndpoint(FrameworkSession[VLLMClient]):
             raise Refusal(
                 409, "no weights were pushed since the sleep: update weights before waking kv_cache"
             )
-        why = await self._until(
-            lambda: (
-                self.store.state.stage == Stage.SERVING and self.store.state.engine.served_version == version
-            ),
-            self._command_failed("refit", "resume"),
-        )
+        why = await self._until_serving(version)
         if why is not None:
             raise Refusal(409, why)
         self.published = None
@@ -184,10 +179,7 @@ class VLLMEndpoint(FrameworkSession[VLLMClient]):
     async def start_update(self) -> None:
         await self._settled(_unsettled)
         version = self._publish()
-        why = await self._until(
-            lambda: (w := self.windows.view()).open and w.version == version,
-            lambda: self._command_failed("refit")() or self._served_already(version, "call"),
-        )
+        why = await self._until_window_open(version, "call")
         if why is not None:
             raise Refusal(409, why)
         self.lease.accepted()
@@ -208,16 +200,8 @@ class VLLMEndpoint(FrameworkSession[VLLMClient]):
         version = self.published
         if version is None:
             raise Refusal(409, "no weight update was started in this lease")
-        window = self.windows.view()
-        if window.open and window.version == version:
-            self.windows.trainer_close(None, versioned_by_agent=True)
-        why = await self._until(
-            lambda: (
-                self.store.state.engine.served_version == version
-                and self.store.state.stage in (Stage.REFITTED, Stage.SERVING)
-            ),
-            self._command_failed("refit"),
-        )
+        self._close_window(version)
+        why = await self._until_refitted(version)
         if why is not None:
             raise Refusal(409, why)
         self.lease.accepted()
