@@ -4,18 +4,14 @@ every call timed by operation, and transport failures told apart from SGLang's a
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-import aiohttp
-
-from rljob.agent.engines.base import EngineError, EngineUnreachable
+from rljob.agent.engines.base import EngineError
 from rljob.agent.engines.sglang.metrics import parse_metrics
 from rljob.agent.engines.sglang.quirks import SGLangQuirks
-from rljob.agent.timing import add_external
+from rljob.agent.engines.transport import EngineHTTP
 
 log = logging.getLogger("rljob.agent")
 
@@ -85,7 +81,9 @@ def _message(body: Any, text: str) -> str:
     return text[:500]
 
 
-class SGLangClient:
+class SGLangClient(EngineHTTP[SGLangQuirks]):
+    name = "SGLang"
+
     def __init__(
         self,
         base_url: str,
@@ -95,17 +93,14 @@ class SGLangClient:
         call_timeout_s: float,
         observe: Callable[[str, float], None],
     ) -> None:
-        self.base_url = base_url
-        self.call_timeout_s = call_timeout_s
-        self._observe = observe  # latency histogram by operation
+        super().__init__(base_url, call_timeout_s=call_timeout_s, observe=observe)
         # Auth levels (docs/sglang-conformance.md, C-ROUTE-AUTH): lifecycle routes are ADMIN_OPTIONAL (the
         # admin key if the server has one, else its api key); every other route needs the api key if one is
         # set.
         self._normal_auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         admin = admin_api_key or api_key
         self._admin_auth = {"Authorization": f"Bearer {admin}"} if admin else {}
-        self._session: aiohttp.ClientSession | None = None
-        self.quirks: SGLangQuirks | None = None  # set once /server_info answered
+        # quirks: set once /server_info answered.
         # Control calls in flight, and how many ever started: a scheduler probe that timed out counts as
         # a sign of death only if no control call ran during it (a long release or a blocking group init
         # keeps the scheduler busy, C-REFIT-GROUP-BLOCK).
@@ -114,67 +109,23 @@ class SGLangClient:
         self._get_load_outstanding = False  # 0.5.6's /get_load hangs once the scheduler is dead
         self._load_route: str | None = None  # /get_load after /v1/loads answered 500 (C-METRIC-LOAD-ASGI)
 
-    async def start(self) -> None:
-        # No connection pool limit: long-polling SGLang routes must not starve the probe or the liveness ping.
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), raise_for_status=False)
+    def headers(self, path: str) -> Mapping[str, str]:
+        return self._admin_auth if path in ADMIN_OPTIONAL_ROUTES else self._normal_auth
 
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+    def message(self, body: Any, text: str) -> str:
+        return _message(body, text)
 
-    def _q(self) -> SGLangQuirks:
-        if self.quirks is None:
-            raise RuntimeError("SGLang version not detected yet")
-        return self.quirks
-
-    async def _call(
-        self,
-        operation: str,
-        method: str,
-        path: str,
-        *,
-        body: Any = None,
-        params: dict[str, str] | None = None,
-        timeout: float | None = None,
-    ) -> tuple[int, Any, str]:
-        assert self._session is not None, "start() first"
-        started = time.monotonic()
+    @contextlib.contextmanager
+    def calling(self, operation: str) -> Iterator[None]:
         control = operation not in PASSIVE_OPERATIONS
         if control:
             self.control_in_flight += 1
             self.control_started += 1
         try:
-            async with self._session.request(
-                method,
-                self.base_url + path,
-                json=body if method == "POST" else None,
-                params=params,
-                headers=self._admin_auth if path in ADMIN_OPTIONAL_ROUTES else self._normal_auth,
-                timeout=aiohttp.ClientTimeout(total=timeout if timeout is not None else self.call_timeout_s),
-            ) as resp:
-                text = await resp.text()
-                status = resp.status
-        except TimeoutError:
-            raise  # aiohttp timeouts are also ClientConnectionErrors: a hang is not death
-        except (aiohttp.ClientConnectionError, ConnectionError) as e:
-            raise EngineUnreachable(f"{operation}: {e.__class__.__name__}: {e}") from e
+            yield
         finally:
             if control:
                 self.control_in_flight -= 1
-            elapsed = time.monotonic() - started
-            self._observe(operation, elapsed)
-            add_external(elapsed)
-        try:
-            parsed: Any = json.loads(text) if text else None
-        except ValueError:
-            parsed = None
-        return status, parsed, text
-
-    async def _ok(self, operation: str, method: str, path: str, **kw: Any) -> Any:
-        status, body, text = await self._call(operation, method, path, **kw)
-        if status != 200:
-            raise EngineError(operation, status, _message(body, text))
-        return body
 
     async def _refit(self, operation: str, path: str, body: dict[str, Any], timeout: float | None) -> str:
         """Refit endpoints answer {success, message}; success:false is a failure even with HTTP 200."""
@@ -247,7 +198,7 @@ class SGLangClient:
         (C-ROUTE-FLUSH)."""
         params = (
             {"timeout": f"{server_wait_s:.3f}"}
-            if self._q().flush_takes_timeout and server_wait_s > 0
+            if self.q().flush_takes_timeout and server_wait_s > 0
             else None
         )
         status, body, text = await self._call(
@@ -358,13 +309,13 @@ class SGLangClient:
     def load_route(self) -> str:
         """C-METRIC-LOAD-ROUTE's route, or `/get_load` once `/v1/loads` answered 500 on a version that still
         has the shim (C-METRIC-LOAD-ASGI)."""
-        return self._load_route or self._q().load_route
+        return self._load_route or self.q().load_route
 
     async def _loads(self, operation: str, timeout: float | None, *, core: bool) -> tuple[str, Any]:
         route = self.load_route
         params = {"include": "core"} if core and route == "/v1/loads" else None
         status, body, text = await self._call(operation, "GET", route, params=params, timeout=timeout)
-        if status == 500 and route == "/v1/loads" and self._q().has_get_load_shim:
+        if status == 500 and route == "/v1/loads" and self.q().has_get_load_shim:
             log.warning(
                 "/v1/loads answered 500 (%s): reading /get_load from now on (C-METRIC-LOAD-ASGI)",
                 _message(body, text)[:200],
@@ -415,7 +366,7 @@ class SGLangClient:
         rates are SGLang's 0.0 defaults, not measurements (C-METRIC-OFF): the caller asks `metrics`."""
         keys = ("cache_hit_rate", "gen_throughput", "running", "waiting")
         none: dict[str, float | None] = dict.fromkeys(keys)
-        scheduler_bound = self._q().load_route == "/get_load"  # 0.5.6: share the probe's one-outstanding rule
+        scheduler_bound = self.q().load_route == "/get_load"  # 0.5.6: share the probe's one-outstanding rule
         if scheduler_bound:
             if self._get_load_outstanding:
                 return none
@@ -439,30 +390,3 @@ class SGLangClient:
         if status != 200:
             raise EngineError("metrics", status, text[:500])
         return parse_metrics(text)
-
-    # --- for plugins ---------------------------------------------------------------------------
-
-    async def get_json(self, operation: str, path: str, timeout: float = 5.0) -> Any:
-        """A GET on SGLang's port for a plugin of the agent (e.g. a GPU probe that reads through SGLang);
-        timed and authenticated like every other call, EngineUnreachable if the port is gone."""
-        return await self._ok(operation, "GET", path, timeout=timeout)
-
-    # --- for the engine endpoint ---------------------------------------------------------------
-
-    @contextlib.asynccontextmanager
-    async def forward(
-        self, method: str, path: str, headers: Mapping[str, str], body: bytes
-    ) -> AsyncIterator[aiohttp.ClientResponse]:
-        """A framework's call passed through as it came (endpoint.py, the routes it does not answer itself):
-        the framework's headers (its key, not the agent's), no deadline (a generation streams as
-        long as it takes), not timed (the framework's calls are not the agent's). The response streams;
-        transport failures raise aiohttp.ClientError as aiohttp does."""
-        assert self._session is not None, "start() first"
-        async with self._session.request(
-            method,
-            self.base_url.rstrip("/") + path,
-            headers=dict(headers),
-            data=body,
-            timeout=aiohttp.ClientTimeout(total=None),
-        ) as response:
-            yield response

@@ -28,25 +28,23 @@ refused with the recovery's reason: the pod is given up."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import aiohttp
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from rljob.agent.engines.framework_endpoint import (
+    FrameworkSession,
+    Refusal,
+    framework_app,
+    next_version,
+)
 from rljob.agent.engines.sglang.client import SGLangClient
 from rljob.agent.engines.sglang.quirks import SGLangQuirks
 from rljob.agent.errors import Refused
-from rljob.api.agent import CommandState, PublishRequest, Stage, TensorPush
+from rljob.api.agent import PublishRequest, Stage, TensorPush
 from rljob.api.spec import RefitSource
-
-if TYPE_CHECKING:  # the core modules the endpoint is handed, not imported (they import the registry)
-    from rljob.agent.lease import LeaseDesk
-    from rljob.agent.refit_window import RefitWindows
-    from rljob.agent.state import StateStore
 
 
 @dataclass(frozen=True)
@@ -84,7 +82,6 @@ def replies_for(quirks: SGLangQuirks | None) -> Replies:
     return next((r for since, r in reversed(REPLIES) if quirks.key >= since), REPLIES[0][1])
 
 
-WAIT_SLICE_S = 30.0  # a wait on the gang re-checks the agent's stage at least this often
 # Routes a framework must not reach SGLang with: each would bypass the gang's lock-step or the guards.
 NOT_THROUGH_ENDPOINT = {
     "/update_weights_from_distributed": "distributed refits go through the agent's refit window "
@@ -95,7 +92,6 @@ NOT_THROUGH_ENDPOINT = {
     "/begin_weight_update": "the agent's refit opens the weight-update session",
     "/end_weight_update": "the agent's refit closes the weight-update session",
 }
-HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive"})
 
 
 class MemoryTags(BaseModel):
@@ -125,14 +121,6 @@ class DiskUpdate(BaseModel):
     weight_version: str | None = Field(default=None, max_length=128)
 
 
-class Refusal(Exception):
-    """A call the endpoint refuses: `body` in SGLang's error shape for the route."""
-
-    def __init__(self, status: int, body: Any) -> None:
-        super().__init__(str(body))
-        self.status, self.body = status, body
-
-
 def _update_error(message: str, status: int = 400) -> Refusal:
     return Refusal(status, {"success": False, "message": f"rljob: {message}"})  # C-ROUTE-DISK/TENSOR
 
@@ -154,76 +142,16 @@ def _body(raw: bytes, model: type[BaseModel]) -> Any:
         ) from e
 
 
-def published_in_lease(store: StateStore) -> str | None:
-    """The version the trainer published under the lease it was last granted, once it gave that lease back:
-    what the endpoint answers a push, load or resume of that lease with. Read from the recorded state, so
-    that a restarted agent answers the same call sent again as the first would have been answered."""
-    t = store.state.trainer
-    if t.lease_held or store.lease_epoch is None or t.published_epoch != store.lease_epoch:
-        return None
-    return t.published_version
-
-
-def next_version(served: str | None) -> str:
-    """The version a push that names none publishes: the served one plus one."""
-    return str(int(served) + 1) if served is not None and served.isdigit() else "1"
-
-
-class SGLangEndpoint:
+class SGLangEndpoint(FrameworkSession[SGLangClient]):
     """One pod's framework session: the version it published in the current lease, if any."""
 
-    def __init__(
-        self,
-        store: StateStore,
-        lease: LeaseDesk,
-        windows: RefitWindows,
-        client: SGLangClient,
-        refit_source: RefitSource | None = None,
-    ) -> None:
-        self.store = store
-        self.lease = lease
-        self.windows = windows
-        self.client = client  # the agent's: its version (quirks) and the calls that pass through
-        self.refit_source = refit_source  # the RLJob's spec.refit.source, when the operator passed it
-        self.published: str | None = published_in_lease(store)  # a restarted agent: the record's
+    not_through = NOT_THROUGH_ENDPOINT
 
     def _replies(self) -> Replies:
         return replies_for(self.client.quirks)
 
-    # --- waits ---------------------------------------------------------------------------------------
-
-    async def _until(self, done: Callable[[], bool], failed: Callable[[], str | None]) -> str | None:
-        """Wait until `done()`; the reason when `failed()` says one first (never a hopeless wait: the
-        agent's Failed stage ends every wait, and the operator's phase deadlines end the gang's)."""
-        while True:
-            why = self._failed() or failed()
-            if why is not None:
-                return why
-            if done():
-                return None
-            await self.store.wait_until(lambda: done() or bool(self._failed() or failed()), WAIT_SLICE_S)
-
-    def _failed(self) -> str | None:
-        st = self.store.state
-        if st.stage == Stage.FAILED:
-            return f"the pod's agent failed ({st.fatal or 'Failed'}): the pod must be replaced"
-        return None
-
-    async def _settled(self, refusal: Callable[[str], Refusal]) -> None:
-        """A handoff call that reaches a restarted agent while it checks its record waits for the verdict,
-        then is answered from the recovered state; a pod the recovery gave up refuses it."""
-        why = await self._until(lambda: not self.store.recovering, lambda: None)
-        if why is not None:
-            raise refusal(why)
-
-    def _command_failed(self, action: str) -> Callable[[], str | None]:
-        def failed() -> str | None:
-            cmd = self.store.state.last_command
-            if cmd is not None and cmd.action.value == action and cmd.state == CommandState.FAILED:
-                return f"the {action} failed: {cmd.error}"
-            return None
-
-        return failed
+    def refusal(self, status: int, message: str) -> Refusal:
+        return _update_error(message, status)
 
     # --- the handoff ---------------------------------------------------------------------------------
 
@@ -235,7 +163,7 @@ class SGLangEndpoint:
                 self.lease.request()
             except Refused as e:
                 raise _memory_error(e.reason) from e
-            why = await self._until(lambda: self.store.state.trainer.lease_held, lambda: None)
+            why = await self._until_lease_held()
             if why is not None:
                 raise _memory_error(why)
         self.published = None
@@ -250,20 +178,13 @@ class SGLangEndpoint:
             return web.json_response(None)  # weights, cuda_graph: the agent's refit resumes them
         version = self.published
         if version is None:
-            if self.store.state.stage == Stage.SERVING and not self.store.state.trainer.lease_held:
+            if self._serving_freely():
                 if self._lease_ended_serving():  # the same resume again: its answer was lost
                     return web.json_response(None)
                 raise _memory_error("nothing is released: SGLang dies on a resume of a tag it holds")
             return await self._resume_unchanged()
-        window = self.windows.view()
-        if window.open and window.version == version:
-            self.windows.trainer_close(None, versioned_by_agent=True)
-        why = await self._until(
-            lambda: (
-                self.store.state.stage == Stage.SERVING and self.store.state.engine.served_version == version
-            ),
-            lambda: self._command_failed("refit")() or self._command_failed("resume")(),
-        )
+        self._close_window(version)
+        why = await self._until_serving(version)
         if why is not None:
             raise _memory_error(why)
         self.published = None
@@ -287,7 +208,7 @@ class SGLangEndpoint:
             raise _memory_error("no new weights since the release: push or load weights before resuming")
         why = await self._until(
             lambda: self.store.state.stage == Stage.SERVING,
-            lambda: self._command_failed("refit")() or self._command_failed("resume")(),
+            self._command_failed("refit", "resume"),
         )
         if why is not None:
             raise _memory_error(why)
@@ -326,10 +247,7 @@ class SGLangEndpoint:
         body: TensorUpdate = _body(await request.read(), TensorUpdate)
         await self._settled(_update_error)
         version = self._publish(body.weight_version, None, RefitSource.TENSOR)
-        why = await self._until(
-            lambda: (w := self.windows.view()).open and w.version == version,
-            lambda: self._command_failed("refit")() or self._served_already(version),
-        )
+        why = await self._until_window_open(version, "push")
         if why is not None:
             raise _update_error(why)
         push = TensorPush(
@@ -342,24 +260,11 @@ class SGLangEndpoint:
         self.lease.accepted()
         return web.json_response({"success": True, "message": result.message})
 
-    def _served_already(self, version: str) -> str | None:
-        """A push for weights the pod already serves: their refit window closed, none will open again."""
-        st = self.store.state
-        if st.stage == Stage.SERVING and st.engine.served_version == version:
-            return f"weights {version} are refitted and served: this push came after their refit window"
-        return None
-
     async def update_from_disk(self, request: web.Request) -> web.Response:
         body: DiskUpdate = _body(await request.read(), DiskUpdate)
         await self._settled(_update_error)
         version = self._publish(body.weight_version, body.model_path, RefitSource.DISK)
-        why = await self._until(
-            lambda: (
-                self.store.state.engine.served_version == version
-                and self.store.state.stage in (Stage.REFITTED, Stage.SERVING)
-            ),
-            self._command_failed("refit"),
-        )
+        why = await self._until_refitted(version)
         if why is not None:
             raise _update_error(why)
         self.lease.accepted()
@@ -372,52 +277,14 @@ class SGLangEndpoint:
         return web.json_response(self._replies().continued)
 
     async def flush_cache(self, request: web.Request) -> web.StreamResponse:
-        if self.store.state.stage == Stage.SERVING and not self.store.state.trainer.lease_held:
+        if self._serving_freely():
             return await self.pass_through(request)
         flushed = self._replies().flushed  # the agent's refit flushes itself
         return web.Response(text=flushed, content_type="text/plain")
 
-    # --- everything else: SGLang's -------------------------------------------------------------------
-
-    async def pass_through(self, request: web.Request) -> web.StreamResponse:
-        refused = NOT_THROUGH_ENDPOINT.get(request.path)
-        if refused is not None:
-            raise _update_error(f"{request.path} is not taken through the RLJob endpoint: {refused}")
-        if self.store.state.stage in (Stage.STARTING, Stage.READY):
-            # Not yet serving what the operator verified: held, as a launching SGLang holds its clients.
-            why = await self._until(lambda: self.store.state.stage == Stage.SERVING, lambda: None)
-            if why is not None:
-                raise _update_error(why, status=503)
-        try:
-            return await self._forward(request)
-        except aiohttp.ClientError as e:
-            raise _update_error(f"SGLang did not answer: {e}", status=502) from e
-
-    async def _forward(self, request: web.Request) -> web.StreamResponse:
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
-        body = await request.read()
-        async with self.client.forward(request.method, str(request.rel_url), headers, body) as upstream:
-            reply = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-            for key, value in upstream.headers.items():
-                if key.lower() not in HOP_HEADERS:
-                    reply.headers[key] = value
-            await reply.prepare(request)
-            async for chunk in upstream.content.iter_any():
-                await reply.write(chunk)
-            await reply.write_eof()
-            return reply
-
 
 def build_app(endpoint: SGLangEndpoint) -> web.Application:
-    @web.middleware
-    async def refusals(request: web.Request, handler: Any) -> web.StreamResponse:
-        try:
-            return await handler(request)  # type: ignore[no-any-return]
-        except Refusal as e:
-            endpoint.refused(request, e)
-            return web.Response(status=e.status, text=json.dumps(e.body), content_type="application/json")
-
-    app = web.Application(middlewares=[refusals], client_max_size=256 << 20)
+    app = framework_app(endpoint)
     r = app.router
     for path, handler in (
         ("/release_memory_occupation", endpoint.release),

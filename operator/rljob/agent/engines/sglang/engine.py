@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -19,6 +19,7 @@ from rljob.agent.engines.base import (
     LoadSample,
     Served,
 )
+from rljob.agent.engines.http_engine import HTTPEngine
 from rljob.agent.engines.sglang import metrics
 from rljob.agent.engines.sglang.client import SGLangClient
 from rljob.agent.engines.sglang.endpoint import SGLangEndpoint, build_app
@@ -52,7 +53,7 @@ CALL_NAMES = {
 }
 
 
-class SGLangEngine:
+class SGLangEngine(HTTPEngine[SGLangClient, SGLangFacts]):
     """One SGLang server (its HTTP API on the pod's loopback), driven through its client. SGLang has no
     route that tells which memory tags are released or whether a call is still running (its `/server_info`
     internal state has neither, docs/sglang-conformance.md §1; `/ready` reports paused or not from 0.5.20
@@ -65,14 +66,14 @@ class SGLangEngine:
     kind = EngineKind.SGLANG
     name = "SGLang"
     resume_order = RESUME_ORDER
+    call_names = CALL_NAMES
     metrics_off = metrics.METRICS_OFF
     guards = SGLangGuards()
     # A failed disk load rolls back to the weights it had (model_runner.py:1886-1891@0.5.15.post1).
     failed_load_poisons = False
 
     def __init__(self, client: SGLangClient, hang_probe_timeout_s: float = 5.0) -> None:
-        self.client = client
-        self._facts: SGLangFacts | None = None
+        super().__init__(client)
         self._hang = SchedulerProbe(client, hang_probe_timeout_s)
 
     @classmethod
@@ -92,23 +93,6 @@ class SGLangEngine:
             url, api_key=api_key, admin_api_key=admin_api_key, call_timeout_s=call_timeout_s, observe=observe
         )
         return cls(client, hang_probe_timeout_s)
-
-    @property
-    def facts(self) -> SGLangFacts | None:
-        return self._facts
-
-    @property
-    def quirks(self) -> SGLangQuirks | None:
-        return self.client.quirks
-
-    async def start(self) -> None:
-        await self.client.start()
-
-    async def close(self) -> None:
-        await self.client.close()
-
-    def call_name(self, call: str) -> str:
-        return CALL_NAMES.get(call, call)
 
     # --- presence --------------------------------------------------------------------------------------
 
@@ -367,9 +351,6 @@ class SGLangEngine:
         return await look(self.client, weights_released, timeout)
 
     # --- plumbing --------------------------------------------------------------------------------------
-
-    async def get_json(self, operation: str, path: str, timeout: float = 5.0) -> Any:
-        return await self.client.get_json(operation, path, timeout=timeout)
 
     def framework_endpoint(
         self, store: StateStore, lease: LeaseDesk, windows: RefitWindows, refit_source: RefitSource | None

@@ -5,6 +5,7 @@ never written (C-METRIC-OFF)."""
 from __future__ import annotations
 
 from rljob.agent.engines.base import Counter
+from rljob.agent.engines.prometheus import series_sums
 
 # What the rollout sampler reads from `/metrics` (C-METRIC-PROM): the tokenizer's cumulative counters,
 # bumped as requests finish, and the schedulers' gauges (one series per DP rank). Sums over label sets:
@@ -21,26 +22,8 @@ METRIC_SERIES = (
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text exposition -> {series name: sum over its label sets} for METRIC_SERIES. Labels are
-    skipped as a whole (a value may hold spaces); a line that does not parse is ignored."""
-    sums: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        brace = line.find("{")
-        space = line.find(" ")
-        if brace != -1 and (space == -1 or brace < space):
-            name, rest = line[:brace], line[line.rfind("}") + 1 :]
-        else:
-            name, rest = line[:space], line[space:]
-        if name not in METRIC_SERIES:
-            continue
-        try:
-            value = float(rest.split()[0])
-        except (IndexError, ValueError):
-            continue
-        sums[name] = sums.get(name, 0.0) + value
-    return sums
+    """{series name: sum over its label sets} for METRIC_SERIES (prometheus.series_sums)."""
+    return series_sums(text, METRIC_SERIES)
 
 
 COUNTERS = {

@@ -4,11 +4,10 @@ agent/weights_check.Held, timed."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from typing import Any
 
-from rljob.agent.engines.base import EngineError
+from rljob.agent.engines.checksum_look import timed_look
 from rljob.agent.engines.sglang.client import SGLangClient
 from rljob.agent.weights_check import GpuHashes, Held
 from rljob.agent.weights_look import Look
@@ -28,19 +27,11 @@ def why_not(client: SGLangClient, weights_released: bool) -> str | None:
 
 async def look(client: SGLangClient, weights_released: bool, timeout: float) -> Look:
     """One checksum of every parameter SGLang holds; EngineUnreachable propagates (SGLang is gone)."""
-    why = why_not(client, weights_released)
-    if why is not None:
-        return Look(None, why, 0.0)
-    started = time.perf_counter()
-    try:
-        held = read_reply(await client.weights_checksum(timeout=timeout))
-    except (EngineError, ValueError) as e:
-        return Look(None, f"/weights_checker gave no checksum: {e}", time.perf_counter() - started)
-    except TimeoutError:
-        return Look(
-            None, f"/weights_checker did not answer within {timeout:g}s", time.perf_counter() - started
-        )
-    return Look(held, None, time.perf_counter() - started)
+
+    async def read() -> Held:
+        return read_reply(await client.weights_checksum(timeout=timeout))
+
+    return await timed_look(why_not(client, weights_released), "/weights_checker", read, timeout)
 
 
 def _target(info: Any) -> Mapping[str, Any]:

@@ -3,17 +3,12 @@ timed by operation, transport failures told apart from vLLM's answers. Rows: doc
 
 from __future__ import annotations
 
-import contextlib
-import json
-import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-import aiohttp
-
-from rljob.agent.engines.base import EngineError, EngineUnreachable
+from rljob.agent.engines.base import EngineError
+from rljob.agent.engines.transport import EngineHTTP
 from rljob.agent.engines.vllm.quirks import VLLMQuirks
-from rljob.agent.timing import add_external
 
 PROBE_PROMPT = [0]  # one token id, the least a completion can take
 
@@ -32,7 +27,9 @@ def message(body: Any, text: str) -> str:
     return text[:500]
 
 
-class VLLMClient:
+class VLLMClient(EngineHTTP[VLLMQuirks]):
+    name = "vLLM"
+
     def __init__(
         self,
         base_url: str,
@@ -41,68 +38,16 @@ class VLLMClient:
         call_timeout_s: float,
         observe: Callable[[str, float], None],
     ) -> None:
-        self.base_url = base_url
-        self.call_timeout_s = call_timeout_s
-        self._observe = observe
+        super().__init__(base_url, call_timeout_s=call_timeout_s, observe=observe)
         # V-ROUTE-AUTH: --api-key guards only /v1, /v2 and /inference paths; sent with every call anyway.
         self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._session: aiohttp.ClientSession | None = None
-        self.quirks: VLLMQuirks | None = None  # set once /version answered
+        # quirks: set once /version answered.
 
-    async def start(self) -> None:
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), raise_for_status=False)
+    def headers(self, path: str) -> Mapping[str, str]:
+        return self._auth
 
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-
-    def q(self) -> VLLMQuirks:
-        if self.quirks is None:
-            raise RuntimeError("vLLM version not detected yet")
-        return self.quirks
-
-    async def _call(
-        self,
-        operation: str,
-        method: str,
-        path: str,
-        *,
-        body: Any = None,
-        params: list[tuple[str, str]] | None = None,
-        timeout: float | None = None,
-    ) -> tuple[int, Any, str]:
-        assert self._session is not None, "start() first"
-        started = time.monotonic()
-        try:
-            async with self._session.request(
-                method,
-                self.base_url + path,
-                json=body,
-                params=params,
-                headers=self._auth,
-                timeout=aiohttp.ClientTimeout(total=timeout if timeout is not None else self.call_timeout_s),
-            ) as resp:
-                text = await resp.text()
-                status = resp.status
-        except TimeoutError:
-            raise  # a hang is not death
-        except (aiohttp.ClientConnectionError, ConnectionError) as e:
-            raise EngineUnreachable(f"{operation}: {e.__class__.__name__}: {e}") from e
-        finally:
-            elapsed = time.monotonic() - started
-            self._observe(operation, elapsed)
-            add_external(elapsed)
-        try:
-            parsed: Any = json.loads(text) if text else None
-        except ValueError:
-            parsed = None
-        return status, parsed, text
-
-    async def _ok(self, operation: str, method: str, path: str, **kw: Any) -> Any:
-        status, body, text = await self._call(operation, method, path, **kw)
-        if status != 200:
-            raise EngineError(operation, status, message(body, text))
-        return body
+    def message(self, body: Any, text: str) -> str:
+        return message(body, text)
 
     # --- discovery -------------------------------------------------------------------------------------
 
@@ -268,23 +213,3 @@ class VLLMClient:
         if status != 200:
             raise EngineError("metrics", status, text[:500])
         return text
-
-    async def get_json(self, operation: str, path: str, timeout: float = 5.0) -> Any:
-        return await self._ok(operation, "GET", path, timeout=timeout)
-
-    # --- for the framework endpoint ----------------------------------------------------------------------
-
-    @contextlib.asynccontextmanager
-    async def forward(
-        self, method: str, path: str, headers: Mapping[str, str], body: bytes
-    ) -> AsyncIterator[aiohttp.ClientResponse]:
-        """A framework's call passed through as it came: its headers, no deadline, not timed."""
-        assert self._session is not None, "start() first"
-        async with self._session.request(
-            method,
-            self.base_url.rstrip("/") + path,
-            headers=dict(headers),
-            data=body,
-            timeout=aiohttp.ClientTimeout(total=None),
-        ) as response:
-            yield response

@@ -20,24 +20,18 @@ What passes through goes through the vLLM client (`VLLMClient.forward`)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import aiohttp
 from aiohttp import web
 
+from rljob.agent.engines import framework_endpoint
+from rljob.agent.engines.framework_endpoint import FrameworkSession, framework_app, next_version
 from rljob.agent.engines.vllm import handles
 from rljob.agent.engines.vllm.client import VLLMClient
 from rljob.agent.errors import Refused
-from rljob.api.agent import CommandState, PublishRequest, Stage, TensorPush
+from rljob.api.agent import PublishRequest, Stage, TensorPush
 from rljob.api.spec import RefitSource
 
-if TYPE_CHECKING:  # the core modules the endpoint is handed, not imported (they import the registry)
-    from rljob.agent.lease import LeaseDesk
-    from rljob.agent.refit_window import RefitWindows
-    from rljob.agent.state import StateStore
-
-WAIT_SLICE_S = 30.0
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "uint8": 1, "int8": 1}
 # SkyRL's worker-extension methods (NewInferenceWorkerWrap at a9564572, §11) the endpoint takes as the window.
 SKYRL_START, SKYRL_UPDATE, SKYRL_FINISH = (
@@ -51,15 +45,12 @@ NOT_THROUGH_ENDPOINT = {
     "/shutdown_weight_transfer_engine": "the agent owns vLLM's weight transfer",
     "/start_draft_weight_update": "the agent refits the served model only",
 }
-HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive"})
 
 
-class Refusal(Exception):
+class Refusal(framework_endpoint.Refusal):
     """A call the endpoint refuses, in vLLM's error shape (V-ROUTE-ERRORS)."""
 
     def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
         kind = {
             400: "BadRequestError",
             409: "BadRequestError",
@@ -67,13 +58,8 @@ class Refusal(Exception):
             503: "ServiceUnavailableError",
         }
         error_type = kind.get(status, "BadRequestError")
-        self.body = {
-            "error": {"message": f"rljob: {message}", "type": error_type, "param": None, "code": status}
-        }
-
-
-def next_version(served: str | None) -> str:
-    return str(int(served) + 1) if served is not None and served.isdigit() else "1"
+        body = {"error": {"message": f"rljob: {message}", "type": error_type, "param": None, "code": status}}
+        super().__init__(status, body, message)
 
 
 def skyrl_update(info: Any) -> dict[str, Any]:
@@ -106,29 +92,13 @@ def skyrl_update(info: Any) -> dict[str, Any]:
     }
 
 
-class VLLMEndpoint:
+class VLLMEndpoint(FrameworkSession[VLLMClient]):
     """One pod's framework session: the version it published in the current lease, if any."""
 
-    def __init__(
-        self,
-        store: StateStore,
-        lease: LeaseDesk,
-        windows: RefitWindows,
-        client: VLLMClient,
-        refit_source: RefitSource | None = None,
-    ) -> None:
-        self.store = store
-        self.lease = lease
-        self.windows = windows
-        self.client = client
-        self.refit_source = refit_source
-        self.published: str | None = self._published_in_lease()
+    not_through = NOT_THROUGH_ENDPOINT
 
-    def _published_in_lease(self) -> str | None:
-        t = self.store.state.trainer
-        if t.lease_held or self.store.lease_epoch is None or t.published_epoch != self.store.lease_epoch:
-            return None
-        return t.published_version
+    def refusal(self, status: int, message: str) -> Refusal:
+        return Refusal(status, message)
 
     def _json_replies(self) -> bool:
         """V-ROUTE-SLEEP, V-ROUTE-WAKE: 0.34 answers JSON, 0.26 an empty 200."""
@@ -143,51 +113,17 @@ class VLLMEndpoint:
     def _rpc_reply(self) -> web.Response:
         return web.json_response({"results": [None] * self._workers()})
 
-    # --- waits ---------------------------------------------------------------------------------------
-
-    async def _until(self, done: Callable[[], bool], failed: Callable[[], str | None]) -> str | None:
-        while True:
-            why = self._failed() or failed()
-            if why is not None:
-                return why
-            if done():
-                return None
-            await self.store.wait_until(lambda: done() or bool(self._failed() or failed()), WAIT_SLICE_S)
-
-    def _failed(self) -> str | None:
-        st = self.store.state
-        if st.stage == Stage.FAILED:
-            return f"the pod's agent failed ({st.fatal or 'Failed'}): the pod must be replaced"
-        return None
-
-    async def _settled(self) -> None:
-        why = await self._until(lambda: not self.store.recovering, lambda: None)
-        if why is not None:
-            raise Refusal(503, why)
-
-    def _command_failed(self, *actions: str) -> Callable[[], str | None]:
-        def failed() -> str | None:
-            cmd = self.store.state.last_command
-            if cmd is not None and cmd.action.value in actions and cmd.state == CommandState.FAILED:
-                return f"the {cmd.action.value} failed: {cmd.error}"
-            return None
-
-        return failed
-
-    def refused(self, request: web.Request, refusal: Refusal) -> None:
-        self.lease.refused(f"{request.method} {request.path}: {refusal}")
-
     # --- the handoff ---------------------------------------------------------------------------------
 
     async def sleep(self, request: web.Request) -> web.Response:
         level = request.query.get("level", "1")
-        await self._settled()
+        await self._settled(_unsettled)
         if not self.store.state.trainer.lease_held:
             try:
                 self.lease.request()
             except Refused as e:
                 raise Refusal(409, e.reason) from e
-            why = await self._until(lambda: self.store.state.trainer.lease_held, lambda: None)
+            why = await self._until_lease_held()
             if why is not None:
                 raise Refusal(409, why)
         self.published = None
@@ -198,7 +134,7 @@ class VLLMEndpoint:
 
     async def wake_up(self, request: web.Request) -> web.Response:
         tags = request.query.getall("tags", [])
-        await self._settled()
+        await self._settled(_unsettled)
         if tags and "kv_cache" not in tags:
             self.lease.accepted()  # weights: the agent's refit wakes them
             return self._wake_reply(tags, awake=False)
@@ -210,12 +146,7 @@ class VLLMEndpoint:
             raise Refusal(
                 409, "no weights were pushed since the sleep: update weights before waking kv_cache"
             )
-        why = await self._until(
-            lambda: (
-                self.store.state.stage == Stage.SERVING and self.store.state.engine.served_version == version
-            ),
-            self._command_failed("refit", "resume"),
-        )
+        why = await self._until_serving(version)
         if why is not None:
             raise Refusal(409, why)
         self.published = None
@@ -246,24 +177,15 @@ class VLLMEndpoint:
         return chosen
 
     async def start_update(self) -> None:
-        await self._settled()
+        await self._settled(_unsettled)
         version = self._publish()
-        why = await self._until(
-            lambda: (w := self.windows.view()).open and w.version == version,
-            lambda: self._command_failed("refit")() or self._served_already(version),
-        )
+        why = await self._until_window_open(version, "call")
         if why is not None:
             raise Refusal(409, why)
         self.lease.accepted()
 
-    def _served_already(self, version: str) -> str | None:
-        st = self.store.state
-        if st.stage == Stage.SERVING and st.engine.served_version == version:
-            return f"weights {version} are refitted and served: this call came after their refit window"
-        return None
-
     async def update(self, update_info: dict[str, Any]) -> str:
-        await self._settled()
+        await self._settled(_unsettled)
         if self.published is None:
             raise Refusal(409, "no weight update was started in this lease: start one first")
         try:
@@ -274,20 +196,12 @@ class VLLMEndpoint:
         return result.message
 
     async def finish_update(self) -> None:
-        await self._settled()
+        await self._settled(_unsettled)
         version = self.published
         if version is None:
             raise Refusal(409, "no weight update was started in this lease")
-        window = self.windows.view()
-        if window.open and window.version == version:
-            self.windows.trainer_close(None, versioned_by_agent=True)
-        why = await self._until(
-            lambda: (
-                self.store.state.engine.served_version == version
-                and self.store.state.stage in (Stage.REFITTED, Stage.SERVING)
-            ),
-            self._command_failed("refit"),
-        )
+        self._close_window(version)
+        why = await self._until_refitted(version)
         if why is not None:
             raise Refusal(409, why)
         self.lease.accepted()
@@ -349,40 +263,19 @@ class VLLMEndpoint:
         return web.json_response({"status": "resumed"})  # V-ROUTE-RESUME: the agent's resume serves
 
     async def reset_prefix_cache(self, request: web.Request) -> web.StreamResponse:
-        if self.store.state.stage == Stage.SERVING and not self.store.state.trainer.lease_held:
+        if self._serving_freely():
             return await self.pass_through(request)
         return web.json_response({"success": True})  # V-ROUTE-FLUSH: the agent's refit resets it
 
-    async def pass_through(self, request: web.Request) -> web.StreamResponse:
-        refused = NOT_THROUGH_ENDPOINT.get(request.path)
-        if refused is not None:
-            raise Refusal(400, f"{request.path} is not taken through the RLJob endpoint: {refused}")
+    async def refuse_passing(self, request: web.Request) -> None:
         if request.path == "/weight_checker" and b'"reset"' in await request.read():
             raise Refusal(
                 400, "/weight_checker reset zeroes the served weights: not through the RLJob endpoint"
             )
-        if self.store.state.stage in (Stage.STARTING, Stage.READY):
-            why = await self._until(lambda: self.store.state.stage == Stage.SERVING, lambda: None)
-            if why is not None:
-                raise Refusal(503, why)
-        try:
-            return await self._forward(request)
-        except aiohttp.ClientError as e:
-            raise Refusal(502, f"vLLM did not answer: {e}") from e
 
-    async def _forward(self, request: web.Request) -> web.StreamResponse:
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
-        body = await request.read()
-        async with self.client.forward(request.method, str(request.rel_url), headers, body) as upstream:
-            reply = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-            for key, value in upstream.headers.items():
-                if key.lower() not in HOP_HEADERS:
-                    reply.headers[key] = value
-            await reply.prepare(request)
-            async for chunk in upstream.content.iter_any():
-                await reply.write(chunk)
-            await reply.write_eof()
-            return reply
+
+def _unsettled(why: str) -> Refusal:
+    return Refusal(503, why)
 
 
 async def _json_object(request: web.Request) -> dict[str, Any]:
@@ -397,15 +290,7 @@ async def _json_object(request: web.Request) -> dict[str, Any]:
 
 
 def build_app(endpoint: VLLMEndpoint) -> web.Application:
-    @web.middleware
-    async def refusals(request: web.Request, handler: Any) -> web.StreamResponse:
-        try:
-            return await handler(request)  # type: ignore[no-any-return]
-        except Refusal as e:
-            endpoint.refused(request, e)
-            return web.Response(status=e.status, text=json.dumps(e.body), content_type="application/json")
-
-    app = web.Application(middlewares=[refusals], client_max_size=256 << 20)
+    app = framework_app(endpoint)
     r = app.router
     r.add_post("/sleep", endpoint.sleep)
     r.add_post("/wake_up", endpoint.wake_up)

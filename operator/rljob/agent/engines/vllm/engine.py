@@ -11,7 +11,7 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from aiohttp import web
@@ -25,6 +25,7 @@ from rljob.agent.engines.base import (
     LoadSample,
     Served,
 )
+from rljob.agent.engines.http_engine import HTTPEngine
 from rljob.agent.engines.vllm import metrics
 from rljob.agent.engines.vllm.client import VLLMClient
 from rljob.agent.engines.vllm.endpoint import VLLMEndpoint, build_app
@@ -71,7 +72,7 @@ def outbound_addresses() -> list[str]:
     return [a for a in found if not a.startswith("127.") and a != "0.0.0.0"]
 
 
-class VLLMEngine:
+class VLLMEngine(HTTPEngine[VLLMClient, VLLMFacts]):
     """One vLLM API server (its HTTP API on the pod's loopback), driven through its client. vLLM's wake of
     the last sleeping part resumes scheduling by itself (V-MEM-WAKE-ORDER): the refit and its verification
     run between the `weights` and the `kv_cache` wake, and nothing is forwarded in between."""
@@ -79,6 +80,7 @@ class VLLMEngine:
     kind = EngineKind.VLLM
     name = "vLLM"
     resume_order = RESUME_ORDER
+    call_names = CALL_NAMES
     metrics_off = metrics.METRICS_OFF
     guards = VLLMGuards()
     failed_load_poisons = True  # V-KILL-REFIT-FAILED: a failed update or reload leaves layers unbuilt
@@ -87,10 +89,9 @@ class VLLMEngine:
     def __init__(
         self, client: VLLMClient, *, refit_source: RefitSource | None = None, keep_weights: bool = False
     ) -> None:
-        self.client = client
+        super().__init__(client)
         self._refit_source = refit_source
         self._keep_weights = keep_weights
-        self._facts: VLLMFacts | None = None
         self._asleep: set[ReleaseTag] = set()  # what this agent process put to sleep and has not woken
         self._mode = PAUSE_MODES[DrainMode.ABORT]  # the pause mode a sleep repeats (§8)
         self._transfer_ready = False  # /init_weight_transfer_engine answered (once per vLLM process)
@@ -110,23 +111,6 @@ class VLLMEngine:
     ) -> VLLMEngine:
         client = VLLMClient(url, api_key=api_key, call_timeout_s=call_timeout_s, observe=observe)
         return cls(client, refit_source=refit_source, keep_weights=keep_weights)
-
-    @property
-    def facts(self) -> VLLMFacts | None:
-        return self._facts
-
-    @property
-    def quirks(self) -> VLLMQuirks | None:
-        return self.client.quirks
-
-    async def start(self) -> None:
-        await self.client.start()
-
-    async def close(self) -> None:
-        await self.client.close()
-
-    def call_name(self, call: str) -> str:
-        return CALL_NAMES.get(call, call)
 
     # --- presence --------------------------------------------------------------------------------------
 
@@ -398,9 +382,6 @@ class VLLMEngine:
         return await look(self.client, weights_released, timeout)
 
     # --- plumbing --------------------------------------------------------------------------------------
-
-    async def get_json(self, operation: str, path: str, timeout: float = 5.0) -> Any:
-        return await self.client.get_json(operation, path, timeout=timeout)
 
     def framework_endpoint(
         self, store: StateStore, lease: LeaseDesk, windows: RefitWindows, refit_source: RefitSource | None

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from rljob.agent.engines.base import Counter
+from rljob.agent.engines.prometheus import series_sums
 
 METRIC_SERIES = (
     "vllm:prompt_tokens_total",
@@ -26,24 +27,7 @@ METRICS_OFF = "vLLM runs with --disable-log-stats (no vllm: series on /metrics)"
 def parse_metrics(text: str) -> dict[str, float]:
     """Prometheus text -> {series: sum over its label sets} for METRIC_SERIES; lines that do not parse are
     skipped."""
-    sums: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        brace = line.find("{")
-        space = line.find(" ")
-        if brace != -1 and (space == -1 or brace < space):
-            name, rest = line[:brace], line[line.rfind("}") + 1 :]
-        else:
-            name, rest = line[:space], line[space:]
-        if name not in METRIC_SERIES:
-            continue
-        try:
-            value = float(rest.split()[0])
-        except (IndexError, ValueError):
-            continue
-        sums[name] = sums.get(name, 0.0) + value
-    return sums
+    return series_sums(text, METRIC_SERIES)
 
 
 def counters(series: dict[str, float]) -> dict[Counter, float] | None:

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import re
-import time
 
-from rljob.agent.engines.base import EngineError
+from rljob.agent.engines.checksum_look import timed_look
 from rljob.agent.engines.vllm.client import VLLMClient
 from rljob.agent.weights_check import GpuHashes, Held
 from rljob.agent.weights_look import Look
@@ -31,19 +30,10 @@ def why_not(client: VLLMClient, weights_released: bool) -> str | None:
 
 
 async def look(client: VLLMClient, weights_released: bool, timeout: float) -> Look:
-    why = why_not(client, weights_released)
-    if why is not None:
-        return Look(None, why, 0.0)
-    started = time.perf_counter()
-    try:
-        held = read_reply(await client.weight_checksums(timeout=timeout))
-    except (EngineError, ValueError) as e:
-        return Look(None, f"/weight_checker gave no checksum: {e}", time.perf_counter() - started)
-    except TimeoutError:
-        return Look(
-            None, f"/weight_checker did not answer within {timeout:g}s", time.perf_counter() - started
-        )
-    return Look(held, None, time.perf_counter() - started)
+    async def read() -> Held:
+        return read_reply(await client.weight_checksums(timeout=timeout))
+
+    return await timed_look(why_not(client, weights_released), "/weight_checker", read, timeout)
 
 
 def read_reply(checksums: dict[str, str]) -> Held:

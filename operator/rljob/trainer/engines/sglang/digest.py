@@ -24,15 +24,16 @@ mismatch on every such parameter.
 
 from __future__ import annotations
 
-import json
-import struct
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rljob.trainer.engines.digests import Digest as Digest  # re-exported: the SDK's digest type
+from rljob.trainer.engines.parameters import LoaderNames, Stored
+from rljob.trainer.engines.parameters import ModelLayout as ModelLayout  # re-exported: the SDK's
+from rljob.trainer.engines.parameters import checkpoint_layout as checkpoint_layout  # re-exported
 from rljob.trainer.engines.sglang import tensor_hash
 
 VOCAB_PADDING = 64  # …/layers/vocab_parallel_embedding.py:45@0.5.15.post1
@@ -45,77 +46,18 @@ PADDED_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 # Architectures whose SGLang loader maps names as above: Llama's load_weights, and Mistral's, which
 # renames Mistral-format names to Llama's and calls it (…/models/mistral.py:59-60@0.5.15.post1).
 KNOWN_LAYOUTS = frozenset({"LlamaForCausalLM", "MistralForCausalLM"})
-
-
-@dataclass(frozen=True)
-class ModelLayout:
-    """What the digest needs to know of the model: its architecture and whether lm_head is embed_tokens."""
-
-    architecture: str | None
-    tie_word_embeddings: bool = False
-    quantization: str | None = None  # the checkpoint's quant_method, if any
-
-    @classmethod
-    def from_config(cls, config: Any) -> ModelLayout:
-        """From a Hugging Face config object (`model.config`) or its dict (config.json)."""
-        get = config.get if isinstance(config, Mapping) else lambda k, d=None: getattr(config, k, d)
-        archs = get("architectures") or []
-        quant = get("quantization_config")
-        method = None
-        if quant:
-            method = str((quant.get("quant_method") if isinstance(quant, Mapping) else None) or "quantized")
-        return cls(str(archs[0]) if archs else None, bool(get("tie_word_embeddings", False)), method)
-
-    def unavailable(self) -> str | None:
-        """Why SGLang's hashes cannot be computed from this model's tensors, or None."""
-        if self.quantization is not None:
-            return (
-                f"the checkpoint is quantized ({self.quantization}): SGLang hashes its dequantized weights, "
-                "which the SDK does not reproduce"
-            )
-        if self.architecture is None:
-            return "the model's architecture is not known (no `architectures` in its config)"
-        if self.architecture not in KNOWN_LAYOUTS:
-            return (
-                f"SGLang's parameter layout of {self.architecture} (how its loader fuses the checkpoint's "
-                f"tensors) is not known to the SDK; known: {', '.join(sorted(KNOWN_LAYOUTS))}"
-            )
-        return None
-
-
-def sglang_name(name: str) -> tuple[str, int, int] | None:
-    """The SGLang parameter a checkpoint tensor loads into, its place among the parameter's parts and their
-    count; None for tensors the loader skips."""
-    if any(s in name for s in SKIPPED):
-        return None
-    for fused, parts in STACKED:
-        for i, part in enumerate(parts):
-            if part in name:
-                return name.replace(part, fused), i, len(parts)
-    return name, 0, 1
-
-
-def plan(names: Iterable[str], layout: ModelLayout) -> tuple[dict[str, list[str]], list[str]]:
-    """SGLang parameter -> the checkpoint tensors it is made of, in order, for the parameters whose every
-    part is among `names`; and the parameters left out because only some of their parts are."""
-    parts: dict[str, dict[int, str]] = {}
-    counts: dict[str, int] = {}
-    for name in names:
-        if layout.tie_word_embeddings and name == "lm_head.weight":
-            continue
-        mapped = sglang_name(name)
-        if mapped is None:
-            continue
-        target, index, count = mapped
-        parts.setdefault(target, {})[index] = name
-        counts[target] = count
-    whole = {t: [p[i] for i in range(counts[t])] for t, p in parts.items() if len(p) == counts[t]}
-    partial = sorted(t for t, p in parts.items() if len(p) != counts[t])
-    return whole, partial
-
-
-def _vocab_padding_rows(name: str, rows: int) -> int:
-    return (-rows % VOCAB_PADDING) if name in PADDED_VOCAB else 0
+LOADER = LoaderNames(
+    engine="SGLang",
+    stacked=STACKED,
+    dropped=SKIPPED,
+    padded_vocab=PADDED_VOCAB,
+    vocab_padding=VOCAB_PADDING,
+    known_layouts=KNOWN_LAYOUTS,
+    quantized="hashes its dequantized weights",
+)
+sglang_name = LOADER.target  # the SGLang parameter a checkpoint tensor loads into (or None: skipped)
+plan = LOADER.plan  # SGLang parameter -> the checkpoint tensors it is made of
+_vocab_padding_rows = LOADER.padding_rows  # the zero rows SGLang pads a parameter with
 
 
 def digest_named_tensors(named: Iterable[tuple[str, Any]], layout: ModelLayout) -> Digest:
@@ -153,60 +95,23 @@ def start_digest_named_tensors(named: Iterable[tuple[str, Any]], layout: ModelLa
     """`digest_named_tensors` begun: CUDA tensors are hashed on a side stream after the work queued on the
     current stream (tensor_hash.start_hashes), the rest here; nothing is waited for."""
     started = time.perf_counter()
-    why = layout.unavailable()
+    why = LOADER.unavailable(layout)
     if why is not None:
         return PendingDigest([], None, unavailable=why)
-    tensors = dict(named)
-    whole, _partial = plan(tensors, layout)
+    targets: list[str] = []
     groups: list[tensor_hash.Group] = []
-    for target, names in whole.items():
-        items = [tensors[n] for n in names]
-        first = items[0]
-        pad = _vocab_padding_rows(target, int(first.shape[0])) if first.ndim >= 1 else 0
-        zero = pad * (int(first.nbytes) // int(first.shape[0])) if pad else 0
+    for target, items, zero in LOADER.parameters(dict(named), layout, _size):
+        targets.append(target)
         groups.append((items, zero))
     hashes = tensor_hash.start_hashes(groups)
-    return PendingDigest(list(whole), hashes, seconds=time.perf_counter() - started)
+    return PendingDigest(targets, hashes, seconds=time.perf_counter() - started)
+
+
+def _size(tensor: Any) -> tuple[tuple[int, ...], int]:
+    return tuple(tensor.shape), int(tensor.nbytes)
 
 
 # --- checkpoints on disk ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Stored:
-    file: Path
-    dtype: str
-    shape: tuple[int, ...]
-    start: int  # byte offsets in the file
-    end: int
-
-
-def read_index(path: Path) -> dict[str, _Stored]:
-    """Every tensor of the safetensors files at `path` (a file, or a directory of *.safetensors): where its
-    bytes are. The header is read by hand (8-byte little-endian length, then JSON)."""
-    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no safetensors file at {path}")
-    index: dict[str, _Stored] = {}
-    for f in files:
-        with f.open("rb") as fh:
-            (length,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(length))
-        base = 8 + length
-        for name, meta in header.items():
-            if name == "__metadata__":
-                continue
-            lo, hi = meta["data_offsets"]
-            index[name] = _Stored(f, str(meta["dtype"]), tuple(meta["shape"]), base + lo, base + hi)
-    return index
-
-
-def checkpoint_layout(path: Path) -> ModelLayout:
-    """From the checkpoint's config.json (beside the file, or in the directory)."""
-    config = (path if path.is_dir() else path.parent) / "config.json"
-    if not config.is_file():
-        return ModelLayout(None)
-    return ModelLayout.from_config(json.loads(config.read_text()))
 
 
 def checkpoint_digest(
@@ -215,29 +120,16 @@ def checkpoint_digest(
     """The digest of a safetensors checkpoint as SGLang will hold it once `update_weights_from_disk` loaded
     it: on the CPU with numpy, or with torch on `device` (e.g. "cuda": the files' bytes are copied there
     and hashed at the GPU's speed). `layout` defaults to the checkpoint's config.json."""
-    started = time.perf_counter()
-    path = Path(path)
-    layout = layout or checkpoint_layout(path)
-    why = layout.unavailable()
-    if why is not None:
-        return Digest(unavailable=why)
-    index = read_index(path)
-    whole, _partial = plan(index, layout)
-    out: dict[str, str] = {}
     maps: dict[Path, Any] = {}
-    for target, names in whole.items():
-        stored = [index[n] for n in names]
-        chunks = [_file_bytes(maps, s) for s in stored]
-        first = stored[0]
-        pad = _vocab_padding_rows(target, first.shape[0]) if first.shape else 0
-        if pad:
-            row = (first.end - first.start) // max(1, first.shape[0])
-            chunks.append(bytes(pad * row))
-        out[target] = tensor_hash.hex16(_hash_chunks(chunks, device))
-    return Digest(out, seconds=time.perf_counter() - started)
+
+    def hash_parameter(stored: list[Stored], zero: int) -> str:
+        chunks = [_file_bytes(maps, s) for s in stored] + ([bytes(zero)] if zero else [])
+        return tensor_hash.hex16(_hash_chunks(chunks, device))
+
+    return LOADER.checkpoint_digest(path, layout, hash_parameter)
 
 
-def _file_bytes(maps: dict[Path, Any], s: _Stored) -> Any:
+def _file_bytes(maps: dict[Path, Any], s: Stored) -> Any:
     import numpy as np
 
     m = maps.get(s.file)

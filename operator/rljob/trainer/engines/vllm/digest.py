@@ -23,15 +23,13 @@ bytes are hashed as the trainer holds them: a tensor in another dtype than vLLM 
 from __future__ import annotations
 
 import hashlib
-import json
-import struct
-import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from rljob.trainer.engines.digests import Digest
+from rljob.trainer.engines.parameters import LoaderNames, Stored
+from rljob.trainer.engines.parameters import ModelLayout as ModelLayout  # re-exported: the SDK's
 
 VOCAB_PADDING = 64  # DEFAULT_VOCAB_PADDING_SIZE, vocab_parallel_embedding.py:39@0.34.0
 STACKED = (  # (vLLM's fused name, its parts in order): hf_to_vllm_mapper, llama.py:348-357@0.34.0
@@ -43,75 +41,16 @@ PADDED_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 # Architectures vLLM loads through Llama's mapper (…/model_executor/models/registry.py:155,179@0.34.0;
 # MistralForCausalLM subclasses LlamaForCausalLM).
 KNOWN_LAYOUTS = frozenset({"LlamaForCausalLM", "MistralForCausalLM"})
-
-
-@dataclass(frozen=True)
-class ModelLayout:
-    """What the digest needs to know of the model: its architecture and whether lm_head is embed_tokens."""
-
-    architecture: str | None
-    tie_word_embeddings: bool = False
-    quantization: str | None = None
-
-    @classmethod
-    def from_config(cls, config: Any) -> ModelLayout:
-        get = config.get if isinstance(config, Mapping) else lambda k, d=None: getattr(config, k, d)
-        archs = get("architectures") or []
-        quant = get("quantization_config")
-        method = None
-        if quant:
-            method = str((quant.get("quant_method") if isinstance(quant, Mapping) else None) or "quantized")
-        return cls(str(archs[0]) if archs else None, bool(get("tie_word_embeddings", False)), method)
-
-    def unavailable(self) -> str | None:
-        if self.quantization is not None:
-            return (
-                f"the checkpoint is quantized ({self.quantization}): vLLM hashes the quantized parameters "
-                "it builds, which the SDK does not reproduce"
-            )
-        if self.architecture is None:
-            return "the model's architecture is not known (no `architectures` in its config)"
-        if self.architecture not in KNOWN_LAYOUTS:
-            return (
-                f"vLLM's parameter layout of {self.architecture} (how its loader fuses the checkpoint's "
-                f"tensors) is not known to the SDK; known: {', '.join(sorted(KNOWN_LAYOUTS))}"
-            )
-        return None
-
-
-def vllm_name(name: str) -> tuple[str, int, int] | None:
-    """The vLLM parameter a checkpoint tensor loads into, its place among the parameter's parts and their
-    count; None for tensors the loader drops."""
-    if any(d in name for d in DROPPED):
-        return None
-    for fused, parts in STACKED:
-        for i, part in enumerate(parts):
-            if part in name:
-                return name.replace(part, fused), i, len(parts)
-    return name, 0, 1
-
-
-def plan(names: Iterable[str], layout: ModelLayout) -> tuple[dict[str, list[str]], list[str]]:
-    """vLLM parameter -> the checkpoint tensors it is made of, in order, for the parameters whose every part
-    is among `names`; and the parameters left out because only some of their parts are."""
-    parts: dict[str, dict[int, str]] = {}
-    counts: dict[str, int] = {}
-    for name in names:
-        if layout.tie_word_embeddings and name == "lm_head.weight":
-            continue
-        mapped = vllm_name(name)
-        if mapped is None:
-            continue
-        target, index, count = mapped
-        parts.setdefault(target, {})[index] = name
-        counts[target] = count
-    whole = {t: [p[i] for i in range(counts[t])] for t, p in parts.items() if len(p) == counts[t]}
-    partial = sorted(t for t, p in parts.items() if len(p) != counts[t])
-    return whole, partial
-
-
-def vocab_padding_rows(name: str, rows: int) -> int:
-    return (-rows % VOCAB_PADDING) if name in PADDED_VOCAB else 0
+LOADER = LoaderNames(
+    engine="vLLM",
+    stacked=STACKED,
+    dropped=DROPPED,
+    padded_vocab=PADDED_VOCAB,
+    vocab_padding=VOCAB_PADDING,
+    known_layouts=KNOWN_LAYOUTS,
+    quantized="hashes the quantized parameters it builds",
+)
+vllm_name = LOADER.target  # the vLLM parameter a checkpoint tensor loads into (or None: dropped)
 
 
 def parameter_hash(chunks: Iterable[Any]) -> str:
@@ -145,73 +84,25 @@ def _nbytes(chunk: Any) -> int:
     return int(chunk.numel()) * int(chunk.element_size())
 
 
+def _size(chunk: Any) -> tuple[tuple[int, ...], int]:
+    return tuple(chunk.shape), _nbytes(chunk)
+
+
+def _hash_parts(parts: list[Any], zero: int) -> str:
+    return parameter_hash([*parts, bytes(zero)] if zero else parts)
+
+
 def digest_named_tensors(named: Iterable[tuple[str, Any]], layout: ModelLayout) -> Digest:
     """The digest of torch tensors (copied to the CPU, as vLLM hashes them) or numpy arrays, by checkpoint
     name."""
-    started = time.perf_counter()
-    why = layout.unavailable()
-    if why is not None:
-        return Digest(unavailable=why)
-    tensors = dict(named)
-    whole, _partial = plan(tensors, layout)
-    out: dict[str, str] = {}
-    for target, names in whole.items():
-        chunks = [tensors[n] for n in names]
-        first = chunks[0]
-        rows = int(first.shape[0]) if len(first.shape) >= 1 else 0
-        pad = vocab_padding_rows(target, rows) if rows else 0
-        if pad:
-            chunks.append(bytes(pad * (_nbytes(first) // rows)))
-        out[target] = parameter_hash(chunks)
-    return Digest(out, seconds=time.perf_counter() - started)
-
-
-def read_index(path: Path) -> dict[str, tuple[Path, tuple[int, ...], int, int]]:
-    """Every tensor of the safetensors files at `path`: (file, shape, start, end) byte offsets."""
-    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no safetensors file at {path}")
-    index: dict[str, tuple[Path, tuple[int, ...], int, int]] = {}
-    for f in files:
-        with f.open("rb") as fh:
-            (length,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(length))
-        for name, meta in header.items():
-            if name != "__metadata__":
-                lo, hi = meta["data_offsets"]
-                index[name] = (f, tuple(meta["shape"]), 8 + length + lo, 8 + length + hi)
-    return index
-
-
-def checkpoint_layout(path: Path) -> ModelLayout:
-    config = (path if path.is_dir() else path.parent) / "config.json"
-    if not config.is_file():
-        return ModelLayout(None)
-    return ModelLayout.from_config(json.loads(config.read_text()))
+    return LOADER.digest(named, layout, _size, _hash_parts)
 
 
 def checkpoint_digest(path: str | Path, *, layout: ModelLayout | None = None) -> Digest:
     """The digest of a safetensors checkpoint as vLLM will hold it once `reload_weights` loaded it (in the
     checkpoint's dtype: vLLM's `--dtype` must be it). `layout` defaults to its config.json."""
-    started = time.perf_counter()
-    path = Path(path)
-    layout = layout or checkpoint_layout(path)
-    why = layout.unavailable()
-    if why is not None:
-        return Digest(unavailable=why)
-    index = read_index(path)
-    whole, _partial = plan(index, layout)
-    out: dict[str, str] = {}
-    for target, names in whole.items():
-        chunks: list[bytes] = []
-        for n in names:
-            f, _, lo, hi = index[n]
-            with f.open("rb") as fh:
-                fh.seek(lo)
-                chunks.append(fh.read(hi - lo))
-        shape = index[names[0]][1]
-        pad = vocab_padding_rows(target, shape[0]) if shape else 0
-        if pad:
-            chunks.append(bytes(pad * (len(chunks[0]) // max(1, shape[0]))))
-        out[target] = parameter_hash(chunks)
-    return Digest(out, seconds=time.perf_counter() - started)
+    return LOADER.checkpoint_digest(path, layout, _hash_stored)
+
+
+def _hash_stored(stored: list[Stored], zero: int) -> str:
+    return _hash_parts([s.read() for s in stored], zero)
