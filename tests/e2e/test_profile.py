@@ -197,7 +197,7 @@ def test_two_trainers_get_two_diagnoses(
     )
     report = tmp_path / "unique.html"
     chart = plugin("profile", "unique", "--html", str(report))
-    assert "Per-iteration profile (3 iterations)" in chart and "RolloutCapacity" in chart
+    assert "Per-iteration profile (3 iterations on SGLang 0.5.23)" in chart and "RolloutCapacity" in chart
     page = report.read_text()
     assert page.count("<svg") == 4 and "<script" not in page and "RolloutCapacity" in page
     assert get_rljob(kube_api, namespace, "unique")["status"]["diagnosis"] == unique["diagnosis"]
