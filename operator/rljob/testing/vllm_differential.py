@@ -178,11 +178,11 @@ def stand_in_builders(launch: Path) -> dict[str, Callable[[], str]]:
 
     tensors = checkpoint_tensors(launch)
     sizes = [_nbytes(d, s) for _, d, s in tensors]
+    # torch's reduction carries the device index (vLLM writes its own in: V-REFIT-IPC), not SGLang's UUID.
+    buffer = cuda_reduction(sum(sizes), device=0)  # type: ignore[arg-type]
 
     def update(packed: bool) -> str:
-        handles = stand_in_pickle.to_wire(
-            stand_in_pickle.dumps({UUID: cuda_reduction(sum(sizes), device=0).args})
-        )
+        handles = stand_in_pickle.to_wire(stand_in_pickle.dumps({UUID: buffer.args}))
         info = packing.update_info(
             [n for n, _, _ in tensors], [d for _, d, _ in tensors], [s for _, _, s in tensors], sizes, handles
         )
@@ -192,7 +192,7 @@ def stand_in_builders(launch: Path) -> dict[str, Callable[[], str]]:
         # cuda_ipc_strategy.py:198-250@a9564572: `sizes` in elements, {uuid: (rebuild, args)} pickled.
         rebuild = stand_in_pickle.Global("torch.multiprocessing.reductions", "rebuild_cuda_tensor")
         numel = [s // _nbytes(d, [1]) for s, (_, d, _) in zip(sizes, tensors, strict=True)]
-        handles = {UUID: (rebuild, cuda_reduction(sum(sizes), device=0).args)}
+        handles = {UUID: (rebuild, buffer.args)}
         return json.dumps(
             {
                 "names": [n for n, _, _ in tensors],
