@@ -7,9 +7,18 @@ the same run, the ratio printed (goal <= 1.05x). The model: RLJOB_GPU_MODEL (rlj
 tiny by default; the logprob reference is computed for the tiny model only). Figures, written after each
 iteration: $RLJOB_GPU_RESULTS_DIR/real_vllm.{json,md}.
 
+test_differential, after it in the same vLLM launch: every sequence of tests/differential/vllm/sequences.json
+and tests/replays/vllm, each from the stated state (rljob.testing.vllm_differential.RESET, which also
+brings back a server the iterations left paused or asleep), to real vLLM and to the emulator at 0.26.0; the
+real answers are written to $RLJOB_GPU_RESULTS_DIR/vllm/real-0.26.0.json (committed as
+tests/differential/vllm/real-0.26.0.json, which tests/agent/test_vllm_differential.py holds the emulator
+to in CI), the emulator's beside it, and the differences table to vllm/differential.md. The IPC updates
+carry real CUDA tensors of this process (vllm_differential.real_builders).
+
 Skipped, with the reason, without a GPU or without vLLM 0.26.0 unpacked (hack/real-vllm, docs/real-vllm.md).
 With RLJOB_GPU_VLLM_STAND_IN=emulator the vLLM emulator and vllm_stand_in_trainer.py stand in for vLLM and
-the torch trainer (no logprob check then): the harness proven on CPU."""
+the torch trainer (no logprob check then): the harness proven on CPU; a recording made so says
+`stand_in`, and the CPU test refuses it."""
 
 from __future__ import annotations
 
@@ -22,12 +31,17 @@ from typing import Any
 import pytest
 from agent_procs import PY, Proc
 from conftest import seconds_left
-from real_vllm import IPC, VERSION, RealVllm, stand_in, start_phases, vllm_missing
+from real_vllm import ENV, IPC, LAUNCH_FLAGS, VERSION, RealVllm, stand_in, start_phases, vllm_missing
 from vllm_iterations import drive, table
 
+from rljob.testing import differential, vllm_differential
 from rljob.testing.gpu_models import spec_from_env
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+DIFFERENTIAL = ROOT / "tests" / "differential" / "vllm"
+EMULATOR_TPS = 300  # the emulator's tokens per second per request in the differential
+STAND_IN_FLAGS = ("--enable-sleep-mode", *IPC)  # the stand-in's launch (VllmEmulator adds sleep mode)
 PLAN = ("disk", "tensor", "disk")
 STAND_IN_PROBE = "rljob.emulator.probe:EmulatorProbe"
 # Long enough to fill several of vLLM's 16-token KV blocks: only full blocks enter its prefix cache.
@@ -59,15 +73,17 @@ def why_not() -> str | None:
     return cuda_missing() or vllm_missing()
 
 
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[tuple[Any, Path]]:
-    """vLLM serving version 0 of the model (its launch checkpoint), or the emulator standing in."""
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Path, Path]]:
+    """vLLM serving version 0 of the model (its launch checkpoint), or the emulator standing in; one
+    launch for the module's tests, with its folder."""
     reason = why_not()
     if reason:
         pytest.skip(f"real-vLLM tier: {reason}")
     left = seconds_left()
     if left is not None and left < 120:
         pytest.skip(f"real-vLLM tier: {left:.0f} s left of RLJOB_GPU_TIMEOUT, too little to start vLLM")
+    tmp_path = tmp_path_factory.mktemp("real-vllm")
     if stand_in():
         from vllm_procs import VllmEmulator, write_model
 
@@ -76,7 +92,7 @@ def server(tmp_path: Path) -> Iterator[tuple[Any, Path]]:
                            model=launch, env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})  # fmt: skip
         try:
             emu.wait_ready(60)
-            yield emu, launch
+            yield emu, launch, tmp_path
         finally:
             emu.stop()
         return
@@ -91,7 +107,7 @@ def server(tmp_path: Path) -> Iterator[tuple[Any, Path]]:
             f"\nvLLM {VERSION} ready in {vllm.start_seconds:.1f} s: "
             + "; ".join(start_phases(vllm.log_text()))
         )
-        yield vllm, launch
+        yield vllm, launch, tmp_path
     finally:
         vllm.stop()
 
@@ -117,8 +133,8 @@ def prompt_ids(launch: Path) -> tuple[dict[str, list[int]], list[list[int]]]:
     return prompts, [enc(f"request {k} in flight") for k in range(3)]
 
 
-def test_agent_drives_real_vllm(server: tuple[Any, Path], tmp_path: Path, results_dir: Path) -> None:
-    vllm, launch = server
+def test_agent_drives_real_vllm(server: tuple[Any, Path, Path], results_dir: Path) -> None:
+    vllm, launch, tmp_path = server
     prompts, flight = prompt_ids(launch)
     spec = spec_from_env()
     reference = not stand_in() and spec == "tiny"
@@ -158,3 +174,58 @@ def test_agent_drives_real_vllm(server: tuple[Any, Path], tmp_path: Path, result
     write(seen)
     print("\n" + table(seen)[0])
     assert os.environ.get("RLJOB_GPU_VLLM_STAND_IN") in (None, "", "emulator")
+
+
+# --- the emulator held to real vLLM ---------------------------------------------------------------------
+
+
+def test_differential(server: tuple[Any, Path, Path], results_dir: Path) -> None:
+    """Second in the module, in the same launch: every sequence to the emulator (launched as this vLLM,
+    on the same checkpoint) and to this vLLM, each from the stated state; the recording, the emulator's
+    answers and the table of their differences go to $RLJOB_GPU_RESULTS_DIR/vllm/."""
+    vllm, launch, tmp = server
+    doc = json.loads((DIFFERENTIAL / "sequences.json").read_text())
+    assert (tuple(doc["launch"]["vllm_args"]), doc["launch"]["vllm_env"]) == (LAUNCH_FLAGS, ENV), (
+        "tests/differential/vllm/sequences.json states another launch than real_vllm.py's"
+    )
+    left = seconds_left()
+    if left is not None and left < 240:
+        pytest.skip(f"real-vLLM differential: {left:.0f} s left of RLJOB_GPU_TIMEOUT")
+    from vllm_procs import VllmEmulator
+
+    sequences = vllm_differential.load_sequences(
+        DIFFERENTIAL / "sequences.json", ROOT / "tests" / "replays" / "vllm"
+    )
+    engine = vllm_differential.VLLM
+    emu = VllmEmulator(tmp, VERSION, *doc["launch"]["vllm_args"], sleep_mode=False, tps=EMULATOR_TPS,
+                       model=launch, env=doc["launch"]["vllm_env"])  # fmt: skip
+    try:
+        emu.wait_ready(60)
+        emu_ctx = vllm_differential.contexts(tmp / "diff-emu", launch)
+        emulated = differential.run_all(emu.url, emu.alive, sequences, VERSION, emu_ctx, True, engine)
+    finally:
+        emu.stop()
+    builders = vllm_differential.stand_in_builders if stand_in() else vllm_differential.real_builders
+    real_ctx = vllm_differential.contexts(tmp / "diff-real", launch, builders(launch))
+    real = differential.run_all(vllm.url, vllm.alive, sequences, VERSION, real_ctx, True, engine)
+    record = {
+        "version": VERSION,
+        **({"stand_in": "the vLLM emulator (RLJOB_GPU_VLLM_STAND_IN=emulator)"} if stand_in() else {}),
+        "launch_flags": list(STAND_IN_FLAGS if stand_in() else vllm.flags),
+        "env": dict(doc["launch"]["vllm_env"]),
+        "model": "stand-in" if stand_in() else spec_from_env(),
+        "emulator_tps": EMULATOR_TPS,
+        "reset": vllm_differential.RESET_STATE,
+        "sequences": real,
+    }
+    out = results_dir / "vllm"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"real-{VERSION}.json").write_text(json.dumps(record, indent=1) + "\n")
+    (out / f"emulator-{VERSION}.json").write_text(json.dumps({"sequences": emulated}, indent=1) + "\n")
+    text = differential.table(
+        real, emulated, differential.recorded(DIFFERENTIAL / "known-differences.json"), "vLLM"
+    )
+    (out / "differential.md").write_text(text)
+    print("\n" + text)
+    assert [o["name"] for o in real] == [s["name"] for s in sequences], "a sequence was not sent"
+    assert vllm.alive()

@@ -1,10 +1,13 @@
-"""The emulator held to real SGLang: the same HTTP sequences sent to a server, and what it answered, step by
-step, in a form two servers' answers compare in: status, content type, the body's fields (its key tree),
-chosen values, a timing class, and the server's state after the sequence.
+"""The emulator held to the real engine: the same HTTP sequences sent to a server, and what it answered, step
+by step, in a form two servers' answers compare in: status, content type, the body's fields (its key tree),
+chosen values, a timing class, and the server's state after the sequence. What differs per engine (the
+stated state, the values compared by default, how the state after is read) is an `Engine`: SGLANG here,
+rljob.testing.vllm_differential.VLLM for vLLM.
 
 A sequence is a tests/replays-style list of steps (client_replay's format: method, path, body, headers,
 background/join, sleep_s, only_versions) with, per step, optionally:
-- `compare`: value paths whose values must match (default: DEFAULT_COMPARE where present);
+- `compare`: value paths whose values must match (default: the engine's, DEFAULT_COMPARE for SGLang, where
+  present; `a[0].b` reads a list element);
 - `timing`: false to leave the timing class out (a long generation's speed is the model's, not SGLang's);
 - `fields`: false to leave the key tree out (e.g. /server_info, whose hundreds of arguments differ);
 - `volatile_fields`: key paths (and what lies under them) left out of the key tree, where their presence
@@ -18,7 +21,8 @@ SGLang: with or without --enable-memory-saver (`load_sequences`, `without_memory
 
 tests/gpu/test_real_sglang.py records real SGLang's answers (`observe`), committed as
 tests/differential/real-<version>.json; tests/agent/test_differential.py sends the same sequences to the
-emulator and compares (`differences`)."""
+emulator and compares (`differences`). vLLM's: tests/gpu/test_real_vllm.py, tests/differential/vllm/,
+tests/agent/test_vllm_differential.py."""
 
 from __future__ import annotations
 
@@ -48,6 +52,18 @@ STEP_TIMEOUT_S = 60.0
 # exits after them (C-MEM-RESUME-OOM), so whether it is alive is asked again until this has passed.
 DYING_GRACE_S = 20.0
 FIELD_DEPTH = 3
+
+
+@dataclass(frozen=True)
+class Engine:
+    """What the runner does differently per engine."""
+
+    name: str  # as differences name the real server: "SGLang", "vLLM"
+    reset: tuple[dict[str, Any], ...]  # the steps to the stated state (each may have only_versions)
+    reset_state: str  # the stated state, in words
+    default_compare: tuple[str, ...]  # the value paths compared where a step names none
+    # What a client sees after a sequence: (url, the sequence's Context, version) -> state.
+    state_of: Callable[[str, Context, str], dict[str, Any]]
 
 
 @dataclass
@@ -87,10 +103,17 @@ def key_tree(doc: Any, prefix: str = "", depth: int = FIELD_DEPTH) -> list[str]:
 
 
 def value_at(doc: Any, path: str) -> tuple[bool, Any]:
+    """The value at a dotted path; a part `name[i]` takes the list element i (`choices[0].finish_reason`)."""
     for part in path.split("."):
-        if not isinstance(doc, dict) or part not in doc:
+        name, _, index = part.partition("[")
+        if not isinstance(doc, dict) or name not in doc:
             return False, None
-        doc = doc[part]
+        doc = doc[name]
+        if index:
+            i = int(index.rstrip("]"))
+            if not isinstance(doc, list) or not -len(doc) <= i < len(doc):
+                return False, None
+            doc = doc[i]
     return True, doc
 
 
@@ -103,14 +126,19 @@ def timing_class(seconds: float, released_by_later_step: bool) -> str:
 
 
 def observe_answer(
-    label: str, step: dict[str, Any], answer: Answer, seconds: float, waits: bool
+    label: str,
+    step: dict[str, Any],
+    answer: Answer,
+    seconds: float,
+    waits: bool,
+    default_compare: tuple[str, ...] = DEFAULT_COMPARE,
 ) -> StepObservation:
     try:
         doc = answer.json() if answer.text else None
     except ValueError:
         doc = None
     values: dict[str, Any] = {}
-    for path in step.get("compare", DEFAULT_COMPARE):
+    for path in step.get("compare", default_compare):
         found, value = value_at(doc, path)
         if found:
             values[path] = value
@@ -153,15 +181,17 @@ def observe(
     ctx: Context,
     version: str,
     alive: Callable[[], bool],
+    engine: Engine | None = None,
 ) -> SequenceObservation:
     """Sends `sequence`'s steps to the server at `url` and records what it answered."""
+    engine = engine or SGLANG
     obs = SequenceObservation(sequence["name"])
     pending: list[_Background] = []
     for i, step in enumerate(sequence["steps"]):
         if version not in step.get("only_versions", [version]):
             continue
         if step.get("join"):
-            _join(pending, obs)
+            _join(pending, obs, engine.default_compare)
             continue
         if not alive():
             break
@@ -175,15 +205,15 @@ def observe(
             if bg.next_foreground_sent is None:
                 bg.next_foreground_sent = sent
         answer, seconds = _send(url, step, ctx)
-        obs.steps.append(observe_answer(label, step, answer, seconds, waits=False))
-    _join(pending, obs)
+        obs.steps.append(observe_answer(label, step, answer, seconds, False, engine.default_compare))
+    _join(pending, obs, engine.default_compare)
     for st in obs.steps:  # a message naming a file of this run's (a missing checkpoint) names it alike
         st.values = {
             k: v.replace(str(ctx.tmp), "{{TMP}}") if isinstance(v, str) else v for k, v in st.values.items()
         }
     obs.alive_after = _still_alive(alive, dropped=any(st.status == 0 for st in obs.steps))
     if obs.alive_after:
-        obs.state_after = state_of(url)
+        obs.state_after = engine.state_of(url, ctx, version)
     return obs
 
 
@@ -234,7 +264,9 @@ def _start(url: str, label: str, step: dict[str, Any], ctx: Context) -> _Backgro
     return bg
 
 
-def _join(pending: list[_Background], obs: SequenceObservation) -> None:
+def _join(
+    pending: list[_Background], obs: SequenceObservation, default_compare: tuple[str, ...] = DEFAULT_COMPARE
+) -> None:
     for bg in pending:
         bg.thread.join(STEP_TIMEOUT_S)
         if not bg.result:
@@ -247,23 +279,23 @@ def _join(pending: list[_Background], obs: SequenceObservation) -> None:
         waits = (
             bg.next_foreground_sent is not None and ended > bg.next_foreground_sent and seconds >= AT_ONCE_S
         )
-        obs.steps.append(observe_answer(bg.label, bg.step, answer, seconds, waits))
+        obs.steps.append(observe_answer(bg.label, bg.step, answer, seconds, waits, default_compare))
     pending.clear()
 
 
 # --- comparing -----------------------------------------------------------------------------------------
 
 
-def differences(real: dict[str, Any], emulated: dict[str, Any]) -> list[str]:
-    """Each way the emulator's observation of a sequence differs from real SGLang's, as `what: real X,
-    emulator Y` lines keyed by the step label."""
+def differences(real: dict[str, Any], emulated: dict[str, Any], engine: str = "SGLang") -> list[str]:
+    """Each way the emulator's observation of a sequence differs from the real engine's (`engine` names
+    it), as `what: real X, emulator Y` lines keyed by the step label."""
     out: list[str] = []
     r_steps = {s["label"]: s for s in real["steps"]}
     e_steps = {s["label"]: s for s in emulated["steps"]}
     for label in sorted(set(r_steps) | set(e_steps)):
         r, e = r_steps.get(label), e_steps.get(label)
         if r is None or e is None:
-            out.append(f"{label}: sent to {'the emulator' if r is None else 'real SGLang'} only")
+            out.append(f"{label}: sent to {'the emulator' if r is None else 'real ' + engine} only")
             continue
         for key in ("status", "content_type", "timing"):
             if r[key] is not None and e[key] is not None and r[key] != e[key]:
@@ -309,6 +341,13 @@ RESET = (
 # Where a hit was cached (GPU or host): present or not by which of several prompts in flight hit the cache.
 CACHE_SPLIT = ("meta_info.cached_tokens_details.device", "meta_info.cached_tokens_details.host")
 RESET_STATE = 'the launch weights as weight_version "0", generation running, the cache flushed'
+
+
+def _sglang_state_of(url: str, ctx: Context, version: str) -> dict[str, Any]:
+    return state_of(url)
+
+
+SGLANG = Engine("SGLang", RESET, RESET_STATE, DEFAULT_COMPARE, _sglang_state_of)
 
 
 def without_memory_saver(launch_flags: list[str] | tuple[str, ...]) -> tuple[str, ...]:
@@ -378,33 +417,43 @@ def run_all(
     version: str,
     context: Callable[[str], Context],
     reset: bool = False,
+    engine: Engine | None = None,
 ) -> list[dict[str, Any]]:
-    """Each sequence in order, each with a fresh Context from `context(name)`, with `reset` from the RESET
-    state; stops after the server died."""
+    """Each sequence in order, each with a fresh Context from `context(name)`, with `reset` from the
+    engine's stated state (SGLang's: RESET); stops after the server died."""
     out = []
     for seq in sequences:
         ctx = context(seq["name"])
         ctx.build_all(seq)
         if reset:
-            reset_server(url, ctx)
-        out.append(as_dict(observe(url, seq, ctx, version, alive)))
+            reset_server(url, ctx, version, engine)
+        out.append(as_dict(observe(url, seq, ctx, version, alive, engine)))
         if not alive():
             break
     return out
 
 
-def reset_server(url: str, ctx: Context) -> None:
-    """The RESET steps; each must succeed, or no sequence can start from the stated state."""
-    for step in RESET:
+def reset_server(url: str, ctx: Context, version: str | None = None, engine: Engine | None = None) -> None:
+    """The engine's reset steps (those of `version`); each must succeed, or no sequence can start from the
+    stated state."""
+    engine = engine or SGLANG
+    for step in engine.reset:
+        if version is not None and version not in step.get("only_versions", [version]):
+            continue
         answer, _ = _send(url, dict(step), ctx)
         if answer.status != 200 or '"success":false' in answer.text.replace(" ", ""):
             raise AssertionError(
                 f"reset {step['path']}: {answer.status} {answer.text[:300]} {answer.error}: the server "
-                f"is not in a state a sequence can start from ({RESET_STATE})"
+                f"is not in a state a sequence can start from ({engine.reset_state})"
             )
 
 
-def table(real: list[dict[str, Any]], emulated: list[dict[str, Any]], recorded: dict[str, str]) -> str:
+def table(
+    real: list[dict[str, Any]],
+    emulated: list[dict[str, Any]],
+    recorded: dict[str, str],
+    engine: str = "SGLang",
+) -> str:
     """Markdown: one row per sequence, then each difference with the conformance row that records it
     (`recorded`: "<sequence>: <difference>" -> row), or NOT RECORDED."""
     by_name = {o["name"]: o for o in emulated}
@@ -416,7 +465,7 @@ def table(real: list[dict[str, Any]], emulated: list[dict[str, Any]], recorded: 
     for r in real:
         name = r["name"]
         e = by_name.get(name)
-        diffs = differences(r, e) if e is not None else ["not run on the emulator"]
+        diffs = differences(r, e, engine) if e is not None else ["not run on the emulator"]
         alive_e = e["alive_after"] if e is not None else "-"
         lines.append(f"| {name} | {len(r['steps'])} | {r['alive_after']} | {alive_e} | {len(diffs)} |")
         for d in diffs:
