@@ -23,47 +23,10 @@ OUT=${1:-$ROOT/.sglang-pack}
 TRANSFER_MIB=${RLJOB_TRANSFER_MIB:-64}
 REPO_BYTES=$(git -C "$ROOT" ls-files -z | (cd "$ROOT" && xargs -0 du -cb 2>/dev/null) | awk '$2 == "total" {s += $1} END {print s + 0}')
 LIMIT_MIB=$(( TRANSFER_MIB - (REPO_BYTES >> 20) - 1 ))  # the pack beside the repository, 1 MiB spare
-UV_VERSION=0.13.9
 
-TOOLS=$CACHE/tools
-if [[ ! -x $TOOLS/bin/uv ]] || ! "$TOOLS/bin/python" -I -c 'import packaging' 2>/dev/null; then
-  python3 -m venv "$TOOLS"
-  "$TOOLS/bin/pip" install -q "uv==$UV_VERSION" packaging
-fi
-PY=$TOOLS/bin/python
-PLAN=("$PY" "$HERE/plan.py")
-
-# 1. The closure for CPython 3.12 on x86_64 manylinux_2_34, binary wheels only.
-if [[ $RELOCK == 1 || ! -f $HERE/closure.txt ]]; then
-  (cd "$HERE" && "$TOOLS/bin/uv" pip compile -q requirements.in --override overrides.txt \
-    --python-version 3.12 --python-platform x86_64-manylinux_2_34 --only-binary :all: -o closure.txt)
-fi
-
-# 2. What the image lacks (or has at another version than requirements.in pins), and its wheels.
-WORK=$CACHE/work
-mkdir -p "$WORK" "$CACHE/wheels" "$CACHE/unpacked"
-"${PLAN[@]}" select "$HERE/closure.txt" "$HERE/image-packages.txt" "$HERE/requirements.in" > "$WORK/pack.txt"
-"${PLAN[@]}" missing "$WORK/pack.txt" "$CACHE/wheels" > "$WORK/missing.txt"
-if [[ -s $WORK/missing.txt ]]; then
-  platforms=()
-  for minor in 34 28 27 26 24 17 5; do platforms+=(--platform "manylinux_2_${minor}_x86_64"); done
-  python3 -m pip download -q --no-deps --only-binary :all: -d "$CACHE/wheels" -r "$WORK/missing.txt" \
-    --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none \
-    "${platforms[@]}" --platform manylinux2014_x86_64 --platform manylinux1_x86_64
-fi
-mapfile -t WHEELS < <("${PLAN[@]}" wheels "$WORK/pack.txt" "$CACHE/wheels")
-"${PLAN[@]}" check-tags "${WHEELS[@]}"
-
-# 3. Each wheel unpacked once as pip lays it out, less trim.txt's paths (the folder's name carries a hash
-#    of its trim lines, so a changed rule unpacks it again).
-declare -A DIR_OF
-for wheel in "${WHEELS[@]}"; do
-  project=$(basename "$wheel" | cut -d- -f1 | tr 'A-Z-' 'a-z_')
-  rules=$(awk -v p="$project" '!/^#/ && tolower($1) == p {print $1, $2}' "$HERE/trim.txt" | sha256sum | cut -c1-8)
-  dir=$CACHE/unpacked/$(basename "$wheel" .whl)-$rules
-  [[ -d $dir ]] || "$PY" "$HERE/unwheel.py" "$wheel" "$dir" "$HERE/trim.txt"
-  DIR_OF[$project]=$dir
-done
+source "$HERE/wheels.sh"  # the steps both packs take alike: 1 to 3
+pack_tools
+pack_wheels
 
 # 4. Four parts, so that the machine there unpacks them side by side; each is packed again only when
 #    its list of unpacked folders changed.

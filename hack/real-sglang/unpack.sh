@@ -37,27 +37,8 @@ else
   echo "unpack.sh: $(wc -l < "$TARGET/manifest.txt") packages, $(du -sm "$SITE" | cut -f1) MiB into $SITE in ${elapsed} ms" >&2
 fi
 
-# The image's packages that the pack relies on, against what the pack's packages require of them. A
-# mismatch matters only where that module is imported: the report names who requires it.
+# The image's packages that the pack relies on, against what the pack's packages require of them.
 if command -v "$PYTHON" > /dev/null; then
-  env -u PYTHONPATH "$PYTHON" - "$TARGET/image-requirements.txt" >&2 <<'EOF' || true
-import sys
-from importlib.metadata import PackageNotFoundError, version
-try:
-    from packaging.specifiers import SpecifierSet
-except ImportError:
-    sys.exit("unpack.sh: no 'packaging' in the image; image versions not checked")
-bad = 0
-for line in open(sys.argv[1]):
-    name, spec, by = line.rstrip("\n").split("\t")
-    try:
-        have = version(name)
-    except PackageNotFoundError:
-        have = None
-    if have is None or (spec != "*" and not SpecifierSet(spec).contains(have, prereleases=True)):
-        bad += 1
-        print(f"unpack.sh: image {name} {have or 'missing'}, wanted {spec} by {by}")
-print(f"unpack.sh: image packages checked, {bad} outside what the pack's packages ask")
-EOF
+  env -u PYTHONPATH "$PYTHON" "$(dirname "$0")/check_image.py" "$TARGET/image-requirements.txt" >&2 || true
 fi
 echo "export PYTHONPATH=$SITE\${PYTHONPATH:+:\$PYTHONPATH}"

@@ -17,7 +17,6 @@
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
-SGLANG=$ROOT/hack/real-sglang  # the shared tools: plan.py, unwheel.py, image-packages.txt
 CACHE=${RLJOB_REAL_VLLM_CACHE:-$HOME/.cache/rljob/real-vllm}
 RELOCK=0
 [[ ${1:-} == --relock ]] && { RELOCK=1; shift; }
@@ -25,47 +24,11 @@ OUT=${1:-$ROOT/.vllm-pack}
 TRANSFER_MIB=${RLJOB_TRANSFER_MIB:-64}
 REPO_BYTES=$(git -C "$ROOT" ls-files -z | (cd "$ROOT" && xargs -0 du -cb 2>/dev/null) | awk '$2 == "total" {s += $1} END {print s + 0}')
 LIMIT=$(( (TRANSFER_MIB << 20) - REPO_BYTES - (2 << 20) ))  # a transfer's part beside the repository, 2 MiB spare
-UV_VERSION=0.13.9
 
-TOOLS=$CACHE/tools
-if [[ ! -x $TOOLS/bin/uv ]] || ! "$TOOLS/bin/python" -I -c 'import packaging' 2>/dev/null; then
-  python3 -m venv "$TOOLS"
-  "$TOOLS/bin/pip" install -q "uv==$UV_VERSION" packaging
-fi
-PY=$TOOLS/bin/python
-PLAN=("$PY" "$SGLANG/plan.py")
-
-# 1. The closure for CPython 3.12 on x86_64 manylinux_2_34, binary wheels only.
-if [[ $RELOCK == 1 || ! -f $HERE/closure.txt ]]; then
-  (cd "$HERE" && "$TOOLS/bin/uv" pip compile -q requirements.in --override overrides.txt \
-    --python-version 3.12 --python-platform x86_64-manylinux_2_34 --only-binary :all: -o closure.txt)
-fi
-
-# 2. What the image lacks (or has at another version than requirements.in pins), and its wheels.
-WORK=$CACHE/work
-mkdir -p "$WORK" "$CACHE/wheels" "$CACHE/unpacked" "$CACHE/parts"
-"${PLAN[@]}" select "$HERE/closure.txt" "$SGLANG/image-packages.txt" "$HERE/requirements.in" > "$WORK/pack.txt"
-"${PLAN[@]}" missing "$WORK/pack.txt" "$CACHE/wheels" > "$WORK/missing.txt"
-if [[ -s $WORK/missing.txt ]]; then
-  platforms=()
-  for minor in 34 28 27 26 24 17 5; do platforms+=(--platform "manylinux_2_${minor}_x86_64"); done
-  python3 -m pip download -q --no-deps --only-binary :all: -d "$CACHE/wheels" -r "$WORK/missing.txt" \
-    --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none \
-    "${platforms[@]}" --platform manylinux2014_x86_64 --platform manylinux1_x86_64
-fi
-mapfile -t WHEELS < <("${PLAN[@]}" wheels "$WORK/pack.txt" "$CACHE/wheels")
-"${PLAN[@]}" check-tags "${WHEELS[@]}"
-
-# 3. Each wheel unpacked once as pip lays it out, less trim.txt's paths (the folder's name carries a hash
-#    of its trim lines, so a changed rule unpacks it again).
-declare -A DIR_OF
-for wheel in "${WHEELS[@]}"; do
-  project=$(basename "$wheel" | cut -d- -f1 | tr 'A-Z-' 'a-z_')
-  rules=$(awk -v p="$project" '!/^#/ && tolower($1) == p {print $1, $2}' "$HERE/trim.txt" | sha256sum | cut -c1-8)
-  dir=$CACHE/unpacked/$(basename "$wheel" .whl)-$rules
-  [[ -d $dir ]] || "$PY" "$SGLANG/unwheel.py" "$wheel" "$dir" "$HERE/trim.txt"
-  DIR_OF[$project]=$dir
-done
+source "$ROOT/hack/real-sglang/wheels.sh"  # the steps both packs take alike: 1 to 3
+pack_tools
+pack_wheels
+mkdir -p "$CACHE/parts"
 
 # 4. The parts: vLLM's kernel library alone (the largest thing that must travel whole), the rest of vLLM,
 #    Ray, and the other packages. A part is packed again only when what goes into it changed.
@@ -115,7 +78,7 @@ for pid in "${pids[@]}"; do wait "$pid"; done
 #    the pack with its sha256, so that unpack.sh knows when it has them all).
 rm -rf "$OUT"
 mkdir -p "$OUT"
-"${PLAN[@]}" image-requirements "$WORK/pack.txt" "$CACHE/wheels" "$SGLANG/image-packages.txt" > "$WORK/image-requirements.txt"
+"${PLAN[@]}" image-requirements "$WORK/pack.txt" "$CACHE/wheels" "$TOOLS_DIR/image-packages.txt" > "$WORK/image-requirements.txt"
 : > "$WORK/parts.txt"
 for part in "${PARTS[@]}"; do
   file=$(cat "$WORK/$part.file")

@@ -63,25 +63,7 @@ if [[ ! -f $TARGET/complete ]]; then
   echo "unpack.sh: every part unpacked: $(wc -l < "$TARGET/manifest.txt") packages, $(du -sm "$SITE" | cut -f1) MiB in $SITE" >&2
   # The image's packages that the pack relies on, against what the pack's packages require of them.
   if command -v "$PYTHON" > /dev/null; then
-    env -u PYTHONPATH "$PYTHON" - "$TARGET/image-requirements.txt" >&2 <<'PYEOF' || true
-import sys
-from importlib.metadata import PackageNotFoundError, version
-try:
-    from packaging.specifiers import SpecifierSet
-except ImportError:
-    sys.exit("unpack.sh: no 'packaging' in the image; image versions not checked")
-bad = 0
-for line in open(sys.argv[1]):
-    name, spec, by = line.rstrip("\n").split("\t")
-    try:
-        have = version(name)
-    except PackageNotFoundError:
-        have = None
-    if have is None or (spec != "*" and not SpecifierSet(spec).contains(have, prereleases=True)):
-        bad += 1
-        print(f"unpack.sh: image {name} {have or 'missing'}, wanted {spec} by {by}")
-print(f"unpack.sh: image packages checked, {bad} outside what the pack's packages ask")
-PYEOF
+    env -u PYTHONPATH "$PYTHON" "$(dirname "$0")/../real-sglang/check_image.py" "$TARGET/image-requirements.txt" >&2 || true
   fi
   touch "$TARGET/complete"
 fi

@@ -9,12 +9,11 @@ import functools
 import importlib.metadata
 import importlib.util
 import re
-import time
 from pathlib import Path
-from typing import Any
 
-from agent_procs import PY, Proc, Reply, free_port, http
+from agent_procs import PY, free_port
 from gpu_helpers import GiB, nvml_used, wait_used_below
+from real_server import RealServer
 
 VERSION = "0.5.15.post1"
 # docs/real-sglang.md says why each: memory saver on (release/resume), no FlashAttention-3, flashinfer
@@ -31,7 +30,6 @@ LAUNCH_FLAGS = (
     "--enable-metrics",
     "--weight-version", "0",
 )  # fmt: skip
-START_TIMEOUT_S = 420
 # What stays beside SGLang's static pool (weights + KV cache) while it serves at 8B: its CUDA graphs,
 # activations and context (3-4 GiB), a trainer's two 2 GiB bucket buffers and context. The trainer's 15 GiB
 # of weights are there only while the kv_cache is released (it gives them back before the resume).
@@ -75,7 +73,12 @@ def sglang_missing() -> str | None:
     return None
 
 
-class RealSGLang(Proc):
+class RealSGLang(RealServer):
+    """`python -m sglang.launch_server` on loopback; `flags` replace LAUNCH_FLAGS."""
+
+    ENGINE = "SGLang"
+    READY_PATH = "/model_info"  # the warmup generate has run by then
+
     def __init__(self, tmp: Path, model_dir: Path, *flags: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         while self.port > 50000:  # SGLang derives its gRPC port as this + 10000: it must be < 65536
@@ -86,26 +89,7 @@ class RealSGLang(Proc):
                 "--port", str(self.port), *(flags or LAUNCH_FLAGS)]  # fmt: skip
         self.flags = tuple(flags or LAUNCH_FLAGS)
         self.used_before = nvml_used()
-        self.started = time.monotonic()
         super().__init__("sglang", argv, tmp / f"sglang-{self.port}.log", env)
-        self.start_seconds: float | None = None
-
-    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> float:
-        """Seconds from launch until /model_info answers 200 (the warmup generate has run by then)."""
-        while self.start_seconds is None:
-            if not self.alive():
-                raise AssertionError(f"SGLang exited {self.returncode()}:\n{self.log_text()[-6000:]}")
-            if time.monotonic() - self.started > timeout:
-                raise AssertionError(f"SGLang not ready within {timeout}s:\n{self.log_text()[-6000:]}")
-            try:
-                if http("GET", self.url + "/model_info", timeout=2).status == 200:
-                    self.start_seconds = time.monotonic() - self.started
-            except OSError:
-                time.sleep(0.5)
-        return self.start_seconds
-
-    def call(self, method: str, path: str, body: Any = None, *, timeout: float = 60) -> Reply:
-        return http(method, self.url + path, body, timeout=timeout)
 
     def stop(self) -> None:
         """Stops it, then waits until the GPU memory it held is the driver's again (its scheduler is a

@@ -10,11 +10,10 @@ from __future__ import annotations
 import functools
 import os
 import re
-import time
 from pathlib import Path
-from typing import Any
 
-from agent_procs import PY, Proc, Reply, free_port, http
+from agent_procs import PY, free_port
+from real_server import RealServer
 
 VERSION = "0.26.0"
 STAND_IN_ENV = "RLJOB_GPU_VLLM_STAND_IN"
@@ -35,7 +34,6 @@ LAUNCH_FLAGS = (
     "--enforce-eager",
 )  # fmt: skip
 ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
-START_TIMEOUT_S = 420
 START_LINES = re.compile(
     r"(Loading weights took|Model loading took|Available KV cache memory|init engine.*took|"
     r"Application startup complete).*"
@@ -72,8 +70,11 @@ def start_phases(log_text: str) -> list[str]:
     return [m.group(0).strip()[:240] for m in START_LINES.finditer(log_text)]
 
 
-class RealVllm(Proc):
+class RealVllm(RealServer):
     """`vllm serve MODEL` on loopback; `flags` replace LAUNCH_FLAGS."""
+
+    ENGINE = "vLLM"
+    READY_PATH = "/v1/models"  # the engine core is up by then
 
     def __init__(self, tmp: Path, model_dir: Path, *flags: str) -> None:
         self.port = free_port()
@@ -85,26 +86,7 @@ class RealVllm(Proc):
         operator_dir = Path(__file__).resolve().parents[2] / "operator"
         path = [str(site()), os.environ.get("PYTHONPATH", ""), str(operator_dir)]
         env = {**ENV, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
-        self.started = time.monotonic()
         super().__init__("vllm", argv, tmp / f"vllm-{self.port}.log", env)
-        self.start_seconds: float | None = None
-
-    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> float:
-        """Seconds from launch until /v1/models answers 200 (the engine core is up by then)."""
-        while self.start_seconds is None:
-            if not self.alive():
-                raise AssertionError(f"vLLM exited {self.returncode()}:\n{self.log_text()[-6000:]}")
-            if time.monotonic() - self.started > timeout:
-                raise AssertionError(f"vLLM not ready within {timeout}s:\n{self.log_text()[-6000:]}")
-            try:
-                if http("GET", self.url + "/v1/models", timeout=2).status == 200:
-                    self.start_seconds = time.monotonic() - self.started
-            except OSError:
-                time.sleep(0.5)
-        return self.start_seconds
-
-    def call(self, method: str, path: str, body: Any = None, *, timeout: float = 60) -> Reply:
-        return http(method, self.url + path, body, timeout=timeout)
 
     def stop(self) -> None:
         """Stops it, then waits until the GPU memory it held is the driver's again (its engine core is a
