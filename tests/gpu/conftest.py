@@ -21,6 +21,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "agent"))  # agent_procs: shared helpers
 
 from agent_procs import PY, Agent, AgentDriver, Emulator, Proc
+from gpu_helpers import cuda_missing
 from real_models import Built8B
 
 from rljob.testing.llama_checkpoint import ROOT_ENV, ShardedLlama
@@ -33,22 +34,12 @@ BUILD_TIMEOUT_S = 600
 @functools.cache
 def gpu_missing() -> str | None:
     """Why the GPU tier cannot run here, or None. Creates no CUDA context."""
-    try:
-        import torch
-    except ImportError:
-        return "torch is not installed"
-    if not torch.cuda.is_available():
-        return "no CUDA device"
+    if reason := cuda_missing():
+        return reason
     try:
         import torch_memory_saver  # noqa: F401
     except ImportError:
         return "torch_memory_saver is not installed (pip install torch-memory-saver)"
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception as e:  # NVMLError or ImportError
-        return f"NVML unavailable: {e}"
     return None
 
 

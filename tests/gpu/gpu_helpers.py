@@ -14,6 +14,23 @@ from typing import Any
 GiB = 1 << 30
 
 
+def cuda_missing() -> str | None:
+    """Why no test here can use a GPU (torch with CUDA, NVML), or None. Creates no CUDA context."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception as e:  # NVMLError or ImportError
+        return f"NVML unavailable: {e}"
+    return None
+
+
 def _handle(index: int) -> Any:
     import pynvml
 

@@ -73,23 +73,6 @@ def stand_in() -> bool:
     return value == "emulator"
 
 
-def gpu_missing() -> str | None:
-    """Why real SGLang cannot run on a GPU here (torch with CUDA, NVML), or None; creates no CUDA context."""
-    try:
-        import torch
-    except ImportError:
-        return "torch is not installed"
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception as e:  # NVMLError or ImportError
-        return f"NVML unavailable: {e}"
-    return None
-
-
 def missing_binaries() -> list[str]:
     return [str(p) for p in vars(cached_binaries()).values() if not os.access(p, os.X_OK)]
 

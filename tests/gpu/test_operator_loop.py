@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from gpu_helpers import cuda_missing
 from operator_loop import (
     ITERATIONS,
     NAMESPACE,
@@ -35,7 +36,6 @@ from operator_loop import (
     Job,
     Loop,
     compare,
-    gpu_missing,
     missing_binaries,
     profile_rows,
     rows_json,
@@ -62,7 +62,7 @@ def why_not() -> str | None:
         return f"control-plane binaries missing (hack/build-binaries.sh, or hack/devloop.sh setup): {missing}"
     if stand_in():
         return None
-    return gpu_missing() or sglang_missing()
+    return cuda_missing() or sglang_missing()
 
 
 @pytest.fixture(scope="module")

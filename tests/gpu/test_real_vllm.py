@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 from agent_procs import PY, Proc
 from conftest import seconds_left
+from gpu_helpers import cuda_missing
 from real_vllm import ENV, IPC, LAUNCH_FLAGS, VERSION, RealVllm, stand_in, start_phases, vllm_missing
 from vllm_iterations import drive, table
 
@@ -48,23 +49,6 @@ STAND_IN_PROBE = "rljob.emulator.probe:EmulatorProbe"
 LONG_TEXT = " ".join(
     f"the model weights of rollout step {k} are kept in the cache of the engine" for k in range(6)
 )
-
-
-def cuda_missing() -> str | None:
-    """conftest.gpu_missing less torch_memory_saver (SGLang's; vLLM sleeps through its own allocator)."""
-    try:
-        import torch
-    except ImportError:
-        return "torch is not installed"
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception as e:  # NVMLError or ImportError
-        return f"NVML unavailable: {e}"
-    return None
 
 
 def why_not() -> str | None:
