@@ -22,7 +22,7 @@ from agent_procs import (
     write_weights,
 )
 
-from rljob.emulator.config import GiB
+from rljob.emulator.launch import GiB
 from rljob.emulator.http_common import LIFECYCLE_ROUTES
 
 KV, WEIGHTS, GRAPH = 40 * GiB, 16 * GiB, 2 * GiB
