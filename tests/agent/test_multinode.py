@@ -22,8 +22,8 @@ from agent_procs import (
     write_weights,
 )
 
-from rljob.emulator.launch import GiB
 from rljob.emulator.http_common import LIFECYCLE_ROUTES
+from rljob.emulator.launch import GiB
 
 KV, WEIGHTS, GRAPH = 40 * GiB, 16 * GiB, 2 * GiB
 
