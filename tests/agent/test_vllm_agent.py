@@ -533,3 +533,20 @@ def test_a_restarted_agent_continues_the_cycle(
     assert GARBAGE not in text(emu, "a b c")
     assert json.loads(http("GET", emu.url + "/_emulator/calls").text)["repeats"] == []
     wait_until(lambda: True, 1, "")
+
+
+def test_an_agent_restarted_before_it_saw_vllm_starts_at_the_launch_label(
+    version: str, start_vllm: StartVllm, start_agent: StartAgent, tmp_path: Path
+) -> None:
+    """The agent killed while vLLM still loads (its record at Starting) and started again: nothing was loaded
+    since launch, so it serves the launch label as a fresh agent would. Were the label taken from the
+    record (none yet on 0.26), the operator would reload the initial weights into every pod of the gang."""
+    args = ("--engine", "vllm", "--state-dir", str(tmp_path / "state"))
+    emu = start_vllm(version, "--startup-seconds", "4")
+    agent = start_agent(emu, *args, serving=False)
+    assert agent.state()["stage"] == "Starting"
+    agent.popen.kill()
+    agent.wait_exit(10)
+    again = start_agent(emu, *args, serving=False)
+    st = again.wait_state(lambda s: s["recovery"]["state"] == "Recovered", 30, "recovery")
+    assert st["stage"] == "Ready" and st["engine"]["servedVersion"] == "default", st

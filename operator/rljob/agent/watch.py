@@ -60,6 +60,8 @@ class EngineWatch:
         name = self._engine.name
         warned = False
         refused_since: float | None = None
+        # Restarted before it first saw the engine: nothing ran since launch, and the engine may still load.
+        saw_engine = self._store.recovering and self._store.state.stage != Stage.STARTING
         while True:
             try:
                 found = await self._engine.discover(timeout=5)
@@ -69,7 +71,7 @@ class EngineWatch:
                 return False
             except (EngineUnreachable, TimeoutError) as e:
                 log.debug("%s not up yet: %s", name, e)
-                if self._store.recovering and isinstance(e, EngineUnreachable):
+                if saw_engine and isinstance(e, EngineUnreachable):
                     refused_since = refused_since or time.monotonic()
                     if time.monotonic() - refused_since > RESTART_UNREACHABLE_S:
                         self._store.fail(f"{name} stopped answering while the agent restarted: {e}")
@@ -81,7 +83,7 @@ class EngineWatch:
                     warned = True
                 await asyncio.sleep(0.25)
         facts, served = found.facts, found.served.version
-        if not facts.reports_version and self._store.recovering:
+        if not facts.reports_version and saw_engine:
             served = self._store.state.engine.served_version  # the agent's label is in its record
         self._store.facts = facts
         self._store.architectures = list(found.architectures)
