@@ -79,7 +79,7 @@ demo: install-demo binaries ## the whole loop on a real local API server with si
 bench: install binaries ## benchmarks: printed tables, not timed tests (agent overhead; decision cost; control overhead 1 to 512 pods, 100 jobs x 8)
 	$(BIN)/python -m pytest -q -s -m bench tests/bench/bench_agent_overhead.py tests/bench/bench_decide.py tests/bench/bench_control_overhead.py
 
-chaos: install binaries ## chaos suite (a report, not timed tests; ~10 min): operator, agent, engine, standby, API server faults
+chaos: install binaries ## chaos suite (a report, not timed tests; ~5 min): operator, agent, engine, standby, API server faults
 	$(BIN)/python tests/chaos/chaos.py
 
 gpu-test: ## GPU tier (needs an NVIDIA GPU; see tests/gpu/README.md)
