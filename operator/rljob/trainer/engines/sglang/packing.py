@@ -173,6 +173,12 @@ def dumps(obj: Any) -> bytes:
     return b"".join(out)
 
 
+def _write_sized(raw: bytes, short_op: bytes, long_op: bytes, out: list[bytes]) -> None:
+    """A string's or bytes' opcode, its length (one byte under 256, else four) and the bytes."""
+    size = bytes([len(raw)]) if len(raw) < 256 else struct.pack("<I", len(raw))
+    out += [short_op if len(raw) < 256 else long_op, size, raw]
+
+
 def _write(obj: Any, out: list[bytes]) -> None:
     if obj is None:
         out.append(_NONE)
@@ -181,26 +187,9 @@ def _write(obj: Any, out: list[bytes]) -> None:
     elif isinstance(obj, int):
         _write_int(obj, out)
     elif isinstance(obj, str):
-        raw = obj.encode("utf-8", "surrogatepass")
-        out += (
-            [_SHORT_BINUNICODE, bytes([len(raw)]), raw]
-            if len(raw) < 256
-            else [
-                _BINUNICODE,
-                struct.pack("<I", len(raw)),
-                raw,
-            ]
-        )
+        _write_sized(obj.encode("utf-8", "surrogatepass"), _SHORT_BINUNICODE, _BINUNICODE, out)
     elif isinstance(obj, bytes):
-        out += (
-            [_SHORT_BINBYTES, bytes([len(obj)]), obj]
-            if len(obj) < 256
-            else [
-                _BINBYTES,
-                struct.pack("<I", len(obj)),
-                obj,
-            ]
-        )
+        _write_sized(obj, _SHORT_BINBYTES, _BINBYTES, out)
     elif isinstance(obj, tuple):
         if len(obj) <= 3:
             for x in obj:
